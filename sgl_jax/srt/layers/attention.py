@@ -1,0 +1,85 @@
+"""Paged attention in pure JAX (runs on any backend, CPU included).
+
+A batch's queries attend to two sets of keys, merged with one online softmax:
+- the request's cached prefix, read from the KV cache through its page-table row in blocks of
+  ``block_size`` positions; the loop runs ``ceil(max(prefix_lens) / block_size)`` times, a
+  traced bound, so long and short contexts share one compiled program and an extend batch
+  without cached prefix does no gather at all;
+- the batch's own new tokens (same request, earlier or equal position), taken straight from
+  the freshly projected K/V rather than from the cache.
+Decode is the special case of one new token per request. All arithmetic is float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sgl_jax.srt.model_executor.forward_batch import ForwardBatch
+
+# Finite "minus infinity": a fully masked row then gives weights of exactly 0, never NaN.
+_MASKED = -1e30
+DEFAULT_BLOCK_SIZE = 128
+
+
+def write_kv(
+    k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter new K/V rows to their slots (padding tokens all write the reserved slot 0)."""
+    return (
+        k_cache.at[slots].set(k.astype(k_cache.dtype)),
+        v_cache.at[slots].set(v.astype(v_cache.dtype)),
+    )
+
+
+def paged_attention(
+    q: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    batch: ForwardBatch,
+    scale: float,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> jax.Array:
+    """q: [T, H, D]; k_new, v_new: [T, KVH, D]; caches: [slots, KVH, D]. Returns [T, H, D]."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_new.shape[1]
+    group = num_heads // num_kv_heads
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * scale
+    req = batch.token_to_req
+    pos = batch.positions
+
+    # Keys of this batch's own tokens: same request, not after the query (causal).
+    scores = jnp.einsum("tkgd,skd->tkgs", qg, k_new.astype(jnp.float32))
+    visible = (req[:, None] == req[None, :]) & (pos[None, :] <= pos[:, None])
+    scores = jnp.where(visible[:, None, None, :], scores, _MASKED)
+    m = scores.max(axis=-1)
+    p = jnp.exp(scores - m[..., None])
+    denom = p.sum(axis=-1)
+    acc = jnp.einsum("tkgs,skd->tkgd", p, v_new.astype(jnp.float32))
+
+    # Keys of the cached prefix, block by block through the page table.
+    prefix_len = jnp.take(batch.prefix_lens, req, mode="fill", fill_value=0)  # [T]
+    num_blocks = (jnp.max(batch.prefix_lens) + block_size - 1) // block_size
+
+    def prefix_block(i: jax.Array, carry: tuple) -> tuple:
+        m, denom, acc = carry
+        start = i * block_size
+        rows = jax.lax.dynamic_slice_in_dim(batch.page_table, start, block_size, axis=1)
+        slots = jnp.take(rows, req, axis=0, mode="fill", fill_value=0)  # [T, block]
+        kb = k_cache[slots].astype(jnp.float32)  # [T, block, KVH, D]
+        vb = v_cache[slots].astype(jnp.float32)
+        s = jnp.einsum("tkgd,tbkd->tkgb", qg, kb)
+        cols = start + jnp.arange(block_size)
+        s = jnp.where((cols[None, :] < prefix_len[:, None])[:, None, None, :], s, _MASKED)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        correction = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[..., None])
+        denom = denom * correction + p.sum(axis=-1)
+        acc = acc * correction[..., None] + jnp.einsum("tkgb,tbkd->tkgd", p, vb)
+        return m_new, denom, acc
+
+    m, denom, acc = jax.lax.fori_loop(0, num_blocks, prefix_block, (m, denom, acc))
+    out = acc / denom[..., None]
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,140 @@
+"""Safetensors checkpoint -> sharded model parameters.
+
+The model is first built abstractly (``nnx.eval_shape``: shapes, dtypes and partition specs,
+no memory); every parameter path is then mapped to the Hugging Face tensor(s) it comes from,
+checked, converted and placed on the mesh. A checkpoint with a missing, unexpected or
+mis-shaped tensor fails before anything is placed, naming the tensor.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from safetensors import safe_open
+from tqdm import tqdm
+
+from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+Path = tuple[str | int, ...]
+_STACKED_EXPERTS = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+class SafetensorsCheckpoint:
+    """Lazy, name-indexed access to the tensors of all ``*.safetensors`` files of a directory."""
+
+    def __init__(self, model_path: str) -> None:
+        files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+        if not files:
+            raise CheckpointError(f"no *.safetensors file in {model_path}")
+        self._where: dict[str, str] = {}
+        for file in files:
+            try:
+                with safe_open(file, framework="numpy") as f:
+                    for name in f.keys():
+                        self._where[name] = file
+            except Exception as e:  # safetensors raises its own error types
+                raise CheckpointError(f"cannot read {file}: {e}") from e
+
+    def names(self) -> set[str]:
+        return set(self._where)
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self._where:
+            raise CheckpointError(f"checkpoint lacks the tensor {name!r}")
+        with safe_open(self._where[name], framework="numpy") as f:
+            return f.get_tensor(name)
+
+
+def hf_sources(path: Path, num_experts: int) -> tuple[list[str], bool]:
+    """The HF tensor names a parameter is made of, and whether they are transposed."""
+    name = ".".join(str(p) for p in path)
+    leaf = path[-1]
+    if leaf in _STACKED_EXPERTS:
+        prefix = ".".join(str(p) for p in path[:-1])
+        proj = _STACKED_EXPERTS[str(leaf)]
+        return [f"{prefix}.experts.{e}.{proj}.weight" for e in range(num_experts)], True
+    if leaf == "weight":  # norms
+        return [name], False
+    if leaf == "embed_tokens":
+        return [f"{name}.weight"], False
+    return [f"{name}.weight"], True  # linear layers: HF stores [out, in]
+
+
+def _flat_params(state: nnx.State) -> Iterator[tuple[Path, nnx.Variable]]:
+    yield from nnx.to_flat_state(state)
+
+
+def load_model(config: ModelConfig, mesh: Mesh, dtype: jnp.dtype) -> nnx.Module:
+    """Builds the model for ``config`` with the checkpoint's weights, sharded over ``mesh``."""
+    model_cls = get_model_class(config.architecture)
+    abstract = nnx.eval_shape(lambda: model_cls(config, dtype))
+    graphdef, state = nnx.split(abstract)
+    ckpt = SafetensorsCheckpoint(config.model_path)
+
+    plan: list[tuple[Path, nnx.Variable, list[str], bool]] = []
+    expected: set[str] = set()
+    for path, var in _flat_params(state):
+        names, transpose = hf_sources(path, config.num_experts)
+        plan.append((path, var, names, transpose))
+        expected.update(names)
+    present = ckpt.names()
+    missing = sorted(expected - present)
+    unexpected = sorted(present - expected)
+    if missing:
+        raise CheckpointError(
+            f"{config.model_path}: {len(missing)} tensor(s) missing, e.g. {missing[:5]}"
+        )
+    if unexpected:
+        raise CheckpointError(
+            f"{config.model_path}: {len(unexpected)} unexpected tensor(s) for "
+            f"{config.architecture}, e.g. {unexpected[:5]}"
+        )
+
+    pure: dict[Path, jax.Array] = {}
+    for path, var, names, transpose in tqdm(plan, desc="Loading weights", unit="tensor"):
+        arrays = [ckpt.get(n) for n in names]
+        arrays = [a.T if transpose else a for a in arrays]
+        value = np.stack(arrays) if len(arrays) > 1 or path[-1] in _STACKED_EXPERTS else arrays[0]
+        abstract_value = var.get_value()
+        if value.shape != abstract_value.shape:
+            hf_shape = arrays[0].T.shape if transpose else arrays[0].shape
+            raise CheckpointError(
+                f"tensor {names[0]!r} has shape {tuple(hf_shape)}; "
+                f"{config.architecture} with this config.json expects "
+                f"{tuple(abstract_value.shape[1:] if len(names) > 1 else abstract_value.shape)}"
+                f"{' (transposed)' if transpose else ''}"
+            )
+        spec = PartitionSpec(*(var.get_metadata().get("out_sharding") or ()))
+        pure[path] = jax.device_put(
+            value.astype(abstract_value.dtype), NamedSharding(mesh, spec)
+        )
+    for path, var in _flat_params(state):
+        var.set_value(pure[path])
+    logger.info("Loaded %d tensors from %s", len(present), config.model_path)
+    return nnx.merge(graphdef, state)
+
+
+def read_generation_eos(model_path: str) -> tuple[int, ...]:
+    """EOS ids from generation_config.json, if present (they may extend config.json's)."""
+    file = os.path.join(model_path, "generation_config.json")
+    if not os.path.isfile(file):
+        return ()
+    with open(file, encoding="utf-8") as f:
+        eos = json.load(f).get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))

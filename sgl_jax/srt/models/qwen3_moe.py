@@ -1,0 +1,151 @@
+"""Qwen3-MoE in Flax NNX.
+
+Parameter paths mirror the Hugging Face names (``model.layers.3.self_attn.q_proj``), with two
+differences that the loader handles: linear weights are stored ``[in, out]`` (so the forward is
+``x @ w``), and the experts of a layer are stacked into ``w_gate`` / ``w_up`` ``[E, H, I]`` and
+``w_down`` ``[E, I, H]``. Every parameter carries a partition spec over the mesh axes
+``expert`` and ``tensor``; with a 1-device mesh they are all trivially replicated.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.layers.attention import paged_attention, write_kv
+from sgl_jax.srt.layers.moe.experts import combine_weights, experts_forward
+from sgl_jax.srt.layers.moe.routed_experts_capturer import get_global_experts_capturer
+from sgl_jax.srt.layers.moe.topk import select_experts
+from sgl_jax.srt.layers.norm import RMSNorm
+from sgl_jax.srt.layers.rotary import apply_rotary
+from sgl_jax.srt.model_executor.forward_batch import ForwardBatch
+
+KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k, v), each [slots, kv_heads, head_dim]
+
+
+def _param(shape: tuple[int, ...], dtype: jnp.dtype, sharding: tuple[str | None, ...]) -> nnx.Param:
+    # Values are placeholders: the model is built under nnx.eval_shape and the loader fills it.
+    return nnx.Param(jnp.zeros(shape, dtype=dtype), out_sharding=sharding, eager_sharding=False)
+
+
+class Qwen3MoeAttention(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype) -> None:
+        hidden, heads, kv_heads, head_dim = (
+            config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+            config.head_dim,
+        )
+        self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.rope_theta = config.rope_theta
+        self.q_proj = _param((hidden, heads * head_dim), dtype, (None, "tensor"))
+        self.k_proj = _param((hidden, kv_heads * head_dim), dtype, (None, "tensor"))
+        self.v_proj = _param((hidden, kv_heads * head_dim), dtype, (None, "tensor"))
+        self.o_proj = _param((heads * head_dim, hidden), dtype, ("tensor", None))
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
+
+    def __call__(
+        self, x: jax.Array, batch: ForwardBatch, kv: tuple[jax.Array, jax.Array]
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        t = x.shape[0]
+        q = (x @ self.q_proj[...]).reshape(t, self.num_heads, self.head_dim)
+        k = (x @ self.k_proj[...]).reshape(t, self.num_kv_heads, self.head_dim)
+        v = (x @ self.v_proj[...]).reshape(t, self.num_kv_heads, self.head_dim)
+        q = apply_rotary(self.q_norm(q), batch.positions, self.rope_theta)
+        k = apply_rotary(self.k_norm(k), batch.positions, self.rope_theta)
+        k_cache, v_cache = kv
+        out = paged_attention(q, k, v, k_cache, v_cache, batch, self.head_dim**-0.5)
+        new_kv = write_kv(k_cache, v_cache, k, v, batch.out_cache_loc)
+        return out.reshape(t, -1) @ self.o_proj[...], new_kv
+
+
+class Qwen3MoeMLP(nnx.Module):
+    """Dense SwiGLU MLP of the layers without a router."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype: jnp.dtype) -> None:
+        self.gate_proj = _param((hidden, intermediate), dtype, (None, "tensor"))
+        self.up_proj = _param((hidden, intermediate), dtype, (None, "tensor"))
+        self.down_proj = _param((intermediate, hidden), dtype, ("tensor", None))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        act = jax.nn.silu(x @ self.gate_proj[...]) * (x @ self.up_proj[...])
+        return act @ self.down_proj[...]
+
+
+class Qwen3MoeSparseMoeBlock(nnx.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: jnp.dtype) -> None:
+        hidden, experts, inter = (
+            config.hidden_size, config.num_experts, config.moe_intermediate_size,
+        )
+        self.layer_id = layer_id
+        self.num_experts = experts
+        self.top_k = config.num_experts_per_tok
+        self.renormalize = config.norm_topk_prob
+        # The router stays float32 whatever the model dtype: routing must match a float32
+        # reference bit for bit.
+        self.gate = _param((hidden, experts), jnp.float32, (None, None))
+        self.w_gate = _param((experts, hidden, inter), dtype, ("expert", None, "tensor"))
+        self.w_up = _param((experts, hidden, inter), dtype, ("expert", None, "tensor"))
+        self.w_down = _param((experts, inter, hidden), dtype, ("expert", "tensor", None))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        router_logits = x.astype(jnp.float32) @ self.gate[...]
+        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        get_global_experts_capturer().capture(self.layer_id, topk_ids)
+        weights = combine_weights(topk_ids, topk_weights, self.num_experts)
+        return experts_forward(x, self.w_gate[...], self.w_up[...], self.w_down[...], weights)
+
+
+class Qwen3MoeDecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: jnp.dtype) -> None:
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Qwen3MoeAttention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        if config.moe_layers[layer_id]:
+            self.mlp = Qwen3MoeSparseMoeBlock(config, layer_id, dtype)
+        else:
+            self.mlp = Qwen3MoeMLP(config.hidden_size, config.intermediate_size, dtype)
+
+    def __call__(
+        self, h: jax.Array, batch: ForwardBatch, kv: tuple[jax.Array, jax.Array]
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        attn_out, kv = self.self_attn(self.input_layernorm(h), batch, kv)
+        h = h + attn_out
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, kv
+
+
+class Qwen3MoeModel(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype) -> None:
+        self.embed_tokens = _param((config.vocab_size, config.hidden_size), dtype, (None, None))
+        self.layers = nnx.List(
+            [Qwen3MoeDecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def __call__(self, batch: ForwardBatch, kv_caches: KVCache) -> tuple[jax.Array, KVCache]:
+        h = jnp.take(self.embed_tokens[...], batch.input_ids, axis=0)
+        new_caches = []
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            h, kv = layer(h, batch, kv)
+            new_caches.append(kv)
+        return h, new_caches
+
+
+class Qwen3MoeForCausalLM(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype) -> None:
+        self.config = config
+        self.model = Qwen3MoeModel(config, dtype)
+        if not config.tie_word_embeddings:
+            self.lm_head = _param((config.hidden_size, config.vocab_size), dtype, (None, "tensor"))
+
+    def __call__(self, batch: ForwardBatch, kv_caches: KVCache) -> tuple[jax.Array, KVCache]:
+        """Returns float32 logits ``[B, vocab]`` of each row's ``logits_indices`` token."""
+        h, kv_caches = self.model(batch, kv_caches)
+        h = self.model.norm(jnp.take(h, batch.logits_indices, axis=0))
+        if self.config.tie_word_embeddings:
+            logits = h @ self.model.embed_tokens[...].T
+        else:
+            logits = h @ self.lm_head[...]
+        return logits.astype(jnp.float32), kv_caches

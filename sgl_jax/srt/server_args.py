@@ -1,0 +1,190 @@
+"""ServerArgs: one dataclass behind ``Engine(**kwargs)`` and the command line.
+
+Every field becomes a flag in SGLang's spelling (``max_running_requests`` ->
+``--max-running-requests``); the help text lives next to the field. Invalid combinations
+fail in ``__post_init__`` with a message that says what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, get_args, get_origin, get_type_hints
+
+DTYPES = ("auto", "float32", "bfloat16")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _arg(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ServerArgs:
+    # Model
+    model_path: str | None = _arg(
+        None, "Local Hugging Face checkpoint directory. Default: the bundled tiny Qwen3-MoE.")
+    tokenizer_path: str | None = _arg(None, "Tokenizer directory. Default: the model path.")
+    served_model_name: str | None = _arg(
+        None, "Model name reported by the API and expected in requests. Default: the path.")
+    dtype: str = _arg("auto", "Parameter and activation dtype ('auto' is float32). The router "
+                      "always runs in float32.", choices=DTYPES)
+    context_length: int | None = _arg(
+        None, "Maximum tokens per request (prompt + output). Default: the model's.")
+    random_seed: int = _arg(42, "Seed for requests that do not give their own.")
+
+    # HTTP server
+    host: str = _arg("127.0.0.1", "Address the HTTP server binds.")
+    port: int = _arg(30000, "Port of the HTTP server.")
+    api_key: str | None = _arg(None, "If set, requests must send 'Authorization: Bearer KEY'.")
+
+    # Scheduling and memory
+    max_running_requests: int | None = _arg(
+        None, "Most requests decoded together (request slots). Default: the largest "
+              "precompile_bs_paddings bucket if given, else 64.")
+    max_total_tokens: int | None = _arg(
+        None, "KV cache size in tokens. Default: enough for max_running_requests requests of "
+              "2048 tokens, at least the context length.")
+    chunked_prefill_size: int = _arg(
+        1024, "Most prompt tokens per prefill batch; longer prompts are prefilled in chunks.")
+    page_size: int = _arg(1, "KV cache page size in tokens (only 1 is supported).")
+    schedule_conservativeness: float = _arg(
+        1.0, "How much KV room to reserve for running requests' future tokens (0..1+).")
+    disable_radix_cache: bool = _arg(False, "Turn off prefix (radix) caching.")
+    stream_interval: int = _arg(1, "Send a streaming chunk every this many tokens.")
+
+    # Compilation
+    precompile_bs_paddings: list[int] | None = _arg(
+        None, "Decode batch-size buckets, compiled at start-up. Default: powers of two up to "
+              "max_running_requests.", nargs="+")
+    precompile_token_paddings: list[int] | None = _arg(
+        None, "Prefill token-count buckets, compiled at start-up. Default: powers of two from "
+              "64 up to chunked_prefill_size.", nargs="+")
+    disable_precompile: bool = _arg(False, "Compile buckets on first use instead of at start.")
+    attention_block_size: int = _arg(128, "Positions per block of the paged attention loop.")
+
+    # Parallelism
+    tp_size: int = _arg(1, "Tensor-parallel size (devices along the 'tensor' mesh axis).")
+    ep_size: int = _arg(1, "Expert-parallel size (devices along the 'expert' mesh axis).")
+
+    # Routed experts
+    enable_return_routed_experts: bool = _arg(
+        False, "Capture the router's top-k expert ids so requests can ask for them with "
+               "return_routed_experts.")
+
+    # Operation
+    log_level: str = _arg("info", "Logging level.", choices=LOG_LEVELS)
+    startup_timeout: float = _arg(600.0, "Seconds to wait for the scheduler to load and compile.")
+
+    def __post_init__(self) -> None:
+        def fail(msg: str) -> None:
+            raise ValueError(f"invalid server args: {msg}")
+
+        if self.max_running_requests is None:
+            pads = self.precompile_bs_paddings
+            self.max_running_requests = max(pads) if pads else 64
+        if self.dtype not in DTYPES:
+            fail(f"dtype={self.dtype!r}; use one of {', '.join(DTYPES)}")
+        if self.log_level not in LOG_LEVELS:
+            fail(f"log_level={self.log_level!r}; use one of {', '.join(LOG_LEVELS)}")
+        for name in ("max_running_requests", "chunked_prefill_size", "stream_interval",
+                     "tp_size", "ep_size", "attention_block_size"):
+            if getattr(self, name) < 1:
+                fail(f"{name}={getattr(self, name)} must be >= 1")
+        if self.page_size != 1:
+            fail(f"page_size={self.page_size}; only page_size=1 is supported")
+        if self.context_length is not None and self.context_length < 2:
+            fail(f"context_length={self.context_length} must be >= 2")
+        if self.max_total_tokens is not None and self.max_total_tokens < 2:
+            fail(f"max_total_tokens={self.max_total_tokens} must be >= 2")
+        if not 0 < self.port < 65536:
+            fail(f"port={self.port} must be in 1..65535")
+        if self.precompile_bs_paddings is not None:
+            pads = self.precompile_bs_paddings
+            if not pads or min(pads) < 1:
+                fail(f"precompile_bs_paddings={pads} must be a non-empty list of sizes >= 1")
+            if max(pads) < self.max_running_requests:
+                fail(
+                    f"precompile_bs_paddings={pads} cannot hold max_running_requests="
+                    f"{self.max_running_requests}; add a bucket >= {self.max_running_requests}"
+                    f" or lower max_running_requests to {max(pads)}"
+                )
+        if self.precompile_token_paddings is not None:
+            pads = self.precompile_token_paddings
+            if not pads or min(pads) < 1:
+                fail(f"precompile_token_paddings={pads} must be a non-empty list of sizes >= 1")
+            if max(pads) < self.chunked_prefill_size:
+                fail(
+                    f"precompile_token_paddings={pads} cannot hold a prefill batch of "
+                    f"chunked_prefill_size={self.chunked_prefill_size} tokens; add a bucket >= "
+                    f"{self.chunked_prefill_size} or lower chunked_prefill_size to {max(pads)}"
+                )
+
+    # -- buckets --------------------------------------------------------------------------------
+    def bs_paddings(self) -> list[int]:
+        if self.precompile_bs_paddings is not None:
+            return sorted(set(self.precompile_bs_paddings))
+        return _powers_of_two_up_to(1, self.max_running_requests)
+
+    def token_paddings(self) -> list[int]:
+        if self.precompile_token_paddings is not None:
+            return sorted(set(self.precompile_token_paddings))
+        return _powers_of_two_up_to(min(64, self.chunked_prefill_size), self.chunked_prefill_size)
+
+    # -- command line ---------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        hints = get_type_hints(ServerArgs)
+        for f in dataclasses.fields(ServerArgs):
+            flag = "--" + f.name.replace("_", "-")
+            meta = dict(f.metadata)
+            help_text = meta.pop("help", "")
+            default = f.default_factory() if callable(f.default_factory) else f.default
+            kind = hints[f.name]
+            if kind is bool:
+                parser.add_argument(flag, action="store_true", help=help_text)
+                continue
+            base = next((a for a in get_args(kind) if a is not type(None)), kind)
+            if get_origin(base) is list:
+                base = get_args(base)[0]
+            parser.add_argument(
+                flag, type=base, default=default,
+                help=f"{help_text} (default: {default})", **meta,
+            )
+
+    @staticmethod
+    def from_cli_args(args: argparse.Namespace) -> ServerArgs:
+        return ServerArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerArgs)})
+
+
+def _powers_of_two_up_to(start: int, limit: int) -> list[int]:
+    out, n = [], start
+    while n < limit:
+        out.append(n)
+        n *= 2
+    out.append(limit)
+    return out
+
+
+@dataclass(frozen=True)
+class PortArgs:
+    """Fresh ``ipc://`` endpoints for one engine, so several engines can share a machine."""
+
+    tokenizer_ipc: str  # detokenizer -> tokenizer manager
+    scheduler_ipc: str  # tokenizer manager -> scheduler
+    detokenizer_ipc: str  # scheduler -> detokenizer
+
+    @staticmethod
+    def new() -> PortArgs:
+        base = os.path.join(tempfile.gettempdir(), f"sgl_jax_{os.getpid()}_{uuid.uuid4().hex[:8]}")
+        return PortArgs(
+            tokenizer_ipc=f"ipc://{base}_tokenizer",
+            scheduler_ipc=f"ipc://{base}_scheduler",
+            detokenizer_ipc=f"ipc://{base}_detokenizer",
+        )

@@ -1,0 +1,92 @@
+"""A small test harness that drives the real ModelRunner one request batch at a time.
+
+It plays the scheduler's host-side role (request slots, KV slots, req_to_token) so the tests
+of the forward can build exact batches: scattered KV slots, cached prefixes, mixed lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sgl_jax.srt.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
+from sgl_jax.srt.model_executor.model_runner import ModelRunner, forward_worker_batch
+
+
+@dataclass
+class Greedy:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+
+
+@dataclass
+class Seq:
+    pool_idx: int
+    length: int = 0  # tokens already in the KV cache
+    slots: list[int] = field(default_factory=list)
+
+
+class ModelDriver:
+    def __init__(self, runner: ModelRunner, rng_seed: int = 0) -> None:
+        self.runner = runner
+        self.rng = np.random.default_rng(rng_seed)
+
+    def new_seq(self) -> Seq:
+        idx = self.runner.req_to_token_pool.alloc()
+        assert idx is not None
+        return Seq(idx)
+
+    def _alloc(self, n: int, scatter: bool) -> np.ndarray:
+        # Allocate more than needed and keep a random subset, so a request's slots are not
+        # contiguous; the spare slots go back to the pool.
+        pool = self.runner.token_to_kv_pool_allocator
+        extra = min(n, pool.available_size() - n) if scatter else 0
+        got = pool.alloc(n + extra)
+        assert got is not None
+        pick = self.rng.permutation(len(got))
+        chosen, spare = got[pick[:n]], got[pick[n:]]
+        pool.free(spare)
+        return chosen
+
+    def step(
+        self, mode: ForwardMode, seqs: list[Seq], new_tokens: list[list[int]], scatter: bool = True
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Runs one batch; returns (logits [B, V], routed rows of each seq's new tokens)."""
+        pool = self.runner.req_to_token_pool
+        locs = []
+        for seq, toks in zip(seqs, new_tokens, strict=True):
+            loc = self._alloc(len(toks), scatter)
+            pool.write(seq.pool_idx, seq.length, loc)
+            locs.append(loc)
+        mwb = ModelWorkerBatch(
+            forward_mode=mode,
+            req_pool_indices=np.array([s.pool_idx for s in seqs], np.int32),
+            prefix_lens=np.array([s.length for s in seqs], np.int32),
+            extend_lens=np.array([len(t) for t in new_tokens], np.int32),
+            input_ids=np.concatenate([np.asarray(t, np.int32) for t in new_tokens]),
+            out_cache_loc=np.concatenate(locs).astype(np.int32),
+            sampling_params=[Greedy() for _ in seqs],
+            seeds=[0] * len(seqs),
+            steps=[0] * len(seqs),
+            return_routed_experts=True,
+        )
+        batch, out = forward_worker_batch(self.runner, mwb)
+        self.runner.capturer.on_forward_end(
+            out.routed_rows, mwb.out_cache_loc, mwb.num_tokens, copy=True
+        )
+        host = self.runner.capturer.host_cache.buffer
+        rows = [host[loc].copy() for loc in locs]
+        for seq, loc in zip(seqs, locs, strict=True):
+            seq.slots.extend(loc.tolist())
+            seq.length += len(loc)
+        logits = np.asarray(out.logits)[: len(seqs)]
+        self.last_next_ids = np.asarray(out.next_token_ids)[: len(seqs)]
+        self.last_batch = batch
+        return logits, rows
+
+    def release(self, seq: Seq) -> None:
+        self.runner.token_to_kv_pool_allocator.free(np.asarray(seq.slots, np.int32))
+        self.runner.req_to_token_pool.free(seq.pool_idx)

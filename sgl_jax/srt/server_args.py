@@ -68,6 +68,10 @@ class ServerArgs:
               "64 up to chunked_prefill_size.", nargs="+")
     disable_precompile: bool = _arg(False, "Compile buckets on first use instead of at start.")
     attention_block_size: int = _arg(128, "Positions per block of the paged attention loop.")
+    compilation_cache_dir: str | None = _arg(
+        os.path.join(os.path.expanduser("~"), ".cache", "sgl_jax", "jax_compilation_cache"),
+        "Persistent JAX compilation cache ('' to disable): a second start of the same "
+        "configuration skips compilation.")
 
     # Parallelism
     tp_size: int = _arg(1, "Tensor-parallel size (devices along the 'tensor' mesh axis).")

@@ -106,6 +106,11 @@ class ModelRunner:
         )
         set_global_experts_capturer(capturer)
         self.capturer = capturer
+        if capturer.device_cache() is not None:
+            # Committed to the mesh like the step's own outputs, so that the first call and
+            # later calls see the same placement and share one compiled program.
+            replicated = NamedSharding(self.mesh, PartitionSpec())
+            capturer.set_device_cache(jax.device_put(capturer.device_cache(), replicated))
         self._check_capture_capacity()
 
         self.num_compiles = 0

@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Runs a named test suite through pytest and prints a summary.
+
+    python run_suite.py            # the default suite (what CI runs)
+    python run_suite.py unit|e2e|all [-- extra pytest args]
+
+Exits non-zero if any test fails or if the suite ran no test at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+UNIT = [
+    "tests/test_make_random_model.py",
+    "tests/test_reference_forward.py",
+    "tests/test_radix_cache.py",
+    "tests/test_sampling_params.py",
+    "tests/test_sampler.py",
+    "tests/test_tokenizer.py",
+    "tests/test_incremental_detokenizer.py",
+    "tests/test_server_args.py",
+    "tests/test_model_loader.py",
+    "tests/test_model_forward.py",
+]
+E2E = [
+    "tests/test_engine.py",
+    "tests/test_routed_experts.py",
+]
+SUITES = {"unit": UNIT, "e2e": E2E, "all": UNIT + E2E}
+DEFAULT = "all"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("suite", nargs="?", default=DEFAULT, choices=sorted(SUITES))
+    parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="passed to pytest after --")
+    args = parser.parse_args()
+    here = os.path.dirname(os.path.abspath(__file__))
+    files = [f for f in SUITES[args.suite] if os.path.exists(os.path.join(here, f))]
+    missing = sorted(set(SUITES[args.suite]) - set(files))
+    if missing:
+        print(f"run_suite: missing test files: {missing}", file=sys.stderr)
+        return 2
+    extra = [a for a in args.pytest_args if a != "--"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, *extra]
+    print(f"run_suite: {args.suite} ({len(files)} files)\n$ {' '.join(cmd)}", flush=True)
+    t0 = time.monotonic()
+    code = subprocess.call(cmd, cwd=here)
+    took = time.monotonic() - t0
+    if code == 5:
+        print(f"run_suite: suite '{args.suite}' ran no test", file=sys.stderr)
+        return 1
+    status = "passed" if code == 0 else f"FAILED (pytest exit {code})"
+    print(f"run_suite: suite '{args.suite}' {status} in {took:.0f}s", flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

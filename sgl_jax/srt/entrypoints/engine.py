@@ -1,0 +1,271 @@
+"""Engine: starts the scheduler and detokenizer processes and serves generate calls.
+
+``Engine(**server_args)`` blocks until the model is loaded and compiled. ``generate`` is
+synchronous (a background event loop runs the tokenizer manager's coroutines);
+``async_generate`` runs in the caller's own loop. ``shutdown()`` (also on context exit and at
+interpreter exit) stops every child process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.managers.io_struct import GenerateReqInput
+from sgl_jax.srt.managers.tokenizer_manager import TokenizerManager
+from sgl_jax.srt.sampling.sampling_params import SamplingParams
+from sgl_jax.srt.server_args import PortArgs, ServerArgs
+from sgl_jax.srt.utils import configure_logging
+
+logger = logging.getLogger(__name__)
+
+_SAMPLING_KEYS = {f for f in SamplingParams.__dataclass_fields__}
+
+
+class EngineStartupError(RuntimeError):
+    pass
+
+
+class Subprocesses:
+    """The scheduler and detokenizer processes, their start-up handshake and their watchdog."""
+
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs) -> None:
+        self.port_args = port_args
+        self.procs: dict[str, subprocess.Popen] = {}
+        readers: dict[str, Connection] = {}
+        payload = pickle.dumps((server_args, port_args))
+        for name in ("scheduler", "detokenizer"):
+            read_fd, write_fd = os.pipe()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "sgl_jax.srt.entrypoints.child_process", name,
+                 str(write_fd)],
+                stdin=subprocess.PIPE, pass_fds=(write_fd,),
+            )
+            os.close(write_fd)
+            proc.stdin.write(payload)
+            proc.stdin.close()
+            self.procs[name] = proc
+            readers[name] = Connection(read_fd, writable=False)
+        self._stopping = False
+        self.info = {name: self._handshake(name, r, server_args.startup_timeout)
+                     for name, r in readers.items()}
+        for reader in readers.values():
+            reader.close()
+
+    def _handshake(self, name: str, reader: Any, timeout: float) -> dict[str, Any]:
+        proc = self.procs[name]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if reader.poll(0.2):
+                try:
+                    msg = reader.recv()
+                except EOFError:
+                    break
+                if msg.get("status") == "ready":
+                    return msg
+                self.stop()
+                raise EngineStartupError(f"the {name} process failed to start:\n{msg.get('error')}")
+            if proc.poll() is not None:
+                break
+        self.stop()
+        if proc.returncode is None:
+            raise EngineStartupError(f"the {name} process was not ready within {timeout:.0f}s")
+        raise EngineStartupError(f"the {name} process exited with code {proc.returncode} at start")
+
+    def watch(self, on_death: Any, interval: float = 0.2) -> None:
+        def run() -> None:
+            while not self._stopping:
+                for name, proc in self.procs.items():
+                    if proc.poll() is not None and not self._stopping:
+                        on_death(f"the {name} process died (exit code {proc.returncode}); "
+                                 "the engine cannot serve requests any more")
+                        return
+                time.sleep(interval)
+
+        threading.Thread(target=run, name="child-watchdog", daemon=True).start()
+
+    def pids(self) -> dict[str, int]:
+        return {name: proc.pid for name, proc in self.procs.items()}
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(1.0)
+        for endpoint in (self.port_args.tokenizer_ipc, self.port_args.scheduler_ipc,
+                         self.port_args.detokenizer_ipc):
+            path = endpoint.removeprefix("ipc://")
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def launch_engine(server_args: ServerArgs) -> tuple[TokenizerManager, Subprocesses]:
+    """Starts the child processes and the tokenizer manager that talks to them."""
+    model_config = ModelConfig.from_hf(server_args.model_path, server_args.context_length)
+    port_args = PortArgs.new()
+    t0 = time.perf_counter()
+    procs = Subprocesses(server_args, port_args)
+    tm = TokenizerManager(server_args, port_args, model_config)
+    procs.watch(tm.set_dead)
+    info = procs.info["scheduler"]
+    logger.info(
+        "Engine ready in %.1fs (load %.1fs): %s, %d KV slots, %d request slots, memory %s",
+        time.perf_counter() - t0, info["load_seconds"], model_config.model_path,
+        info["max_total_tokens"], info["max_running_requests"], info["memory_bytes"],
+    )
+    return tm, procs
+
+
+class Engine:
+    def __init__(self, **kwargs: Any) -> None:
+        self.server_args = ServerArgs(**kwargs)
+        configure_logging(self.server_args.log_level)
+        self.tokenizer_manager, self._procs = launch_engine(self.server_args)
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(
+            target=self._loop.run_forever, name="engine-loop", daemon=True
+        )
+        self._loop_thread.start()
+        self._closed = False
+        atexit.register(self.shutdown)
+
+    # -- generation -----------------------------------------------------------------------------
+    @staticmethod
+    def _make_request(
+        prompt: str | list[str] | None,
+        sampling_params: dict | list[dict] | None,
+        input_ids: list[int] | list[list[int]] | None,
+        return_routed_experts: bool | list[bool],
+        routed_experts_start_len: int | list[int] | None,
+        stream: bool,
+        rid: str | list[str] | None,
+        sampling_kwargs: dict[str, Any],
+    ) -> GenerateReqInput:
+        unknown = set(sampling_kwargs) - _SAMPLING_KEYS
+        if unknown:
+            raise TypeError(
+                f"generate() got unknown keyword(s) {sorted(unknown)}; sampling keywords are "
+                f"{sorted(_SAMPLING_KEYS)}"
+            )
+        if sampling_kwargs:
+            if isinstance(sampling_params, list):
+                sampling_params = [{**p, **sampling_kwargs} for p in sampling_params]
+            else:
+                sampling_params = {**(sampling_params or {}), **sampling_kwargs}
+        return GenerateReqInput(
+            text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
+            stream=stream, return_routed_experts=return_routed_experts,
+            routed_experts_start_len=routed_experts_start_len,
+        )
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_routed_experts: bool | list[bool] = False,
+        routed_experts_start_len: int | list[int] | None = None,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+        **sampling_kwargs: Any,
+    ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+        """A dict with ``text``, ``output_ids``, ``meta_info`` (a list for a batch; an
+        iterator of chunks when streaming). Sampling parameters may be given as a dict or as
+        keywords, e.g. ``generate("Hi", max_new_tokens=16, temperature=0)``."""
+        obj = self._make_request(prompt, sampling_params, input_ids, return_routed_experts,
+                                 routed_experts_start_len, stream, rid, sampling_kwargs)
+        agen = self.tokenizer_manager.generate_request(obj)
+        if stream:
+            return self._iterate(agen)
+        results = self._run(_collect(agen))
+        return results[0] if obj.is_single else [r for r in sorted(results, key=_index)]
+
+    def _iterate(self, agen: AsyncIterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        try:
+            while True:
+                try:
+                    yield self._run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(agen.aclose())
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_routed_experts: bool | list[bool] = False,
+        routed_experts_start_len: int | list[int] | None = None,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+        **sampling_kwargs: Any,
+    ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
+        obj = self._make_request(prompt, sampling_params, input_ids, return_routed_experts,
+                                 routed_experts_start_len, stream, rid, sampling_kwargs)
+        agen = self.tokenizer_manager.generate_request(obj)
+        if stream:
+            return agen
+        results = await _collect(agen)
+        return results[0] if obj.is_single else sorted(results, key=_index)
+
+    # -- control --------------------------------------------------------------------------------
+    def get_server_info(self) -> dict[str, Any]:
+        info = self._run(self.tokenizer_manager.get_server_info())
+        return {**info, "pids": self._procs.pids(), "server_args": vars(self.server_args)}
+
+    def flush_cache(self) -> bool:
+        return self._run(self.tokenizer_manager.flush_cache()).success
+
+    def abort_request(self, rid: str) -> None:
+        self.tokenizer_manager.abort_request(rid)
+
+    def child_pids(self) -> dict[str, int]:
+        return self._procs.pids()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        self._procs.stop()
+        self.tokenizer_manager.close()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join(timeout=2)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def _run(self, coro: Any) -> Any:
+        if self._closed:
+            raise RuntimeError("the engine is shut down")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+
+async def _collect(agen: AsyncIterator[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [out async for out in agen]
+
+
+def _index(result: dict[str, Any]) -> int:
+    return result.get("index", 0)

@@ -1,0 +1,243 @@
+"""Device-side token sampler: pure and jittable, traced inside the model's jitted forward.
+
+Semantics for one row (one request) with logits ``x`` over a vocabulary of ``V`` ids:
+
+- greedy (temperature < SAMPLING_EPS): ``argmax(x)``, ties to the lower id.
+- otherwise ``p = softmax(x / temperature)`` and the support is the intersection of
+    * top-k:  the ``k`` most probable ids (``k >= V`` or ``k <= 0``: all of them),
+    * top-p:  the shortest most-probable-first prefix whose cumulative ``p`` is >= top_p
+              (``top_p >= 1``: all ids),
+    * min-p:  ids with ``p >= min_p * max(p)``,
+    * ids with ``p > 0`` (so a ``-inf`` logit is never picked),
+  each computed on the *unrenormalised* ``p`` (SGLang's convention; with it the filters
+  commute). Equal ``p`` are ordered lower id first. The token is drawn from ``p`` renormalised
+  over the support.
+
+Every set above is a prefix of the ids sorted by (descending ``p``, ascending id), so the support
+is the prefix of length ``min(k, L_top_p, L_min_p, L_nonzero)``: counts over one sorted row,
+no data-dependent shapes. The sort is avoided whenever it provably is not needed (see
+``sample``): XLA's sort of a 150k vocabulary costs ~50 ms per row on CPU.
+
+The draw is an inverse CDF with one uniform per row from ``fold_in(key(seed), step)``. The token
+depends only on (seed, step, logits row, sampling params), never on the batch row, the batch
+size, the padding or the batch-mates, so seeded requests reproduce under continuous batching.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sgl_jax.srt.sampling.sampling_params import SAMPLING_EPS
+
+_PRNG_IMPL = "threefry2x32"  # fixed, so streams do not change with jax_default_prng_impl
+
+
+class _HasSamplingFields(Protocol):
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling parameters of a (padded) batch; every field has leading dim B."""
+
+    temperatures: jax.Array  # [B] float32; < SAMPLING_EPS => greedy row
+    top_ps: jax.Array  # [B] float32 in (0, 1]
+    top_ks: jax.Array  # [B] int32; values <= 0 or >= V mean "no top-k truncation"
+    min_ps: jax.Array  # [B] float32 in [0, 1]
+    # [B, 2] uint32: the 64-bit seed as (high word, low word), the threefry key data that
+    # ``jax.random.key(seed)`` gives with jax_enable_x64 (without x64 JAX keeps only the low
+    # word); both words so 63-bit user seeds do not collide modulo 2**32.
+    seeds: jax.Array
+    steps: jax.Array  # [B] int32: output index of the token being sampled
+
+    @staticmethod
+    def from_params(
+        params: Sequence[_HasSamplingFields],
+        seeds: Sequence[int],
+        steps: Sequence[int],
+        padded_bs: int,
+        vocab_size: int,
+    ) -> SamplingMetadata:
+        """Host-side (numpy) construction; rows ``len(params):padded_bs`` are greedy padding.
+
+        ``seeds`` are integers in [0, 2**64) (the host derives one for requests without a
+        seed); ``steps`` are the per-request output indices of the token being sampled.
+        """
+        n = len(params)
+        if not (len(seeds) == len(steps) == n):
+            raise ValueError(
+                f"params, seeds and steps must have equal lengths, got {n}, {len(seeds)}, "
+                f"{len(steps)}"
+            )
+        if n > padded_bs:
+            raise ValueError(f"{n} requests do not fit a padded batch of {padded_bs}")
+        temperatures = np.zeros(padded_bs, np.float32)
+        top_ps = np.ones(padded_bs, np.float32)
+        top_ks = np.full(padded_bs, vocab_size, np.int32)
+        min_ps = np.zeros(padded_bs, np.float32)
+        seed_words = np.zeros((padded_bs, 2), np.uint32)
+        step_arr = np.zeros(padded_bs, np.int32)
+        for i, p in enumerate(params):
+            greedy = p.temperature < SAMPLING_EPS
+            temperatures[i] = 0.0 if greedy else p.temperature
+            top_ps[i] = p.top_p
+            top_ks[i] = vocab_size if (p.top_k <= 0 or p.top_k >= vocab_size) else p.top_k
+            min_ps[i] = p.min_p
+            seed = int(seeds[i])
+            if not (0 <= seed < 2**64):
+                raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+            seed_words[i] = (seed >> 32, seed & 0xFFFFFFFF)
+            step_arr[i] = steps[i]
+        return SamplingMetadata(
+            temperatures=temperatures,
+            top_ps=top_ps,
+            top_ks=top_ks,
+            min_ps=min_ps,
+            seeds=seed_words,
+            steps=step_arr,
+        )
+
+
+def _row_uniforms(seeds: jax.Array, steps: jax.Array) -> jax.Array:
+    """[B] float32 in [0, 1): one draw per row from fold_in(key(seed), step)."""
+
+    def one(seed_words: jax.Array, step: jax.Array) -> jax.Array:
+        key = jax.random.wrap_key_data(seed_words.astype(jnp.uint32), impl=_PRNG_IMPL)
+        key = jax.random.fold_in(key, step.astype(jnp.uint32))
+        return jax.random.uniform(key, (), jnp.float32)
+
+    return jax.vmap(one)(seeds, steps)
+
+
+def _inverse_cdf(
+    cum: jax.Array, eligible: jax.Array, mass: jax.Array, u: jax.Array
+) -> jax.Array:
+    """[B] positions: the first eligible position whose inclusive cumulative weight exceeds
+    ``u * mass``; the last eligible position when rounding leaves none.
+
+    Restricting the pick to ``eligible`` (not trusting ``cum`` to be strictly monotone) makes
+    "never outside the support" hold for any float rounding of the cumulative sum.
+    """
+    hit = eligible & (cum > (u * mass)[:, None])
+    width = eligible.shape[1]
+    last = width - 1 - jnp.argmax(eligible[:, ::-1], axis=1)
+    return jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1), last).astype(jnp.int32)
+
+
+def _truncated_pick(
+    values: jax.Array,
+    ids: jax.Array,
+    temps: jax.Array,
+    meta: SamplingMetadata,
+    k: jax.Array,
+    total: jax.Array,
+    u: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Sample from the most-probable-first prefix ``values``/``ids`` ([B, N], N <= V).
+
+    ``total`` is the row's full-vocabulary weight (relative to its max), so top-p is measured
+    against the whole distribution even when only a head of it is given. Returns the picked
+    ids and whether the support provably lies inside the N given ranks.
+    """
+    width = values.shape[1]
+    weights = jnp.exp((values - values[:, :1]) / temps[:, None])  # head = 1, descending
+    cum = jnp.cumsum(weights, axis=1)
+    exclusive = jnp.pad(cum[:, :-1], ((0, 0), (1, 0)))  # mass strictly before each rank
+    # top-p: rank r is kept iff the mass before it is < top_p (so rank 0 always is).
+    # top_p >= 1 disables the filter outright: comparing against a total summed in another
+    # order could otherwise drop a float-rounding sliver of tail tokens.
+    len_p = jnp.where(
+        meta.top_ps >= 1.0, width, jnp.sum(exclusive < (meta.top_ps * total)[:, None], axis=1)
+    )
+    # min-p: weights are p / max(p), so the threshold is min_p itself.
+    len_m = jnp.sum(weights >= meta.min_ps[:, None], axis=1)
+    len_nz = jnp.sum(weights > 0.0, axis=1)
+    support = jnp.minimum(jnp.minimum(k, len_p), jnp.minimum(len_m, len_nz))
+    support = jnp.maximum(support, 1)  # rank 0 has weight 1; guards NaN rows only
+    ranks = jnp.arange(width, dtype=jnp.int32)[None, :]
+    mass = jnp.take_along_axis(cum, (support - 1)[:, None], axis=1)[:, 0]
+    rank = _inverse_cdf(cum, ranks < support[:, None], mass, u)
+    picked = jnp.take_along_axis(ids, rank[:, None], axis=1)[:, 0]
+    # Ranks >= N are excluded by some filter: top-k, top-p (the head already holds top_p of
+    # the mass), min-p or zero probability (weights only fall after the last given rank).
+    tail_weight = weights[:, -1]
+    fits = (
+        (k <= width)
+        | ((meta.top_ps < 1.0) & (cum[:, -1] >= meta.top_ps * total))
+        | (tail_weight < meta.min_ps)
+        | (tail_weight <= 0.0)
+    )
+    return picked, fits
+
+
+def sample(logits: jax.Array, meta: SamplingMetadata, head_size: int = 1024) -> jax.Array:
+    """Next token ids [B] int32 from logits [B, V].
+
+    Every row takes the cheapest of three exact paths, chosen from that row's own parameters
+    and logits only, so a row's token never depends on its batch-mates:
+
+    - no truncation (top_k covers V, top_p >= 1, min_p == 0): inverse CDF in id order, O(V);
+    - support provably inside the ``head_size`` most probable ids: ``lax.top_k`` head only;
+    - otherwise a stable sort of the whole row, run (``lax.cond``, real control flow under jit)
+      only when some row of the batch needs it, because XLA's sort is slow on CPU.
+
+    ``head_size`` is static (part of the compiled shape); tests shrink it to reach the sort path.
+    """
+    logits = logits.astype(jnp.float32)
+    # -0.0 -> 0.0: lax.top_k orders +0 before -0, which would break "ties to the lower id".
+    logits = jnp.where(logits == 0.0, 0.0, logits)
+    batch, vocab = logits.shape
+    head = min(head_size, vocab)
+    greedy = meta.temperatures < SAMPLING_EPS
+    argmax = jnp.argmax(logits, axis=1).astype(jnp.int32)
+
+    def sampled_rows() -> jax.Array:
+        # Greedy rows get temperature 1 so nothing divides by zero; their result is replaced.
+        temps = jnp.where(greedy, 1.0, meta.temperatures).astype(jnp.float32)
+        ks = meta.top_ks
+        k = jnp.where((ks <= 0) | (ks >= vocab), vocab, ks)
+        u = _row_uniforms(meta.seeds, meta.steps)
+
+        # Full-vocabulary weights in id order (relative to the row max, so in [0, 1]).
+        weights = jnp.exp((logits - jnp.max(logits, axis=1, keepdims=True)) / temps[:, None])
+        cum = jnp.cumsum(weights, axis=1)
+        total = cum[:, -1]
+        untruncated = (k >= vocab) & (meta.top_ps >= 1.0) & (meta.min_ps <= 0.0)
+        plain = _inverse_cdf(cum, weights > 0.0, total, u)
+
+        # Ties: lower id first. The barrier keeps XLA from fusing later slices (e.g. the last
+        # column) into the top-k, which turns XLA:CPU's fast TopK back into a full sort.
+        head_vals, head_ids = jax.lax.optimization_barrier(jax.lax.top_k(logits, head))
+        head_pick, fits = _truncated_pick(head_vals, head_ids, temps, meta, k, total, u)
+        needs_sort = ~greedy & ~untruncated & ~fits
+
+        def full_sort() -> jax.Array:
+            ids = jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), (batch, vocab))
+            # Stable sort of the negated logits: descending, equal values in ascending id order.
+            neg_sorted, sorted_ids = jax.lax.sort(
+                (-logits, ids), dimension=1, num_keys=1, is_stable=True
+            )
+            picked, _ = _truncated_pick(-neg_sorted, sorted_ids, temps, meta, k, total, u)
+            return picked
+
+        if head < vocab:
+            sort_pick = jax.lax.cond(
+                jnp.any(needs_sort), full_sort, lambda: jnp.zeros((batch,), jnp.int32)
+            )
+        else:  # the head is the whole vocabulary: every row fits
+            sort_pick = head_pick
+        out = jnp.where(untruncated, plain, jnp.where(fits, head_pick, sort_pick))
+        return jnp.where(greedy, argmax, out)
+
+    # An all-greedy batch (the common case in tests and evals) skips everything but argmax.
+    return jax.lax.cond(jnp.all(greedy), lambda: argmax, sampled_rows)

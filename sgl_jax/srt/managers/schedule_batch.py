@@ -1,0 +1,115 @@
+"""Req: a request's state inside the scheduler; ScheduleBatch: the requests of one step.
+
+``ScheduleBatch -> ModelWorkerBatch -> ForwardBatch`` is the only shape change of a batch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sgl_jax.srt.mem_cache.radix_cache import TreeNode
+from sgl_jax.srt.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
+from sgl_jax.srt.sampling.sampling_params import SamplingParams
+
+
+def finish_length(length: int) -> dict[str, Any]:
+    return {"type": "length", "length": length}
+
+
+def finish_matched_token(token_id: int) -> dict[str, Any]:
+    return {"type": "stop", "matched": token_id}
+
+
+def finish_matched_str(stop: str) -> dict[str, Any]:
+    return {"type": "stop", "matched": stop}
+
+
+def finish_abort(message: str = "aborted") -> dict[str, Any]:
+    return {"type": "abort", "message": message}
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    stream: bool = False
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+
+    output_ids: list[int] = field(default_factory=list)
+    finished_reason: dict[str, Any] | None = None
+    # Memory held: a request slot, and KV slots req_to_token[req_pool_idx, :kv_len].
+    req_pool_idx: int | None = None
+    kv_len: int = 0  # positions whose K/V are in the cache
+    prefix_len: int = 0  # of those, how many belong to the radix tree (locked via last_node)
+    last_node: TreeNode | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    admitted: bool = False
+    routed_experts: np.ndarray | None = None
+    sent_len: int = 0  # output ids already handed to the detokenizer
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token of the sequence so far: prompt, then outputs."""
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def in_decode(self) -> bool:
+        """Every token but the newest has its K/V cached: the next step is a decode step."""
+        return self.req_pool_idx is not None and self.kv_len == self.seq_len - 1 and bool(
+            self.output_ids
+        )
+
+    def remaining_new_tokens(self) -> int:
+        return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
+
+
+@dataclass
+class ScheduleBatch:
+    """The requests of one step and, for an extend step, how many new tokens each brings."""
+
+    forward_mode: ForwardMode
+    reqs: list[Req]
+    extend_lens: list[int]
+    out_cache_loc: np.ndarray
+    # Extend steps: whether each request's sampled token is a real output (its prompt is
+    # complete after this step) or a chunk boundary to be discarded.
+    samples_output: list[bool] = field(default_factory=list)
+
+    def to_model_worker_batch(self) -> ModelWorkerBatch:
+        reqs = self.reqs
+        prefix_lens = np.array([r.kv_len for r in reqs], np.int32)
+        if self.forward_mode.is_decode:
+            input_ids = np.array([r.output_ids[-1] for r in reqs], np.int32)
+        else:
+            input_ids = np.concatenate([
+                np.asarray(r.fill_ids[r.kv_len : r.kv_len + n], np.int32)
+                for r, n in zip(reqs, self.extend_lens, strict=True)
+            ])
+        return ModelWorkerBatch(
+            forward_mode=self.forward_mode,
+            req_pool_indices=np.array([r.req_pool_idx for r in reqs], np.int32),
+            prefix_lens=prefix_lens,
+            extend_lens=np.array(self.extend_lens, np.int32),
+            input_ids=input_ids,
+            out_cache_loc=self.out_cache_loc,
+            sampling_params=[r.sampling_params for r in reqs],
+            seeds=[r.seed for r in reqs],
+            steps=[len(r.output_ids) for r in reqs],
+            return_routed_experts=any(r.return_routed_experts for r in reqs),
+        )

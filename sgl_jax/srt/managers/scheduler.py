@@ -1,0 +1,369 @@
+"""The scheduler process: owns JAX, the model and all KV memory; runs continuous batching.
+
+Loop: recv -> schedule (``prefill() or decode()``) -> run -> process results -> send outputs.
+Prefill batches come first: waiting requests are admitted FIFO within a token budget
+(``chunked_prefill_size``), a prompt longer than the budget is prefilled in chunks, and a
+request reuses the longest cached prefix of its tokens. When a decode step cannot get KV
+slots, the newest requests are retracted (their memory freed, their progress kept) and
+later resumed by a prefill of everything they have so far.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import traceback
+from collections import deque
+from typing import Any
+
+import numpy as np
+import zmq
+
+from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.managers.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetServerInfoReq,
+    GetServerInfoReqOutput,
+    TokenizedGenerateReqInput,
+)
+from sgl_jax.srt.managers.req_memory import ReqMemory
+from sgl_jax.srt.managers.schedule_batch import (
+    Req,
+    ScheduleBatch,
+    finish_abort,
+    finish_length,
+    finish_matched_str,
+    finish_matched_token,
+)
+from sgl_jax.srt.mem_cache.radix_cache import RadixCache
+from sgl_jax.srt.model_executor.forward_batch import ForwardMode
+from sgl_jax.srt.model_executor.model_runner import (
+    ModelRunner,
+    StepOutput,
+    forward_worker_batch,
+)
+from sgl_jax.srt.server_args import PortArgs, ServerArgs
+from sgl_jax.srt.tokenizer import Tokenizer
+from sgl_jax.srt.utils import configure_logging, enable_compilation_cache, watch_parent
+
+logger = logging.getLogger(__name__)
+
+# Future tokens of running requests are reserved up to this many each when admitting new
+# requests; beyond it, retraction handles the rare request that really grows that long.
+RESERVE_CLIP = 256
+
+
+class Scheduler:
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs) -> None:
+        self.server_args = server_args
+        self.model_config = ModelConfig.from_hf(server_args.model_path, server_args.context_length)
+        self.tokenizer = Tokenizer.from_pretrained(
+            server_args.tokenizer_path or self.model_config.model_path
+        )
+        self.eos_ids = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        self.runner = ModelRunner(server_args, self.model_config)
+        if not server_args.disable_precompile:
+            self.runner.precompile()
+        tree = RadixCache(
+            self.runner.token_to_kv_pool_allocator, disable=server_args.disable_radix_cache
+        )
+        self.memory = ReqMemory(
+            self.runner.req_to_token_pool, self.runner.token_to_kv_pool_allocator, tree,
+            self.runner.capturer,
+        )
+        self.chunk_budget = server_args.chunked_prefill_size
+        self.max_running = self.runner.max_running_requests
+        self.context_len = self.model_config.context_len
+        self.seed_rng = np.random.default_rng(server_args.random_seed)
+
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.chunked: Req | None = None  # the one request whose prompt is part-way prefilled
+        self.num_retractions = 0
+        self.num_generated_tokens = 0
+
+        ctx = zmq.Context(2)
+        self.recv_socket = ctx.socket(zmq.PULL)
+        self.recv_socket.bind(port_args.scheduler_ipc)
+        self.send_socket = ctx.socket(zmq.PUSH)
+        self.send_socket.connect(port_args.detokenizer_ipc)
+
+    # -- loop -----------------------------------------------------------------------------------
+    def event_loop(self) -> None:
+        while True:
+            for msg in self.recv_requests():
+                self.process_input(msg)
+            batch = self.prefill() or self.decode()
+            if batch is None:
+                continue
+            out = self.run_batch(batch)
+            self.process_batch_result(batch, out)
+
+    def recv_requests(self) -> list[Any]:
+        idle = not (self.waiting or self.running or self.chunked)
+        msgs = []
+        if idle and not self.recv_socket.poll(timeout=1000):
+            return msgs
+        while True:
+            try:
+                msgs.append(self.recv_socket.recv_pyobj(zmq.NOBLOCK))
+            except zmq.ZMQError:
+                return msgs
+
+    def process_input(self, msg: Any) -> None:
+        if isinstance(msg, TokenizedGenerateReqInput):
+            self.add_request(msg)
+        elif isinstance(msg, AbortReq):
+            self.abort(msg.rid)
+        elif isinstance(msg, FlushCacheReq):
+            self.send_socket.send_pyobj(self.flush_cache())
+        elif isinstance(msg, GetServerInfoReq):
+            self.send_socket.send_pyobj(GetServerInfoReqOutput(info=self.server_info()))
+        else:
+            logger.error("scheduler got an unknown message %r", type(msg))
+
+    def add_request(self, msg: TokenizedGenerateReqInput) -> None:
+        params = msg.sampling_params
+        seed = params.seed if params.seed is not None else int(self.seed_rng.integers(2**63))
+        req = Req(
+            rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=params,
+            seed=seed, stream=msg.stream, return_routed_experts=msg.return_routed_experts,
+            routed_experts_start_len=msg.routed_experts_start_len,
+        )
+        need = len(req.origin_input_ids) + 1
+        if need > self.runner.max_total_tokens:
+            req.finished_reason = finish_abort(
+                f"the prompt needs {need} KV slots but the KV cache holds "
+                f"{self.runner.max_total_tokens}; raise --max-total-tokens"
+            )
+            self.send_outputs([req])
+            return
+        self.waiting.append(req)
+
+    # -- scheduling -----------------------------------------------------------------------------
+    def _reserved_tokens(self, extra: list[Req]) -> int:
+        future = sum(min(r.remaining_new_tokens(), RESERVE_CLIP) for r in self.running + extra)
+        return int(future * self.server_args.schedule_conservativeness)
+
+    def prefill(self) -> ScheduleBatch | None:
+        if not self.waiting and self.chunked is None:
+            return None
+        budget = self.chunk_budget
+        reqs: list[Req] = []
+        lens: list[int] = []
+        locs: list[np.ndarray] = []
+        candidates = ([self.chunked] if self.chunked else []) + list(self.waiting)
+        for req in candidates:
+            if budget == 0 or len(self.running) + len(reqs) >= self.max_running:
+                break
+            fresh = req.req_pool_idx is None
+            if fresh and not self.memory.admit(req):
+                break
+            todo = req.seq_len - req.kv_len
+            n = min(todo, budget)
+            reserve = self._reserved_tokens(reqs + ([req] if n == todo else []))
+            slots = None
+            if self.memory.available_kv() - reserve >= n or not (self.running or reqs):
+                slots = self.memory.alloc_kv(n)
+            if slots is None:
+                if fresh:
+                    self.memory.release(req, cache=False)
+                break
+            self.memory.assign_kv(req, slots)
+            if fresh:
+                self.waiting.remove(req)
+            reqs.append(req)
+            lens.append(n)
+            locs.append(slots)
+            budget -= n
+        if not reqs:
+            return None
+        samples = [r.kv_len + n == r.seq_len for r, n in zip(reqs, lens, strict=True)]
+        self.chunked = next((r for r, done in zip(reqs, samples, strict=True) if not done), None)
+        return ScheduleBatch(ForwardMode.EXTEND, reqs, lens, np.concatenate(locs), samples)
+
+    def decode(self) -> ScheduleBatch | None:
+        if not self.running:
+            return None
+        slots = self.memory.alloc_kv(len(self.running))
+        while slots is None:
+            self.retract_one()
+            slots = self.memory.alloc_kv(len(self.running)) if self.running else None
+            if not self.running:
+                return None
+        reqs = list(self.running)
+        for req, slot in zip(reqs, slots, strict=True):
+            self.memory.assign_kv(req, slot[None])
+        return ScheduleBatch(ForwardMode.DECODE, reqs, [1] * len(reqs), slots, [True] * len(reqs))
+
+    def retract_one(self) -> None:
+        """Frees the newest running request's memory and queues it to resume from the front."""
+        req = max(self.running, key=lambda r: r.arrival_time)
+        self.running.remove(req)
+        self.memory.release(req, cache=True)
+        self.waiting.appendleft(req)
+        self.num_retractions += 1
+        logger.info("KV cache full: retracted %s (%d tokens so far)", req.rid, req.seq_len)
+
+    # -- running and results --------------------------------------------------------------------
+    def run_batch(self, batch: ScheduleBatch) -> StepOutput:
+        mwb = batch.to_model_worker_batch()
+        _, out = forward_worker_batch(self.runner, mwb)
+        self.runner.capturer.on_forward_end(
+            out.routed_rows, mwb.out_cache_loc, mwb.num_tokens, copy=mwb.return_routed_experts
+        )
+        return out
+
+    def process_batch_result(self, batch: ScheduleBatch, out: StepOutput) -> None:
+        next_ids = np.asarray(out.next_token_ids)[: len(batch.reqs)].tolist()
+        changed: list[Req] = []
+        for req, n, samples, token in zip(
+            batch.reqs, batch.extend_lens, batch.samples_output, next_ids, strict=True
+        ):
+            req.kv_len += n
+            if req.finished:  # aborted while its step ran
+                self.finish(req)
+                changed.append(req)
+                continue
+            if not samples:
+                continue
+            if req.sampling_params.max_new_tokens == 0:
+                req.finished_reason = finish_length(0)
+            else:
+                req.output_ids.append(token)
+                self.num_generated_tokens += 1
+                self.check_finished(req)
+            if req.finished:
+                self.finish(req)
+            elif batch.forward_mode == ForwardMode.EXTEND:
+                self.running.append(req)
+            changed.append(req)
+        self.send_outputs(changed)
+
+    def check_finished(self, req: Req) -> None:
+        params = req.sampling_params
+        token = req.output_ids[-1]
+        if not params.ignore_eos and token in self.eos_ids:
+            req.finished_reason = finish_matched_token(token)
+        elif params.stop_token_ids and token in params.stop_token_ids:
+            req.finished_reason = finish_matched_token(token)
+        elif len(req.output_ids) >= params.max_new_tokens:
+            req.finished_reason = finish_length(params.max_new_tokens)
+        elif req.seq_len >= self.context_len:
+            req.finished_reason = finish_length(len(req.output_ids))
+        elif params.stop:
+            longest = max(len(s) for s in params.stop)
+            tail = self.tokenizer.decode(
+                req.output_ids[-(longest + 8) :], skip_special_tokens=params.skip_special_tokens
+            )
+            matched = next((s for s in params.stop if s in tail), None)
+            if matched is not None:
+                req.finished_reason = finish_matched_str(matched)
+
+    def finish(self, req: Req) -> None:
+        """Collects the routed experts (before the KV goes) and releases the request."""
+        if req in self.running:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        if req.return_routed_experts and req.req_pool_idx is not None:
+            if req.kv_len >= req.seq_len - 1:
+                rows = self.runner.capturer.get_routed_experts(
+                    req.req_pool_idx, req.seq_len, self.runner.req_to_token_pool
+                )
+                req.routed_experts = rows[req.routed_experts_start_len :]
+        self.memory.release(req, cache=True)
+
+    def abort(self, rid: str) -> None:
+        for req in list(self.waiting):
+            if req.rid == rid:
+                self.waiting.remove(req)
+                self.memory.release(req, cache=False)
+                req.finished_reason = finish_abort()
+                self.send_outputs([req])
+                return
+        for req in self.running + ([self.chunked] if self.chunked else []):
+            if req.rid == rid:
+                req.finished_reason = finish_abort()
+                self.finish(req)
+                self.send_outputs([req])
+                return
+
+    def send_outputs(self, reqs: list[Req]) -> None:
+        interval = self.server_args.stream_interval
+        out = [
+            r for r in reqs
+            if r.finished or (r.stream and len(r.output_ids) - r.sent_len >= interval)
+        ]
+        if not out:
+            return
+        msg = BatchTokenIDOut(
+            rids=[r.rid for r in out],
+            new_output_ids=[r.output_ids[r.sent_len :] for r in out],
+            finished_reasons=[r.finished_reason for r in out],
+            prompt_tokens=[len(r.origin_input_ids) for r in out],
+            completion_tokens=[len(r.output_ids) for r in out],
+            cached_tokens=[r.cached_tokens for r in out],
+            stop_strs=[list(r.sampling_params.stop or []) for r in out],
+            skip_special_tokens=[r.sampling_params.skip_special_tokens for r in out],
+            output_routed_experts=[r.routed_experts for r in out],
+        )
+        for r in out:
+            r.sent_len = len(r.output_ids)
+        self.send_socket.send_pyobj(msg)
+
+    # -- control --------------------------------------------------------------------------------
+    def flush_cache(self) -> FlushCacheReqOutput:
+        if self.waiting or self.running or self.chunked:
+            return FlushCacheReqOutput(success=False, message="requests are still running")
+        self.memory.flush()
+        return FlushCacheReqOutput(success=True)
+
+    def server_info(self) -> dict[str, Any]:
+        return {
+            **self.memory.stats(),
+            "num_running_reqs": len(self.running) + (1 if self.chunked else 0),
+            "num_waiting_reqs": len(self.waiting),
+            "num_retractions": self.num_retractions,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_compiles": self.runner.num_compiles,
+            "max_total_tokens": self.runner.max_total_tokens,
+            "max_running_requests": self.max_running,
+            "context_length": self.context_len,
+            "memory_bytes": self.runner.memory_report(),
+        }
+
+
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Any) -> None:
+    configure_logging(server_args.log_level, prefix="scheduler")
+    watch_parent()
+    enable_compilation_cache(server_args)
+    try:
+        t0 = time.perf_counter()
+        scheduler = Scheduler(server_args, port_args)
+        runner = scheduler.runner
+        pipe.send({
+            "status": "ready",
+            "pid": os.getpid(),
+            "startup_seconds": time.perf_counter() - t0,
+            "load_seconds": runner.load_seconds,
+            "max_total_tokens": runner.max_total_tokens,
+            "max_running_requests": runner.max_running_requests,
+            "context_length": runner.context_len,
+            "memory_bytes": runner.memory_report(),
+            "num_compiles": runner.num_compiles,
+        })
+    except BaseException:
+        pipe.send({"status": "error", "error": traceback.format_exc()})
+        raise
+    threading.current_thread().name = "scheduler"
+    try:
+        scheduler.event_loop()
+    except BaseException:
+        logger.error("scheduler crashed:\n%s", traceback.format_exc())
+        raise

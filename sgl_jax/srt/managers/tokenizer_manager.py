@@ -1,0 +1,303 @@
+"""TokenizerManager: the caller's side of the engine (main process).
+
+It validates and tokenizes requests, sends them to the scheduler, and hands each request's
+outputs back to whoever awaits it. It works from any asyncio loop: a receiver thread reads the
+detokenizer's messages and wakes the loop that owns each request, so the Engine (its own
+background loop), user code (``async_generate``) and the HTTP server (uvicorn's loop) share
+this one implementation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.managers.io_struct import (
+    AbortReq,
+    BatchStrOut,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GenerateReqInput,
+    GetServerInfoReq,
+    GetServerInfoReqOutput,
+    TokenizedGenerateReqInput,
+)
+from sgl_jax.srt.sampling.sampling_params import SamplingParams
+from sgl_jax.srt.server_args import PortArgs, ServerArgs
+from sgl_jax.srt.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """A child process died: nothing more can be served."""
+
+
+@dataclass
+class ReqState:
+    loop: asyncio.AbstractEventLoop
+    event: asyncio.Event
+    pending: deque = field(default_factory=deque)  # BatchStrOut slices, appended by the receiver
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    created: float = field(default_factory=time.monotonic)
+    error: str | None = None
+
+
+class TokenizerManager:
+    def __init__(
+        self, server_args: ServerArgs, port_args: PortArgs, model_config: ModelConfig
+    ) -> None:
+        self.server_args = server_args
+        self.model_config = model_config
+        self.tokenizer = Tokenizer.from_pretrained(
+            server_args.tokenizer_path or model_config.model_path
+        )
+        self.context_len = model_config.context_len
+        self.vocab_size = model_config.vocab_size
+        self.states: dict[str, ReqState] = {}
+        self.dead_reason: str | None = None
+        self._control: dict[type, deque[Future]] = {
+            FlushCacheReqOutput: deque(), GetServerInfoReqOutput: deque(),
+        }
+        self._ctx = zmq.Context(2)
+        self._send = self._ctx.socket(zmq.PUSH)
+        self._send.connect(port_args.scheduler_ipc)
+        self._send_lock = threading.Lock()
+        self._recv = self._ctx.socket(zmq.PULL)
+        self._recv.bind(port_args.tokenizer_ipc)
+        self._closing = False
+        self._receiver = threading.Thread(target=self._receive_loop, name="tm-recv", daemon=True)
+        self._receiver.start()
+
+    # -- validation -----------------------------------------------------------------------------
+    def tokenize(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
+        """Checks one single-prompt request and turns it into what the scheduler takes."""
+        if obj.text is not None:
+            if not isinstance(obj.text, str):
+                raise ValueError("'text' must be a string")
+            input_ids = self.tokenizer.encode(obj.text)
+        else:
+            input_ids = obj.input_ids
+            if not isinstance(input_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in input_ids
+            ):
+                raise ValueError("'input_ids' must be a list of integers")
+            bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"'input_ids' holds {bad[0]}, outside the vocabulary [0, {self.vocab_size})"
+                )
+        if not input_ids:
+            raise ValueError("the prompt is empty; give a non-empty 'text' or 'input_ids'")
+        if len(input_ids) >= self.context_len:
+            raise ValueError(
+                f"the prompt has {len(input_ids)} tokens; the context length is "
+                f"{self.context_len}, so prompts must be shorter"
+            )
+        params = SamplingParams.from_dict(obj.sampling_params)
+        params.verify(self.vocab_size, self.context_len)
+        params.normalize()
+        if params.n != 1:
+            raise ValueError("sampling_params.n must be 1 here; send a batch of prompts instead")
+        if len(input_ids) + params.max_new_tokens > self.context_len:
+            raise ValueError(
+                f"max_new_tokens={params.max_new_tokens} plus the prompt's {len(input_ids)} "
+                f"tokens exceeds the context length {self.context_len}; lower max_new_tokens "
+                f"to at most {self.context_len - len(input_ids)}"
+            )
+        want = obj.return_routed_experts
+        if not isinstance(want, bool):
+            raise ValueError("'return_routed_experts' must be true or false")
+        if want and not self.server_args.enable_return_routed_experts:
+            raise ValueError(
+                "return_routed_experts needs the server started with "
+                "--enable-return-routed-experts (Engine(enable_return_routed_experts=True))"
+            )
+        start = obj.routed_experts_start_len
+        if start is not None:
+            if not want:
+                raise ValueError("'routed_experts_start_len' needs return_routed_experts=true")
+            if isinstance(start, bool) or not isinstance(start, int):
+                raise ValueError("'routed_experts_start_len' must be an integer")
+            if not 0 <= start <= len(input_ids):
+                raise ValueError(
+                    f"routed_experts_start_len={start} is outside [0, {len(input_ids)}] "
+                    f"(0 to the prompt's token count)"
+                )
+        return TokenizedGenerateReqInput(
+            rid=obj.rid, input_ids=list(input_ids), sampling_params=params, stream=obj.stream,
+            return_routed_experts=want, routed_experts_start_len=start or 0,
+        )
+
+    # -- generation -----------------------------------------------------------------------------
+    async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
+        """Yields the result (or, when streaming, the chunks) of every prompt of ``obj``.
+
+        A batch yields dicts with an ``index`` key. Everything is validated before anything
+        is sent, so a bad prompt in a batch rejects the whole batch.
+        """
+        self._check_alive()
+        singles = obj.split()
+        tokenized = [self.tokenize(s) for s in singles]
+        if len({t.rid for t in tokenized}) != len(tokenized) or any(
+            t.rid in self.states for t in tokenized
+        ):
+            raise ValueError("request ids ('rid') must be unique among running requests")
+        loop = asyncio.get_running_loop()
+        for t in tokenized:
+            self.states[t.rid] = ReqState(loop=loop, event=asyncio.Event())
+            self._send_obj(t)
+        try:
+            if obj.is_single:
+                async for out in self._wait_one(tokenized[0]):
+                    yield out
+            else:
+                async for out in self._wait_many(tokenized):
+                    yield out
+        except (asyncio.CancelledError, GeneratorExit):
+            for t in tokenized:
+                self.abort_request(t.rid)
+            raise
+
+    async def _wait_many(self, reqs: list[TokenizedGenerateReqInput]):
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, req: TokenizedGenerateReqInput) -> None:
+            try:
+                async for out in self._wait_one(req):
+                    await queue.put({**out, "index": i})
+            except BaseException as e:  # handed to the consumer below
+                await queue.put(e)
+            await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _wait_one(self, req: TokenizedGenerateReqInput):
+        state = self.states[req.rid]
+        try:
+            while True:
+                await state.event.wait()
+                state.event.clear()
+                if state.error is not None:
+                    raise EngineDeadError(state.error)
+                while state.pending:
+                    piece = state.pending.popleft()
+                    state.text += piece["text"]
+                    state.output_ids += piece["output_ids"]
+                    done = piece["meta_info"]["finish_reason"] is not None
+                    if req.stream:
+                        yield piece
+                    elif done:
+                        yield {**piece, "text": state.text, "output_ids": state.output_ids}
+                    if done:
+                        return
+        finally:
+            self.states.pop(req.rid, None)
+
+    def abort_request(self, rid: str) -> None:
+        if rid in self.states and self.dead_reason is None:
+            self._send_obj(AbortReq(rid=rid))
+
+    # -- control --------------------------------------------------------------------------------
+    async def flush_cache(self) -> FlushCacheReqOutput:
+        return await self._control_call(FlushCacheReq(), FlushCacheReqOutput)
+
+    async def get_server_info(self) -> dict[str, Any]:
+        out = await self._control_call(GetServerInfoReq(), GetServerInfoReqOutput)
+        return out.info
+
+    async def _control_call(self, msg: Any, reply_type: type, timeout: float = 30.0) -> Any:
+        self._check_alive()
+        fut: Future = Future()
+        self._control[reply_type].append(fut)
+        self._send_obj(msg)
+        return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _send_obj(self, obj: Any) -> None:
+        with self._send_lock:
+            self._send.send_pyobj(obj)
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+
+    def _receive_loop(self) -> None:
+        while not self._closing:
+            try:
+                if not self._recv.poll(timeout=100):
+                    continue
+                msg = self._recv.recv_pyobj()
+            except zmq.ZMQError:
+                return
+            if isinstance(msg, BatchStrOut):
+                self._dispatch(msg)
+            elif type(msg) in self._control and self._control[type(msg)]:
+                self._control[type(msg)].popleft().set_result(msg)
+            else:
+                logger.warning("tokenizer manager got an unexpected %s", type(msg).__name__)
+
+    def _dispatch(self, out: BatchStrOut) -> None:
+        for i, rid in enumerate(out.rids):
+            state = self.states.get(rid)
+            if state is None:
+                continue  # aborted by its caller
+            meta: dict[str, Any] = {
+                "id": rid,
+                "prompt_tokens": out.prompt_tokens[i],
+                "completion_tokens": out.completion_tokens[i],
+                "cached_tokens": out.cached_tokens[i],
+                "finish_reason": out.finished_reasons[i],
+            }
+            if out.finished_reasons[i] is not None:
+                meta["e2e_latency"] = time.monotonic() - state.created
+                if out.output_routed_experts and out.output_routed_experts[i] is not None:
+                    meta["routed_experts"] = out.output_routed_experts[i]
+            state.pending.append(
+                {"text": out.output_strs[i], "output_ids": out.new_output_ids[i], "meta_info": meta}
+            )
+            state.loop.call_soon_threadsafe(state.event.set)
+
+    def set_dead(self, reason: str) -> None:
+        """A child died: fail every waiting request now and every new one from now on."""
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        logger.error("%s", reason)
+        for state in list(self.states.values()):
+            state.error = reason
+            state.loop.call_soon_threadsafe(state.event.set)
+        for futures in self._control.values():
+            while futures:
+                futures.popleft().set_exception(EngineDeadError(reason))
+
+    def close(self) -> None:
+        self._closing = True
+        self._receiver.join(timeout=2)
+        self._send.close(linger=0)
+        self._recv.close(linger=0)
+        self._ctx.term()

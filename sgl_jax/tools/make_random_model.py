@@ -1,0 +1,588 @@
+"""Write a randomly initialised Qwen3-MoE checkpoint in Hugging Face's exact layout.
+
+    python -m sgl_jax.tools.make_random_model OUT [--preset tiny|qwen3-30b-a3b-routing]
+        [--set key=value ...] [--seed N]
+
+The output directory holds ``config.json``, ``model.safetensors`` (HF tensor names; Linear
+weights are ``[out_features, in_features]``), ``tokenizer.json``, ``tokenizer_config.json``
+(ChatML chat template) and ``generation_config.json``; ``transformers`` loads it as it is.
+Every checkpoint shares the bundled byte-level BPE tokenizer (512 tokens).
+
+Weights are not trained, but scaled so the model behaves like one numerically: norm weights
+are ``1 + 0.1 * N(0, 1)`` (so they matter), projections are ``N(0, 1/fan_in)`` (activations
+stay O(1) through any number of layers), the LM head gives logits of std ~``logit_std``
+(non-degenerate sampling distributions) and routers give router logits of std ~``router_std``.
+
+Routing margin. The engine's float32 top-k must equal a float64 reference's exactly, which only
+fails where the k-th and (k+1)-th router logits of a token nearly tie. After writing, the tool
+runs :mod:`sgl_jax.tools.reference_forward` on sample prompts from ``assets/corpus.txt`` and
+measures, per MoE layer, the smallest such gap over the prompts' tokens. Layers are then fixed
+in order: while layer l's smallest gap is below the preset's ``min_router_gap``, layer l's
+router alone is redrawn with its next sub-seed (attempt 1, 2, ...) and the check repeats.
+A router only changes the gaps of its own and later layers, so fixed layers stay fixed; a
+layer that never clears within ``max_router_attempts`` keeps its best draw. The search is
+deterministic, so a (preset, overrides, seed) triple always yields the same file. The margin
+is guaranteed only on the sample prompts; elsewhere it is merely likely.
+
+Determinism: each tensor is drawn from its own ``numpy.random.default_rng`` seeded by
+(seed, crc32(tensor name)[, router attempt]), so tensors do not depend on generation order and
+e.g. a 6-layer model shares its first 4 layers with the 4-layer one of the same seed.
+
+``--set`` values are parsed as JSON when possible (``--set mlp_only_layers=[0,2]``). Keys are
+config.json fields, plus generation knobs that are not written to config.json:
+``router_std``, ``logit_std``, ``min_router_gap``, ``max_router_attempts``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer
+
+from sgl_jax.tools.train_tokenizer import (
+    CORPUS_PATH,
+    ENDOFTEXT,
+    IM_END,
+    IM_START,
+    VOCAB_SIZE,
+    special_token_ids,
+    train_tokenizer,
+)
+
+ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
+BUNDLED_DIR = ASSETS_DIR / "tiny-qwen3-moe"
+
+# Shape of each preset. Everything not listed comes from _BASE_CONFIG.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "num_hidden_layers": 4,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "moe_intermediate_size": 32,
+        "intermediate_size": 128,
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": 4096,
+    },
+    # Qwen3-30B-A3B's routing shape (48 layers, 128 experts, top-8) with a tiny hidden size,
+    # so routing-heavy benchmarks run on a CPU.
+    "qwen3-30b-a3b-routing": {
+        "num_hidden_layers": 48,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "moe_intermediate_size": 32,
+        "intermediate_size": 128,
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": 4096,
+    },
+}
+
+# Generation knobs per preset (not config.json fields). Router gap thresholds are what a
+# bounded search reaches: the tiny model (4 layers x 16 experts, top-4) clears 2e-3 in ~9 draws
+# (~1 s). With 48 layers x 128 experts, top-8, the 8th/9th order statistics of 128 logits are
+# only ~0.06 * router_std apart, so over a few hundred tokens 1e-4 already takes a few draws
+# of ~4 s each (every draw is a 48-layer reference forward); 5e-4 would take minutes.
+_GEN_DEFAULTS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "router_std": 5.0,
+        "logit_std": 3.0,
+        "min_router_gap": 2e-3,
+        "max_router_attempts": 64,
+    },
+    "qwen3-30b-a3b-routing": {
+        "router_std": 5.0,
+        "logit_std": 3.0,
+        "min_router_gap": 1e-4,
+        "max_router_attempts": 16,
+    },
+}
+
+_BASE_CONFIG: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "decoder_sparse_step": 1,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-6,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "use_cache": True,
+    "use_sliding_window": False,
+}
+
+_NP_DTYPES = ("float32", "float16", "bfloat16")
+
+# ChatML. A message's content may also be a list of OpenAI-style parts; its text parts are
+# concatenated. With add_generation_prompt the assistant turn is opened.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- elif message['content'] is not none %}"
+    "{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@dataclass
+class WriteReport:
+    """What one write produced, for the CLI to print."""
+
+    config: dict[str, Any]
+    num_params: int
+    num_bytes: int
+    router_draws: int  # checkpoints written and measured during the search
+    router_attempts: dict[int, int]  # layer -> router sub-seed, for layers not at 0
+    min_router_gap: float  # over all sample prompts and layers; inf without a measurement
+    layer_min_gaps: list[float]  # per layer over all sample prompts; inf on dense layers
+    prompt_min_gaps: list[tuple[int, float]]  # (num tokens, min gap) per sample prompt
+    logits_std: float
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer files
+# --------------------------------------------------------------------------------------------
+
+
+def load_tokenizer() -> Tokenizer:
+    """The bundled tokenizer, trained from corpus.txt if the asset is absent."""
+    path = BUNDLED_DIR / "tokenizer.json"
+    if path.is_file():
+        return Tokenizer.from_file(str(path))
+    return train_tokenizer(CORPUS_PATH)
+
+
+def tokenizer_config(model_max_length: int) -> dict[str, Any]:
+    """tokenizer_config.json for PreTrainedTokenizerFast (everything lives in tokenizer.json)."""
+    tok = load_tokenizer()
+    ids = special_token_ids(tok)
+    added = {
+        str(ids[t]): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for t in (ENDOFTEXT, IM_START, IM_END)
+    }
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "additional_special_tokens": [IM_START, IM_END],
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "errors": "replace",
+        "model_max_length": model_max_length,
+        "split_special_tokens": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """``["k=v", ...]`` -> dict; v as JSON when it parses, else the raw string."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
+
+
+def is_moe_layer(config: dict[str, Any], layer: int) -> bool:
+    """Qwen3-MoE's rule: a layer has a router unless listed dense or off the sparse step."""
+    return (
+        layer not in set(config["mlp_only_layers"])
+        and config["num_experts"] > 0
+        and (layer + 1) % config["decoder_sparse_step"] == 0
+    )
+
+
+def build_config(
+    preset: str, overrides: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config.json dict, generation knobs) for a preset with overrides applied and checked."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    config = {**copy.deepcopy(_BASE_CONFIG), **copy.deepcopy(PRESETS[preset])}
+    gen = dict(_GEN_DEFAULTS[preset])
+    for key, value in (overrides or {}).items():
+        (gen if key in gen else config)[key] = value
+
+    tok_ids = special_token_ids(load_tokenizer())
+    config.setdefault("bos_token_id", tok_ids[ENDOFTEXT])
+    config.setdefault("eos_token_id", tok_ids[IM_END])
+    config["max_window_layers"] = min(config["max_window_layers"], config["num_hidden_layers"])
+    config["mlp_only_layers"] = sorted(int(i) for i in config["mlp_only_layers"] or [])
+
+    n_layers = config["num_hidden_layers"]
+    if config["vocab_size"] < VOCAB_SIZE:
+        raise ValueError(f"vocab_size={config['vocab_size']} < tokenizer size {VOCAB_SIZE}")
+    if config["num_attention_heads"] % config["num_key_value_heads"]:
+        raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+    if not 1 <= config["num_experts_per_tok"] <= max(config["num_experts"], 1):
+        raise ValueError("num_experts_per_tok must be in [1, num_experts]")
+    if config["decoder_sparse_step"] < 1:
+        raise ValueError("decoder_sparse_step must be >= 1")
+    if any(not 0 <= i < n_layers for i in config["mlp_only_layers"]):
+        raise ValueError(f"mlp_only_layers {config['mlp_only_layers']} outside [0, {n_layers})")
+    if config["torch_dtype"] not in _NP_DTYPES:
+        raise ValueError(f"torch_dtype must be one of {_NP_DTYPES}")
+    if config["head_dim"] % 2:
+        raise ValueError("head_dim must be even (RoPE rotates pairs)")
+    return config, gen
+
+
+def generation_config(config: dict[str, Any]) -> dict[str, Any]:
+    eos = config["eos_token_id"]
+    pad = config["bos_token_id"]
+    eos_list = eos if isinstance(eos, list) else [eos]
+    return {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": eos_list if len(eos_list) > 1 else eos_list[0],
+        "pad_token_id": pad,
+        "do_sample": False,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Weights
+# --------------------------------------------------------------------------------------------
+
+
+def _rng(seed: int, name: str, attempt: int | None = None) -> np.random.Generator:
+    key = [seed, zlib.crc32(name.encode())]
+    return np.random.default_rng(key if attempt is None else key + [attempt])
+
+
+def _normal(seed: int, name: str, shape: tuple[int, ...], std: float) -> np.ndarray:
+    return (_rng(seed, name).standard_normal(shape) * std).astype(np.float32)
+
+
+def _norm_weight(seed: int, name: str, size: int) -> np.ndarray:
+    return (1.0 + 0.1 * _rng(seed, name).standard_normal(size)).astype(np.float32)
+
+
+def router_weights(
+    config: dict[str, Any], gen: dict[str, Any], seed: int, attempts: dict[int, int]
+) -> dict[str, np.ndarray]:
+    """Router ([E, H]) of every MoE layer; layer i uses router sub-seed attempts.get(i, 0).
+
+    Its input is RMS-normalised (entries ~N(0, 1)), so std router_std/sqrt(H) gives router
+    logits of std ~router_std.
+    """
+    hidden, experts = config["hidden_size"], config["num_experts"]
+    out = {}
+    for i in range(config["num_hidden_layers"]):
+        if is_moe_layer(config, i):
+            name = f"model.layers.{i}.mlp.gate.weight"
+            w = _rng(seed, name, attempts.get(i, 0)).standard_normal((experts, hidden))
+            out[name] = (w * gen["router_std"] / np.sqrt(hidden)).astype(np.float32)
+    return out
+
+
+def base_weights(config: dict[str, Any], gen: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
+    """Every tensor except the routers, float32, HF names and orientation."""
+    h, v = config["hidden_size"], config["vocab_size"]
+    heads, kv_heads, hd = (
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+    )
+    w: dict[str, np.ndarray] = {}
+
+    def normal(name: str, shape: tuple[int, ...], std: float) -> None:
+        w[name] = _normal(seed, name, shape, std)
+
+    def norm(name: str, size: int) -> None:
+        w[name] = _norm_weight(seed, name, size)
+
+    tied = bool(config["tie_word_embeddings"])
+    # Tied, the embedding doubles as the LM head, so it takes the head's scale; the first
+    # input_layernorm makes the embedding scale irrelevant to layer 0.
+    normal("model.embed_tokens.weight", (v, h), gen["logit_std"] / np.sqrt(h) if tied else 1.0)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        norm(p + "input_layernorm.weight", h)
+        norm(p + "post_attention_layernorm.weight", h)
+        normal(p + "self_attn.q_proj.weight", (heads * hd, h), 1 / np.sqrt(h))
+        normal(p + "self_attn.k_proj.weight", (kv_heads * hd, h), 1 / np.sqrt(h))
+        normal(p + "self_attn.v_proj.weight", (kv_heads * hd, h), 1 / np.sqrt(h))
+        normal(p + "self_attn.o_proj.weight", (h, heads * hd), 1 / np.sqrt(heads * hd))
+        norm(p + "self_attn.q_norm.weight", hd)
+        norm(p + "self_attn.k_norm.weight", hd)
+        if is_moe_layer(config, i):
+            inter = config["moe_intermediate_size"]
+            for e in range(config["num_experts"]):
+                q = f"{p}mlp.experts.{e}."
+                normal(q + "gate_proj.weight", (inter, h), 1 / np.sqrt(h))
+                normal(q + "up_proj.weight", (inter, h), 1 / np.sqrt(h))
+                normal(q + "down_proj.weight", (h, inter), 1 / np.sqrt(inter))
+        else:
+            inter = config["intermediate_size"]
+            normal(p + "mlp.gate_proj.weight", (inter, h), 1 / np.sqrt(h))
+            normal(p + "mlp.up_proj.weight", (inter, h), 1 / np.sqrt(h))
+            normal(p + "mlp.down_proj.weight", (h, inter), 1 / np.sqrt(inter))
+    norm("model.norm.weight", h)
+    if not tied:
+        # Final-normed hidden entries are ~N(0, 1): logits get std ~logit_std.
+        normal("lm_head.weight", (v, h), gen["logit_std"] / np.sqrt(h))
+    return w
+
+
+def _cast(tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
+    if dtype == "float32":
+        return tensors
+    if dtype == "bfloat16":
+        import ml_dtypes  # ships with jax; only needed here
+
+        np_dtype: Any = ml_dtypes.bfloat16
+    else:
+        np_dtype = np.float16
+    return {k: t.astype(np_dtype) for k, t in tensors.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Routing margin check
+# --------------------------------------------------------------------------------------------
+
+
+def sample_prompts(tokenizer: Tokenizer) -> list[list[int]]:
+    """Token ids of the prompts the routing margin is measured on (several hundred tokens).
+
+    The first is the first 200 tokens of corpus.txt; then a ChatML conversation; then slices
+    of the corpus's code and non-ASCII passages.
+    """
+    text = CORPUS_PATH.read_text(encoding="utf-8")
+    ids = tokenizer.encode(text).ids
+    chat = (
+        f"{IM_START}system\nYou are a helpful assistant.{IM_END}\n"
+        f"{IM_START}user\nWhat does the lighthouse keeper record each morning?{IM_END}\n"
+        f"{IM_START}assistant\n"
+    )
+    prompts = [ids[:200], tokenizer.encode(chat).ids]
+    for marker in ("def summarise", "In Kyoto"):
+        start = text.find(marker)
+        piece = text[start:] if start >= 0 else text
+        prompts.append(tokenizer.encode(piece).ids[:128])
+    return prompts
+
+
+def _measure(path: str, prompts: list[list[int]]) -> tuple[np.ndarray, float]:
+    """Min top-k gap per (prompt, layer) [P, L] (inf on dense layers), and the logits' std."""
+    from sgl_jax.tools.reference_forward import ReferenceModel
+
+    ref = ReferenceModel(path)
+    gaps, stds = [], []
+    for ids in prompts:
+        out = ref.forward(ids)
+        gaps.append(np.min(out.topk_gap, axis=0))
+        stds.append(float(np.std(out.logits)))
+    return np.stack(gaps), float(np.mean(stds))
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _save(tensors: dict[str, np.ndarray], path: Path) -> None:
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    # safetensors creates the file 0600; a checkpoint (and the packaged asset) is world-readable.
+    os.chmod(path, 0o644)
+
+
+def write_random_model_report(
+    out_dir: str,
+    preset: str = "tiny",
+    overrides: dict[str, Any] | None = None,
+    seed: int = 0,
+    check_routing: bool = True,
+    verbose: bool = False,
+) -> WriteReport:
+    """Write the checkpoint (see the module docstring) and report what was written."""
+    config, gen = build_config(preset, overrides)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = load_tokenizer()
+    tok_src = BUNDLED_DIR / "tokenizer.json"
+    tok_dst = out / "tokenizer.json"
+    if tok_src.is_file():
+        if not (tok_dst.exists() and os.path.samefile(tok_src, tok_dst)):
+            shutil.copyfile(tok_src, tok_dst)
+    else:
+        tokenizer.save(str(tok_dst))
+    _write_json(out / "tokenizer_config.json", tokenizer_config(config["max_position_embeddings"]))
+    _write_json(out / "generation_config.json", generation_config(config))
+    _write_json(out / "config.json", dict(sorted(config.items())))
+
+    base = base_weights(config, gen, seed)
+    path = out / "model.safetensors"
+    attempts: dict[int, int] = {}
+
+    def write() -> dict[str, np.ndarray]:
+        tensors = _cast(
+            {**base, **router_weights(config, gen, seed, attempts)}, config["torch_dtype"]
+        )
+        _save(tensors, path)
+        return tensors
+
+    tensors = write()
+    gaps = np.zeros((0, config["num_hidden_layers"]))
+    logits_std = float("nan")
+    draws = 1
+    if check_routing:
+        prompts = sample_prompts(tokenizer)
+        gaps, logits_std = _measure(str(out), prompts)
+        threshold, max_attempts = gen["min_router_gap"], max(1, int(gen["max_router_attempts"]))
+        for layer in range(config["num_hidden_layers"]):
+            if not is_moe_layer(config, layer):
+                continue
+            tried: list[tuple[float, int]] = [(float(gaps[:, layer].min()), 0)]
+            while tried[-1][0] < threshold and len(tried) < max_attempts:
+                attempts[layer] = len(tried)
+                tensors = write()
+                gaps, logits_std = _measure(str(out), prompts)
+                draws += 1
+                tried.append((float(gaps[:, layer].min()), attempts[layer]))
+            if tried[-1][0] < threshold:
+                best_gap, best = max(tried, key=lambda t: (t[0], -t[1]))
+                if verbose:
+                    print(f"layer {layer}: no router draw reached {threshold}; keeping {best}")
+                if best != attempts.get(layer, 0):
+                    attempts[layer] = best
+                    tensors = write()
+                    gaps, logits_std = _measure(str(out), prompts)
+                    draws += 1
+        prompt_gaps = [(len(p), float(g.min())) for p, g in zip(prompts, gaps, strict=True)]
+    else:
+        prompt_gaps = []
+
+    return WriteReport(
+        config=config,
+        num_params=sum(int(t.size) for t in tensors.values()),
+        num_bytes=sum(int(t.nbytes) for t in tensors.values()),
+        router_draws=draws,
+        router_attempts=dict(sorted((k, v) for k, v in attempts.items() if v)),
+        min_router_gap=float(gaps.min()) if gaps.size else float("inf"),
+        layer_min_gaps=[float(g) for g in gaps.min(axis=0)] if gaps.size else [],
+        prompt_min_gaps=prompt_gaps,
+        logits_std=logits_std,
+    )
+
+
+def write_random_model(
+    out_dir: str,
+    preset: str = "tiny",
+    overrides: dict[str, Any] | None = None,
+    seed: int = 0,
+    check_routing: bool = True,
+) -> dict[str, Any]:
+    """Write a random Qwen3-MoE checkpoint to out_dir; returns its config.json dict.
+
+    check_routing=False skips the reference forward (and so the router sub-seed search):
+    faster, but then the routing margin is unmeasured and routers are attempt 0's.
+    """
+    return write_random_model_report(out_dir, preset, overrides, seed, check_routing).config
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description="Write a random Qwen3-MoE checkpoint in Hugging Face layout."
+    )
+    parser.add_argument("out_dir")
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config.json field or generation knob; VALUE is JSON when it parses",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-check-routing", action="store_true", help="skip the reference-forward gap check"
+    )
+    args = parser.parse_args(argv)
+    report = write_random_model_report(
+        args.out_dir,
+        args.preset,
+        parse_set(args.overrides),
+        args.seed,
+        check_routing=not args.no_check_routing,
+        verbose=True,
+    )
+    cfg = report.config
+    moe = sum(is_moe_layer(cfg, i) for i in range(cfg["num_hidden_layers"]))
+    print(
+        f"wrote {args.out_dir}: preset {args.preset}, seed {args.seed}, "
+        f"{cfg['num_hidden_layers']} layers ({moe} MoE), {cfg['num_experts']} experts, "
+        f"top-{cfg['num_experts_per_tok']}"
+    )
+    print(
+        f"parameters: {report.num_params:,} ({report.num_bytes / 2**20:.2f} MiB {cfg['torch_dtype']})"
+    )
+    if report.prompt_min_gaps:
+        per_prompt = ", ".join(f"{n} tok: {g:.3e}" for n, g in report.prompt_min_gaps)
+        print(
+            f"min router top-k gap: {report.min_router_gap:.3e} [per prompt: {per_prompt}]; "
+            f"{report.router_draws} draw(s), router sub-seeds {report.router_attempts or 'all 0'}"
+        )
+        print(f"reference logits std {report.logits_std:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -11,6 +11,7 @@ import time
 
 from sgl_jax.srt.server_args import ServerArgs
 
+
 def configure_logging(level: str, prefix: str = "") -> None:
     fmt = f"[%(asctime)s{' ' + prefix if prefix else ''}] %(levelname)s %(message)s"
     logging.basicConfig(level=level.upper(), format=fmt, datefmt="%H:%M:%S", force=True)

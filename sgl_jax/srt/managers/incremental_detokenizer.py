@@ -53,7 +53,8 @@ class IncrementalDecoder:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._stops: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop if s))
+        # Empty stop strings would match everywhere; they are ignored (None means no stops).
+        self._stops: tuple[str, ...] = tuple(dict.fromkeys(s for s in (stop or ()) if s))
         self.text: str = ""
         self.stopped_by: str | None = None
         self._finished = False

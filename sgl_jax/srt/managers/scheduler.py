@@ -173,6 +173,10 @@ class Scheduler:
             if slots is None:
                 if fresh:
                     self.memory.release(req, cache=False)
+                if not (self.running or reqs):
+                    # Alone, with every evictable slot evicted, it still does not fit.
+                    self._abort_unfittable(req)
+                    continue
                 break
             self.memory.assign_kv(req, slots)
             if fresh:
@@ -192,14 +196,26 @@ class Scheduler:
             return None
         slots = self.memory.alloc_kv(len(self.running))
         while slots is None:
-            self.retract_one()
-            slots = self.memory.alloc_kv(len(self.running)) if self.running else None
-            if not self.running:
+            if len(self.running) == 1:
+                self._abort_unfittable(self.running[0])
                 return None
+            self.retract_one()
+            slots = self.memory.alloc_kv(len(self.running))
         reqs = list(self.running)
         for req, slot in zip(reqs, slots, strict=True):
             self.memory.assign_kv(req, slot[None])
         return ScheduleBatch(ForwardMode.DECODE, reqs, [1] * len(reqs), slots, [True] * len(reqs))
+
+    def _abort_unfittable(self, req: Req) -> None:
+        """A request that cannot grow even with the whole KV cache to itself ends here."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.finished_reason = finish_abort(
+            f"out of KV cache: the request reached {req.seq_len} tokens and the KV cache holds "
+            f"{self.runner.max_total_tokens}; raise --max-total-tokens"
+        )
+        self.finish(req)
+        self.send_outputs([req])
 
     def retract_one(self) -> None:
         """Frees the newest running request's memory and queues it to resume from the front."""

@@ -121,22 +121,24 @@ class RoutedExpertsCapturer(ABC):
         return False
 
     # -- inside the traced forward ------------------------------------------------------------
+    @abstractmethod
     def begin_forward(self, device_cache: _RoutedExpertsDeviceCache | None) -> None:
         """Traced: bind this forward's (traced) device cache so that ``capture`` can write it."""
 
+    @abstractmethod
     def capture(self, layer_id: int, topk_ids: jax.Array) -> None:
         """Traced: record a layer's ``[num_tokens, k]`` top-k ids."""
 
+    @abstractmethod
     def end_forward(self, num_tokens: int) -> tuple[Any, Any]:
         """Traced: returns (updated device cache, this batch's rows ``[num_tokens, L, k]``)."""
-        return None, None
 
     # -- on the host, around each step -------------------------------------------------------
-    def device_cache(self) -> _RoutedExpertsDeviceCache | None:
-        return None
+    @abstractmethod
+    def device_cache(self) -> _RoutedExpertsDeviceCache | None: ...
 
-    def set_device_cache(self, cache: _RoutedExpertsDeviceCache | None) -> None:
-        pass
+    @abstractmethod
+    def set_device_cache(self, cache: _RoutedExpertsDeviceCache | None) -> None: ...
 
     @abstractmethod
     def on_forward_end(
@@ -161,6 +163,21 @@ class RoutedExpertsCapturer(ABC):
 
 class _RoutedExpertsCapturerNoop(RoutedExpertsCapturer):
     """Disabled: no buffer enters the jitted graph and nothing is copied."""
+
+    def begin_forward(self, device_cache) -> None:
+        pass
+
+    def capture(self, layer_id, topk_ids) -> None:
+        pass
+
+    def end_forward(self, num_tokens) -> tuple[None, None]:
+        return None, None
+
+    def device_cache(self) -> None:
+        return None
+
+    def set_device_cache(self, cache) -> None:
+        pass
 
     def on_forward_end(self, rows, out_cache_loc, num_real_tokens, copy) -> None:
         pass

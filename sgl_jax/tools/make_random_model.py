@@ -26,7 +26,8 @@ preset's ``min_router_gap``, layer l's router alone is redrawn with its next sub
 layers, so fixed layers stay fixed; a layer that never clears within ``max_router_attempts``
 keeps its best draw. The search is deterministic, so a (preset, overrides, seed) triple always
 yields the same file. The margin holds on the sample prompts only; elsewhere it is likely,
-not guaranteed.
+not guaranteed. ``--no-check-routing`` (``check_routing=False``) skips the measurement and the
+search (every router at sub-seed 0).
 
 Determinism: each tensor is drawn from its own ``numpy.random.default_rng`` seeded by
 (seed, crc32(tensor name)[, router attempt]), so tensors do not depend on generation order and
@@ -187,11 +188,6 @@ class WriteReport:
     measurement: Measurement | None  # None when the routing check was skipped
 
 
-# --------------------------------------------------------------------------------------------
-# Tokenizer files
-# --------------------------------------------------------------------------------------------
-
-
 def load_tokenizer() -> Tokenizer:
     """The bundled tokenizer, trained from corpus.txt if the asset is absent."""
     path = BUNDLED_DIR / "tokenizer.json"
@@ -231,11 +227,6 @@ def tokenizer_config(model_max_length: int) -> dict[str, Any]:
         "split_special_tokens": False,
         "chat_template": CHAT_TEMPLATE,
     }
-
-
-# --------------------------------------------------------------------------------------------
-# Config
-# --------------------------------------------------------------------------------------------
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:
@@ -297,6 +288,7 @@ def build_config(
 
 
 def generation_config(config: dict[str, Any]) -> dict[str, Any]:
+    """generation_config.json: greedy by default; <|endoftext|> (the bos id) doubles as pad."""
     eos = config["eos_token_id"]
     pad = config["bos_token_id"]
     eos_list = eos if isinstance(eos, list) else [eos]
@@ -306,11 +298,6 @@ def generation_config(config: dict[str, Any]) -> dict[str, Any]:
         "pad_token_id": pad,
         "do_sample": False,
     }
-
-
-# --------------------------------------------------------------------------------------------
-# Weights
-# --------------------------------------------------------------------------------------------
 
 
 def _rng(seed: int, name: str, attempt: int | None = None) -> np.random.Generator:
@@ -347,11 +334,8 @@ def router_weights(
 def base_weights(config: dict[str, Any], gen: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
     """Every tensor except the routers, float32, HF names and orientation."""
     h, v = config["hidden_size"], config["vocab_size"]
-    heads, kv_heads, hd = (
-        config["num_attention_heads"],
-        config["num_key_value_heads"],
-        config["head_dim"],
-    )
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    hd = config["head_dim"]
     w: dict[str, np.ndarray] = {}
 
     def normal(name: str, shape: tuple[int, ...], std: float) -> None:
@@ -403,11 +387,6 @@ def _cast(tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
     else:
         np_dtype = np.float16
     return {k: t.astype(np_dtype) for k, t in tensors.items()}
-
-
-# --------------------------------------------------------------------------------------------
-# Routing margin check
-# --------------------------------------------------------------------------------------------
 
 
 def sample_prompts(tokenizer: Tokenizer) -> list[list[int]]:
@@ -462,11 +441,6 @@ def measure(path: str, prompts: list[list[int]]) -> Measurement:
         order_gap=np.stack(order),
         logits_std=float(np.mean(stds)),
     )
-
-
-# --------------------------------------------------------------------------------------------
-# Writing
-# --------------------------------------------------------------------------------------------
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:

@@ -54,10 +54,11 @@ class Qwen3MoeAttention(nnx.Module):
         v = (x @ self.v_proj[...]).reshape(t, self.num_kv_heads, self.head_dim)
         q = apply_rotary(self.q_norm(q), batch.positions, self.rope_theta)
         k = apply_rotary(self.k_norm(k), batch.positions, self.rope_theta)
-        k_cache, v_cache = kv
+        # Write first, then read the prefix from the written cache: the reads then depend on
+        # the scatter, so XLA updates the donated cache in place instead of copying it.
+        k_cache, v_cache = write_kv(*kv, k, v, batch.out_cache_loc)
         out = paged_attention(q, k, v, k_cache, v_cache, batch, self.head_dim**-0.5)
-        new_kv = write_kv(k_cache, v_cache, k, v, batch.out_cache_loc)
-        return out.reshape(t, -1) @ self.o_proj[...], new_kv
+        return out.reshape(t, -1) @ self.o_proj[...], (k_cache, v_cache)
 
 
 class Qwen3MoeMLP(nnx.Module):

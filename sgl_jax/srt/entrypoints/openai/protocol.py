@@ -1,0 +1,278 @@
+"""Request and response bodies of the HTTP API (pydantic v2).
+
+Requests are validated from the raw JSON text in strict mode, so a wrong type (``"n": "2"``,
+``"stream": 1``) is a 400 rather than a silent coercion; integers are still accepted where a
+float is expected. OpenAI request bodies ignore unknown fields (clients send many optional
+ones we do not implement and that do not change the output); the native ``/generate`` body
+forbids them, because there an unknown key is almost always a misspelt parameter.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# n copies of every prompt are scheduled as independent requests; bound it so one request
+# cannot queue an unbounded amount of work.
+MAX_N = 128
+
+
+class OpenAIError(Exception):
+    """An error with its HTTP status and OpenAI error fields, raised by the serving layer."""
+
+    def __init__(
+        self, status: int, message: str, type: str = "invalid_request_error",
+        param: str | None = None, code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type, param, code,
+        )
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None,
+    code: str | int | None = None,
+) -> dict[str, Any]:
+    return ErrorResponse(
+        error=ErrorInfo(message=message, type=type, param=param, code=code)
+    ).model_dump()
+
+
+def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
+    """A one-line message and the offending top-level parameter for a ValidationError."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return f"the request body is not valid JSON: {first['msg']}", None
+    if not first["loc"]:
+        return f"the request body: {first['msg']} (got {_short(first.get('input'))})", None
+    param = str(first["loc"][0])
+    # A value that fits no branch of a union yields one error per branch (loc names the
+    # branch type, e.g. ("prompt", "list[int]", 1)); list the accepted forms once instead.
+    branches = list(dict.fromkeys(
+        str(e["loc"][1]) for e in errors
+        if len(e["loc"]) > 1 and e["loc"][0] == first["loc"][0] and _is_type_name(e["loc"][1])
+    ))
+    if len(branches) > 1:
+        return f"{param}: expected one of {', '.join(branches)}", param
+    loc = ".".join(str(p) for p in first["loc"] if not _is_type_name(p))
+    message = f"{loc}: {first['msg']}"
+    if first["type"] != "missing":
+        message += f" (got {_short(first.get('input'))})"
+    return message, param
+
+
+def _is_type_name(part: Any) -> bool:
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool"})
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# -- requests ---------------------------------------------------------------------------------
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class OpenAISamplingRequest(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # sgl_jax extensions (the `openai` client sends them through extra_body).
+    return_routed_experts: bool = False
+    routed_experts_start_len: int | None = None
+
+    def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
+        """SGLang sampling parameters; None values mean "engine default"."""
+        params = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        return {k: v for k, v in params.items() if v is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(OpenAISamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (name, tool_calls, ...) are kept: the chat template may use them.
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str
+    # A string, None, or OpenAI content parts; the tokenizer checks the parts (text only).
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(OpenAISamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+class GenerateRequest(BaseModel):
+    """The native /generate body (GenerateReqInput's fields)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    stream: bool = False
+    return_routed_experts: bool | list[bool] = False
+    routed_experts_start_len: int | list[int | None] | None = None
+
+
+class AbortRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    rid: str
+
+
+# -- responses --------------------------------------------------------------------------------
+def _omit_none(value: Any) -> bool:
+    return value is None
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: dict[str, int] | None = Field(None, exclude_if=_omit_none)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    matched_stop: int | str | None = Field(None, exclude_if=_omit_none)
+    meta_info: dict[str, Any] | None = Field(None, exclude_if=_omit_none)
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = Field(None, exclude_if=_omit_none)
+
+
+class CompletionStreamResponse(CompletionResponse):
+    pass
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    matched_stop: int | str | None = Field(None, exclude_if=_omit_none)
+    meta_info: dict[str, Any] | None = Field(None, exclude_if=_omit_none)
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = Field(None, exclude_if=_omit_none)
+    content: str | None = Field(None, exclude_if=_omit_none)
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    matched_stop: int | str | None = Field(None, exclude_if=_omit_none)
+    meta_info: dict[str, Any] | None = Field(None, exclude_if=_omit_none)
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = Field(None, exclude_if=_omit_none)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "sgl_jax"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

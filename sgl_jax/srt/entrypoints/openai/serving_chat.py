@@ -1,0 +1,92 @@
+"""/v1/chat/completions: the messages rendered by the model's chat template, then a completion.
+
+The template output already holds every special token the model expects, so it is tokenized
+here WITHOUT adding special tokens (a second BOS would change the model's input), and the ids
+go to the manager as ``input_ids``. Without ``max_tokens`` / ``max_completion_tokens`` a chat
+may use the rest of the context, as with OpenAI.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from sgl_jax.srt.entrypoints.openai.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatMessageOut,
+    ChatStreamChoice,
+    DeltaMessage,
+    OpenAIError,
+    UsageInfo,
+)
+from sgl_jax.srt.entrypoints.openai.serving_completions import (
+    OpenAIPlan,
+    OpenAIServing,
+    finish_reason,
+    matched_stop,
+)
+
+
+class ChatPlan(OpenAIPlan):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._role_sent: set[int] = set()  # choices whose first chunk (with the role) is out
+
+    def make_response(self, results: list[dict[str, Any]], usage: UsageInfo) -> BaseModel:
+        choices = [
+            ChatCompletionChoice(
+                index=r["index"], message=ChatMessageOut(content=r["text"]),
+                finish_reason=finish_reason(r["meta_info"]),
+                matched_stop=matched_stop(r["meta_info"]), meta_info=r["meta_info"],
+            )
+            for r in results
+        ]
+        return ChatCompletionResponse(id=self.response_id, model=self.model, choices=choices,
+                                      usage=usage)
+
+    def make_chunk(self, out: dict[str, Any], final: bool) -> BaseModel:
+        index, meta = out["index"], out["meta_info"]
+        first = index not in self._role_sent
+        self._role_sent.add(index)
+        delta = DeltaMessage(
+            role="assistant" if first else None,
+            content=out["text"] if out["text"] or first else None,
+        )
+        choice = ChatStreamChoice(
+            index=index, delta=delta, finish_reason=finish_reason(meta),
+            matched_stop=matched_stop(meta), meta_info=meta if final else None,
+        )
+        return ChatCompletionStreamResponse(id=self.response_id, model=self.model,
+                                            choices=[choice])
+
+    def make_usage_chunk(self, usage: UsageInfo) -> BaseModel:
+        return ChatCompletionStreamResponse(id=self.response_id, model=self.model, choices=[],
+                                            usage=usage)
+
+
+class OpenAIServingChat(OpenAIServing):
+    id_prefix = "chatcmpl"
+
+    def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [m.model_dump() for m in req.messages]
+        prompt = self.tm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tm.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def plan(self, req: ChatCompletionRequest) -> ChatPlan:
+        self.check_model(req.model)
+        if req.logprobs or req.top_logprobs:
+            param = "logprobs" if req.logprobs else "top_logprobs"
+            raise OpenAIError(400, f"'{param}' is not supported by this server", param=param)
+        ids = self.prompt_ids(req)
+        max_new = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        if max_new is None:
+            # The rest of the context (the manager rejects a prompt that leaves no room).
+            max_new = max(self.tm.context_len - len(ids), 0)
+        obj, rids, response_id = self.make_batch(req, [ids], [max_new])
+        return ChatPlan(obj, rids, response_id, self.served_model_name, req.n,
+                        req.include_usage)

@@ -1,0 +1,201 @@
+"""/v1/completions, and the pieces every OpenAI route shares.
+
+The serving layer only translates: an OpenAI request becomes one batched
+:class:`GenerateReqInput` for the shared TokenizerManager (``n`` copies of every prompt, each an
+independent request with its own rid and, when a seed is given, seed + copy index), and the
+manager's outputs become OpenAI response bodies or stream chunks. Driving the generation
+(queues, client disconnects, SSE framing) is the HTTP layer's job.
+
+Choice ``i`` is copy ``i % n`` of prompt ``i // n``, as in OpenAI's API. Every choice carries
+the manager's ``meta_info`` (token counts, ``routed_experts`` when asked for); in a stream only
+the choice's final chunk does.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from pydantic import BaseModel
+
+from sgl_jax.srt.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    OpenAIError,
+    OpenAISamplingRequest,
+    UsageInfo,
+)
+from sgl_jax.srt.managers.io_struct import GenerateReqInput
+from sgl_jax.srt.managers.tokenizer_manager import TokenizerManager
+
+_FINISH_REASONS = {"stop": "stop", "length": "length"}
+
+
+def finish_reason(meta: dict[str, Any]) -> str | None:
+    reason = meta.get("finish_reason")
+    if reason is None:
+        return None
+    return _FINISH_REASONS.get(reason.get("type"), "abort")
+
+
+def matched_stop(meta: dict[str, Any]) -> int | str | None:
+    reason = meta.get("finish_reason")
+    return reason.get("matched") if reason else None
+
+
+class OpenAIPlan:
+    """One OpenAI request as a batch for the manager, plus how to format what comes back.
+
+    The HTTP layer calls ``response`` with every final result (non-streaming), or ``chunks``
+    with every streamed piece and then ``tail`` (streaming). They return JSON texts.
+    """
+
+    def __init__(
+        self, obj: GenerateReqInput, rids: list[str], response_id: str, model: str, n: int,
+        include_usage: bool,
+    ) -> None:
+        self.obj, self.rids, self.response_id, self.model = obj, rids, response_id, model
+        self.n, self.include_usage = n, include_usage
+        self.final_metas: dict[int, dict[str, Any]] = {}  # index -> final meta_info (streaming)
+
+    @property
+    def stream(self) -> bool:
+        return self.obj.stream
+
+    def usage(self, metas: dict[int, dict[str, Any]]) -> UsageInfo:
+        # The n copies of a prompt share it: count its tokens once, like OpenAI does.
+        prompt = sum(m["prompt_tokens"] for i, m in metas.items() if i % self.n == 0)
+        completion = sum(m["completion_tokens"] for m in metas.values())
+        cached = sum(m["cached_tokens"] for i, m in metas.items() if i % self.n == 0)
+        return UsageInfo(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+            prompt_tokens_details={"cached_tokens": cached},
+        )
+
+    def response(self, results: list[dict[str, Any]]) -> str:
+        ordered = sorted(results, key=lambda r: r["index"])
+        body = self.make_response(ordered, self.usage({r["index"]: r["meta_info"] for r in ordered}))
+        return body.model_dump_json()
+
+    def chunks(self, out: dict[str, Any]) -> list[str]:
+        meta = out["meta_info"]
+        final = meta.get("finish_reason") is not None
+        if final:
+            self.final_metas[out["index"]] = meta
+        return [self.make_chunk(out, final).model_dump_json()]
+
+    def tail(self) -> list[str]:
+        if not self.include_usage:
+            return []
+        return [self.make_usage_chunk(self.usage(self.final_metas)).model_dump_json()]
+
+    # Implemented per route.
+    def make_response(self, results: list[dict[str, Any]], usage: UsageInfo) -> BaseModel:
+        raise NotImplementedError
+
+    def make_chunk(self, out: dict[str, Any], final: bool) -> BaseModel:
+        raise NotImplementedError
+
+    def make_usage_chunk(self, usage: UsageInfo) -> BaseModel:
+        raise NotImplementedError
+
+
+class OpenAIServing:
+    """What the OpenAI routes share: the manager, model-name checks, batch construction."""
+
+    id_prefix = "cmpl"
+
+    def __init__(
+        self, tokenizer_manager: TokenizerManager, served_model_name: str, model_names: set[str]
+    ) -> None:
+        self.tm = tokenizer_manager
+        self.served_model_name = served_model_name
+        self.model_names = model_names | {served_model_name}
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise OpenAIError(
+                404, f"the model {model!r} does not exist; this server serves "
+                f"{self.served_model_name!r}", param="model", code="model_not_found",
+            )
+
+    def make_batch(
+        self, req: OpenAISamplingRequest, prompts: list[str] | list[list[int]],
+        max_new_tokens: list[int | None],
+    ) -> tuple[GenerateReqInput, list[str], str]:
+        """``n`` independent requests per prompt, in choice order."""
+        response_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        params, expanded = [], []
+        for prompt, max_new in zip(prompts, max_new_tokens, strict=True):
+            for j in range(req.n):
+                p = req.sampling_params(max_new)
+                if req.seed is not None:
+                    p["seed"] = req.seed + j  # distinct but reproducible copies
+                params.append(p)
+                expanded.append(prompt)
+        # rids derive from the response id, so a client can abort a choice via /abort_request.
+        rids = [f"{response_id}-{i}" for i in range(len(params))]
+        as_text = isinstance(expanded[0], str)
+        obj = GenerateReqInput(
+            text=expanded if as_text else None,
+            input_ids=None if as_text else expanded,
+            sampling_params=params, rid=rids, stream=req.stream,
+            return_routed_experts=req.return_routed_experts,
+            routed_experts_start_len=req.routed_experts_start_len,
+        )
+        return obj, rids, response_id
+
+
+class CompletionPlan(OpenAIPlan):
+    def make_response(self, results: list[dict[str, Any]], usage: UsageInfo) -> BaseModel:
+        choices = [
+            CompletionChoice(
+                index=r["index"], text=r["text"], finish_reason=finish_reason(r["meta_info"]),
+                matched_stop=matched_stop(r["meta_info"]), meta_info=r["meta_info"],
+            )
+            for r in results
+        ]
+        return CompletionResponse(id=self.response_id, model=self.model, choices=choices,
+                                  usage=usage)
+
+    def make_chunk(self, out: dict[str, Any], final: bool) -> BaseModel:
+        meta = out["meta_info"]
+        choice = CompletionChoice(
+            index=out["index"], text=out["text"], finish_reason=finish_reason(meta),
+            matched_stop=matched_stop(meta), meta_info=meta if final else None,
+        )
+        return CompletionStreamResponse(id=self.response_id, model=self.model, choices=[choice])
+
+    def make_usage_chunk(self, usage: UsageInfo) -> BaseModel:
+        return CompletionStreamResponse(id=self.response_id, model=self.model, choices=[],
+                                        usage=usage)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    id_prefix = "cmpl"
+
+    def plan(self, req: CompletionRequest) -> CompletionPlan:
+        self.check_model(req.model)
+        unsupported = {
+            "logprobs": req.logprobs is not None, "echo": req.echo,
+            "suffix": req.suffix is not None,
+            "best_of": req.best_of is not None and req.best_of != req.n,
+        }
+        for name, asked in unsupported.items():
+            if asked:
+                raise OpenAIError(400, f"'{name}' is not supported by this server", param=name)
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            prompts: list[Any] = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompts = [prompt]  # one prompt given as token ids
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise OpenAIError(400, "'prompt' must not be an empty list", param="prompt")
+        max_new = req.max_tokens if req.max_tokens is not None else 16
+        obj, rids, response_id = self.make_batch(req, prompts, [max_new] * len(prompts))
+        return CompletionPlan(obj, rids, response_id, self.served_model_name, req.n,
+                              req.include_usage)

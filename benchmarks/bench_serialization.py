@@ -10,10 +10,10 @@ whole path a routed-experts response takes, server to client:
   ``np.asarray(..., dtype=np.int32)``.
 
 The same JSON library serializes the whole response both ways: ``orjson`` (what the server
-uses) and, unless ``--no-stdlib``, stdlib ``json`` as a second column. Both round trips are
-checked against the input. The formats (and libraries) are interleaved in one loop, their
-order rotated every repeat; each stage reports its median over the repeats and ``total`` is
-the median of the per-repeat totals.
+uses) and stdlib ``json`` as a second column (up to ``--stdlib-max-tokens``, default 8192, as
+it is slow; none with ``--no-stdlib``). Both round trips are checked against the input. The
+formats (and libraries) are interleaved in one loop, their order rotated every repeat; each
+stage reports its median over the repeats and ``total`` is the median of the per-repeat totals.
 
     python benchmarks/bench_serialization.py [--tokens 1024 8192 32768] [--layers 48]
         [--topk 8] [--repeats N] [--out docs/perf_serialization.md]
@@ -185,10 +185,13 @@ def _ok(met: bool) -> str:
     return "yes" if met else "**no**"
 
 
+def _libs_of(res: dict[tuple[str, str], Series]) -> list[str]:
+    return list(dict.fromkeys(lib for lib, _ in res))
+
+
 def render_tables(
     all_results: dict[int, dict[tuple[str, str], Series]],
     repeats: dict[int, int],
-    libs: list[str],
     layers: int,
     topk: int,
 ) -> tuple[str, list[tuple[str, bool]]]:
@@ -201,7 +204,7 @@ def render_tables(
         "|---:|---:|---|---:|---:|---:|:---:|",
     ]
     for n, res in all_results.items():
-        for lib in libs:
+        for lib in _libs_of(res):
             ours = res[(lib, "ours")].body_bytes()
             lists = res[(lib, "lists")].body_bytes()
             ratio = ours / lists
@@ -220,7 +223,7 @@ def render_tables(
         "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for n, res in all_results.items():
-        for lib in libs:
+        for lib in _libs_of(res):
             ours, lists = res[(lib, "ours")], res[(lib, "lists")]
             speedup = lists.total() / ours.total()
             met = speedup >= TARGET_SPEEDUP
@@ -274,16 +277,16 @@ def render_notes(
   {overhead}-byte rest of the response), so ours is {ours / lists:.2f}x the lists body (stdlib
   `json` adds a space after each comma, hence its smaller ratio). No int32 byte encoding can
   reach <= {TARGET_BYTES_RATIO}x against ids this small. For reference, the same base64
-  scheme over narrower ids would give {widths} vs orjson lists; only a uint8 width (ids < 256;
-  -1 for dense layers would need a sentinel) meets the target, and that is a change to the
-  DESIGN.md section 4 wire contract, not to this benchmark.
+  scheme over narrower ids would give (vs orjson lists): {widths}. Only a uint8 width (ids <
+  256; -1 for dense layers would need a sentinel) meets the target, and that is a change to
+  the DESIGN.md section 4 wire contract, not to this benchmark.
 - **Speed**: the lists path is dominated by building and parsing ~{ids // topk:,} small
   Python lists (`tolist`, `loads`, `np.asarray`); ours touches one string. The ratio shrinks
   with size because ours becomes memory-bandwidth bound (several full copies: bytes, base64,
   str, body, parsed str, decoded bytes, the `astype` copy in
   `extract_routed_experts_from_meta_info`).
-- The host is a noisy 2-core machine; repeated runs moved individual medians by 2x or more at
-  1024 tokens (sub-10 ms totals), much less at the larger sizes.
+- The host is a noisy 2-core machine whose load changes: across full runs the absolute
+  medians moved by up to ~2x (the lists path most), the speedups much less.
 """
 
 
@@ -305,7 +308,8 @@ top-{topk}, seed {SEED}.
   `np.asarray(..., dtype=np.int32)`.
 
 Both round trips are asserted equal to the input. The whole response body is serialized with
-the same library both ways (`orjson`, as the server does; stdlib `json` for reference).
+the same library both ways (`orjson`, as the server does; stdlib `json` for reference, by
+default only up to 8192 tokens as it is slow).
 Stages: `encode` = server-side conversion (base64 / `tolist`) and building the response,
 `dumps` = body serialization, `loads` = client parse, `decode` = client conversion to a numpy
 array. Formats are interleaved in one loop (order rotated each repeat); every stage is a
@@ -343,21 +347,28 @@ def main(argv: list[str] | None = None) -> int:
         help="repeats per size (default: 15 up to 8192 tokens, 5 above)",
     )
     p.add_argument("--no-stdlib", action="store_true", help="skip the stdlib json column")
+    p.add_argument(
+        "--stdlib-max-tokens",
+        type=int,
+        default=8192,
+        help="stdlib json column only up to this many tokens (it is slow; orjson is the server's)",
+    )
     p.add_argument("--out", default=None, help="write a markdown results page here")
     args = p.parse_args(argv)
 
-    libs = ["orjson"] if args.no_stdlib else ["orjson", "json"]
     start = time.perf_counter()
     all_results: dict[int, dict[tuple[str, str], Series]] = {}
     repeats: dict[int, int] = {}
     for n in args.tokens:
         repeats[n] = args.repeats if args.repeats is not None else default_repeats(n)
         t = time.perf_counter()
+        stdlib = not args.no_stdlib and n <= args.stdlib_max_tokens
+        libs = ["orjson", "json"] if stdlib else ["orjson"]
         all_results[n] = bench_size(n, args.layers, args.topk, repeats[n], libs)
         print(f"# {n} tokens: {time.perf_counter() - t:.1f} s", file=sys.stderr)
     elapsed = time.perf_counter() - start
 
-    tables, checks = render_tables(all_results, repeats, libs, args.layers, args.topk)
+    tables, checks = render_tables(all_results, repeats, args.layers, args.topk)
     print(tables)
     print()
     for desc, met in checks:

@@ -58,6 +58,20 @@ logger = logging.getLogger(__name__)
 RESERVE_CLIP = 256
 
 
+class StepStats:
+    """Wall time of whole scheduler steps (schedule + run + process), per forward mode."""
+
+    def __init__(self) -> None:
+        self.data = {mode.name.lower(): {"steps": 0, "seconds": 0.0, "tokens": 0}
+                     for mode in ForwardMode}
+
+    def record(self, batch: ScheduleBatch, seconds: float) -> None:
+        entry = self.data[batch.forward_mode.name.lower()]
+        entry["steps"] += 1
+        entry["seconds"] += seconds
+        entry["tokens"] += sum(batch.extend_lens)
+
+
 class Scheduler:
     def __init__(self, server_args: ServerArgs, port_args: PortArgs) -> None:
         self.server_args = server_args
@@ -86,6 +100,7 @@ class Scheduler:
         self.chunked: Req | None = None  # the one request whose prompt is part-way prefilled
         self.num_retractions = 0
         self.num_generated_tokens = 0
+        self.step_stats = StepStats()
 
         ctx = zmq.Context(2)
         self.recv_socket = ctx.socket(zmq.PULL)
@@ -98,11 +113,13 @@ class Scheduler:
         while True:
             for msg in self.recv_requests():
                 self.process_input(msg)
+            t0 = time.perf_counter()
             batch = self.prefill() or self.decode()
             if batch is None:
                 continue
             out = self.run_batch(batch)
             self.process_batch_result(batch, out)
+            self.step_stats.record(batch, time.perf_counter() - t0)
 
     def recv_requests(self) -> list[Any]:
         idle = not (self.waiting or self.running or self.chunked)
@@ -348,6 +365,7 @@ class Scheduler:
             "num_retractions": self.num_retractions,
             "num_generated_tokens": self.num_generated_tokens,
             "num_compiles": self.runner.num_compiles,
+            "step_stats": self.step_stats.data,
             "max_total_tokens": self.runner.max_total_tokens,
             "max_running_requests": self.max_running,
             "context_length": self.context_len,

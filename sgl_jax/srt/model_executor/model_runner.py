@@ -88,7 +88,10 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         self.model = load_model(model_config, self.mesh, self.dtype)
-        self.graphdef, self.params = nnx.split(self.model)
+        self.graphdef, params = nnx.split(self.model)
+        # The step takes the parameters as a flat list of arrays: flattening an nnx.State of
+        # Variables on every call costs more host time than a decode step of a small model.
+        self.param_leaves, self.param_treedef = jax.tree.flatten(params)
         self.load_seconds = time.perf_counter() - t0
 
         self.max_total_tokens = self._resolve_max_total_tokens()
@@ -115,7 +118,9 @@ class ModelRunner:
 
         self.num_compiles = 0
         self.compile_seconds: dict[tuple[int, int, int], float] = {}
-        self._step = jax.jit(partial(self._step_impl, self.graphdef), donate_argnums=(1, 2))
+        self._step = jax.jit(
+            partial(self._step_impl, self.graphdef, self.param_treedef), donate_argnums=(1, 2)
+        )
 
     # -- set-up ---------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
@@ -150,17 +155,17 @@ class ModelRunner:
             )
 
     def memory_report(self) -> dict[str, int]:
-        params = sum(x.nbytes for x in jax.tree.leaves(self.params))
+        params = sum(x.nbytes for x in self.param_leaves)
         kv = sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
         return {"parameters": params, "kv_cache": kv, **self.capturer.memory_report()}
 
     # -- the jitted step ------------------------------------------------------------------------
     def _step_impl(
-        self, graphdef: Any, params: nnx.State, kv_caches: list, routed_cache: Any,
-        batch: ForwardBatch,
+        self, graphdef: Any, param_treedef: Any, param_leaves: list, kv_caches: list,
+        routed_cache: Any, batch: ForwardBatch,
     ) -> tuple:
         self.num_compiles += 1  # runs only while tracing: one count per compiled shape
-        model = nnx.merge(graphdef, params)
+        model = nnx.merge(graphdef, jax.tree.unflatten(param_treedef, param_leaves))
         capturer = get_global_experts_capturer()
         capturer.begin_forward(routed_cache)
         logits, kv_caches = model(batch, kv_caches)
@@ -173,7 +178,7 @@ class ModelRunner:
         before = self.num_compiles
         t0 = time.perf_counter()
         next_ids, logits, self.kv_caches, routed_cache, rows = self._step(
-            self.params, self.kv_caches, self.capturer.device_cache(), batch
+            self.param_leaves, self.kv_caches, self.capturer.device_cache(), batch
         )
         self.capturer.set_device_cache(routed_cache)
         if self.num_compiles != before:

@@ -30,6 +30,8 @@ UNIT = [
 E2E = [
     "tests/test_engine.py",
     "tests/test_routed_experts.py",
+    "tests/test_http_server.py",
+    "tests/test_openai_api.py",
 ]
 SUITES = {"unit": UNIT, "e2e": E2E, "all": UNIT + E2E}
 DEFAULT = "all"

@@ -130,7 +130,7 @@ def main() -> None:
     engine_prefill_rate = ext["tokens"] / max(ext["seconds"], 1e-9)
     ceiling_prefill_rate = ceil["extend_tokens"] / ceil["extend"]
     rows = [
-        ["decode step (ms, bs=%d)" % args.concurrency, engine_step * 1e3, ceil["decode"] * 1e3,
+        [f"decode step (ms, bs={args.concurrency})", engine_step * 1e3, ceil["decode"] * 1e3,
          ceil["decode"] / engine_step],
         ["prefill (tokens/s)", engine_prefill_rate, ceiling_prefill_rate,
          engine_prefill_rate / ceiling_prefill_rate],

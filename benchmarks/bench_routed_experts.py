@@ -72,7 +72,7 @@ def main() -> None:
             rates: dict[str, list[float]] = {"off": [], "on": []}
             for _ in range(args.repeats):
                 for name, eng in engines.items():
-                    secs, toks = timed(lambda eng=eng, name=name: run_round(
+                    secs, toks = timed(lambda eng=eng, name=name, prompts=prompts: run_round(
                         eng, prompts, args.output_len, name == "on"))
                     rates[name].append(toks / secs)
             off, on = median(rates["off"]), median(rates["on"])

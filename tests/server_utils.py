@@ -79,7 +79,8 @@ class ServerProcess:
                              **kw)
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         with open(self.log_path, encoding="utf-8", errors="replace") as f:
             return f.read()
 
@@ -118,10 +119,16 @@ def server_fixture(request: pytest.FixtureRequest, args: list[str],
                 print(text)
 
 
-def sse_events(response: requests.Response) -> list[dict | str]:
-    """The ``data:`` payloads of an event stream: JSON objects, and "[DONE]" as a string."""
+def sse_events(source: requests.Response | Iterator[str]) -> list[dict | str]:
+    """The ``data:`` payloads of an event stream: JSON objects, and "[DONE]" as a string.
+
+    Pass the same ``iter_lines(decode_unicode=True)`` iterator when part of the stream was
+    already read: a second ``iter_lines`` would lose what the first one had buffered.
+    """
+    lines = source.iter_lines(decode_unicode=True) if isinstance(source, requests.Response) \
+        else source
     events: list[dict | str] = []
-    for line in response.iter_lines(decode_unicode=True):
+    for line in lines:
         if line and line.startswith("data: "):
             payload = line[len("data: "):]
             events.append(payload if payload == "[DONE]" else json.loads(payload))

@@ -27,6 +27,7 @@ from sgl_jax.tools.reference_forward import ReferenceModel, routed_experts_rows
 from tests.server_utils import (
     FAST_ARGS,
     ServerProcess,
+    free_port,
     server_fixture,
     sse_events,
     wait_until,
@@ -261,16 +262,18 @@ def gone(pid: int) -> bool:
         return True
 
 
-def test_sigterm_aborts_requests_and_stops_children():
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_aborts_requests_and_stops_children(sig):
     server = ServerProcess([*FAST_ARGS, "--enable-return-routed-experts"])
     try:
         pids = server.get("/get_server_info").json()["pids"]
         res = server.post("/generate", json={"text": "x", "stream": True, "sampling_params": LONG},
                           stream=True)
-        next(res.iter_lines())
+        lines = res.iter_lines(decode_unicode=True)
+        next(lines)
         t0 = time.monotonic()
-        server.proc.send_signal(signal.SIGTERM)
-        events = sse_events(res)
+        server.proc.send_signal(sig)
+        events = sse_events(lines)
         assert events[-1] == "[DONE]"
         assert events[-2]["meta_info"]["finish_reason"]["type"] == "abort"
         assert server.proc.wait(10) == 0
@@ -282,7 +285,7 @@ def test_sigterm_aborts_requests_and_stops_children():
 
 
 def test_child_death_gives_503_and_nonzero_exit():
-    server = ServerProcess(FAST_ARGS)
+    server = ServerProcess([*FAST_ARGS, "--enable-return-routed-experts"])
     try:
         pids = server.get("/get_server_info").json()["pids"]
         result = {}
@@ -300,6 +303,23 @@ def test_child_death_gives_503_and_nonzero_exit():
         assert all(gone(pid) for pid in pids.values()), pids
     finally:
         server.stop()
+
+
+def test_signal_during_start_up_exits_cleanly():
+    cmd = [sys.executable, "-m", "sgl_jax.launch_server", "--port", str(free_port()), *FAST_ARGS]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert wait_until(lambda: len(psutil.Process(proc.pid).children()) == 2, timeout=10)
+        children = [c.pid for c in psutil.Process(proc.pid).children()]
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "Interrupted by SIGTERM" in out
+    # The children notice that their parent is gone and exit on their own.
+    assert wait_until(lambda: all(gone(pid) for pid in children), timeout=5)
 
 
 def test_port_in_use_fails_fast():

@@ -9,11 +9,14 @@ status as a pickled dict over the inherited file descriptor STATUS_FD.
 from __future__ import annotations
 
 import pickle
+import signal
 import sys
 from multiprocessing.connection import Connection
 
 
 def main() -> None:
+    # Ctrl-C reaches the whole process group; the parent decides when children stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     role, status_fd = sys.argv[1], int(sys.argv[2])
     server_args, port_args = pickle.load(sys.stdin.buffer)
     status = Connection(status_fd, readable=False)

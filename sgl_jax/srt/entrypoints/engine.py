@@ -58,10 +58,15 @@ class Subprocesses:
             self.procs[name] = proc
             readers[name] = Connection(read_fd, writable=False)
         self._stopping = False
-        self.info = {name: self._handshake(name, r, server_args.startup_timeout)
-                     for name, r in readers.items()}
-        for reader in readers.values():
-            reader.close()
+        try:
+            self.info = {name: self._handshake(name, r, server_args.startup_timeout)
+                         for name, r in readers.items()}
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            for reader in readers.values():
+                reader.close()
 
     def _handshake(self, name: str, reader: Any, timeout: float) -> dict[str, Any]:
         proc = self.procs[name]
@@ -230,7 +235,8 @@ class Engine:
     # -- control --------------------------------------------------------------------------------
     def get_server_info(self) -> dict[str, Any]:
         info = self._run(self.tokenizer_manager.get_server_info())
-        return {**info, "pids": self._procs.pids(), "server_args": vars(self.server_args)}
+        args = {**vars(self.server_args), "api_key": "***" if self.server_args.api_key else None}
+        return {**info, "pids": self._procs.pids(), "server_args": args}
 
     def flush_cache(self) -> bool:
         return self._run(self.tokenizer_manager.flush_cache()).success

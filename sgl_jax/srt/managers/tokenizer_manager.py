@@ -166,8 +166,11 @@ class TokenizerManager:
                 async for out in self._wait_many(tokenized):
                     yield out
         except (asyncio.CancelledError, GeneratorExit):
-            for t in tokenized:
-                self.abort_request(t.rid)
+            # The request states are gone by now (_wait_one's finally); the scheduler ignores
+            # rids that already finished.
+            if self.dead_reason is None:
+                for t in tokenized:
+                    self._send_obj(AbortReq(rid=t.rid))
             raise
 
     async def _wait_many(self, reqs: list[TokenizedGenerateReqInput]):

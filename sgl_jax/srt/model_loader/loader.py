@@ -13,6 +13,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,20 +37,27 @@ class CheckpointError(ValueError):
 
 
 class SafetensorsCheckpoint:
-    """Lazy, name-indexed access to the tensors of all ``*.safetensors`` files of a directory."""
+    """Name-indexed access to the tensors of all ``*.safetensors`` files of a directory.
+
+    Each file is opened once (memory-mapped) for the whole load: a stacked expert parameter
+    reads hundreds of tensors, and reopening the file for each costs far more than reading.
+    """
 
     def __init__(self, model_path: str) -> None:
         files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
         if not files:
             raise CheckpointError(f"no *.safetensors file in {model_path}")
-        self._where: dict[str, str] = {}
+        self._handles: dict[str, Any] = {}
+        self._where: dict[str, Any] = {}
         for file in files:
             try:
-                with safe_open(file, framework="numpy") as f:
-                    for name in f.keys():
-                        self._where[name] = file
+                handle = safe_open(file, framework="numpy")
+                names = list(handle.keys())
             except Exception as e:  # safetensors raises its own error types
                 raise CheckpointError(f"cannot read {file}: {e}") from e
+            self._handles[file] = handle
+            for name in names:
+                self._where[name] = handle
 
     def names(self) -> set[str]:
         return set(self._where)
@@ -57,8 +65,7 @@ class SafetensorsCheckpoint:
     def get(self, name: str) -> np.ndarray:
         if name not in self._where:
             raise CheckpointError(f"checkpoint lacks the tensor {name!r}")
-        with safe_open(self._where[name], framework="numpy") as f:
-            return f.get_tensor(name)
+        return self._where[name].get_tensor(name)
 
 
 def hf_sources(path: Path, num_experts: int) -> tuple[list[str], bool]:

@@ -1,0 +1,243 @@
+"""How a request travels over HTTP: body, errors, API key, and generation tied to the client.
+
+- Bodies are read with a size limit, decoded as strict UTF-8 and validated by pydantic.
+- Every failure becomes an OpenAI-style ``{"error": {message, type, param, code}}`` body with
+  the right status: 400 bad input (pydantic or the tokenizer manager's ValueError), 401 API
+  key, 404 unknown model or route, 413 body too large, 503 engine dead / shutting down; only a
+  bug is a 500.
+- Generation runs in a task of its own (:class:`Generation`), so a client that goes away (the
+  handler or the streaming response is cancelled) is noticed outside the tokenizer manager,
+  and its requests are aborted by rid while the manager still tracks them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+import orjson
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sgl_jax.srt.entrypoints.openai.protocol import (
+    OpenAIError,
+    describe_validation_error,
+    error_body,
+)
+from sgl_jax.srt.managers.io_struct import GenerateReqInput
+from sgl_jax.srt.managers.tokenizer_manager import EngineDeadError, TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+OPEN_PATHS = frozenset({"/health", "/health_generate"})  # reachable without the API key
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+
+class Plan(Protocol):
+    """A request for the manager and how to format its outputs (JSON texts)."""
+
+    obj: GenerateReqInput
+    rids: list[str]
+
+    @property
+    def stream(self) -> bool: ...
+    def response(self, results: list[dict[str, Any]]) -> str: ...
+    def chunks(self, out: dict[str, Any]) -> list[str]: ...
+    def tail(self) -> list[str]: ...
+
+
+class ClientGone(Exception):
+    pass
+
+
+class Generation:
+    """``tm.generate_request(obj)`` pumped into a queue by its own task.
+
+    Invariant: the consumer never awaits inside the manager, so cancelling the consumer leaves
+    the manager's request states in place; ``close()`` (synchronous, so it also works inside a
+    cancelled scope) then aborts every rid still running and cancels the pump.
+    """
+
+    _END = object()
+
+    def __init__(self, tm: TokenizerManager, obj: GenerateReqInput, rids: list[str]) -> None:
+        self._tm, self._rids = tm, rids
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._task = asyncio.create_task(self._pump(tm.generate_request(obj)))
+
+    async def _pump(self, agen: AsyncIterator[dict[str, Any]]) -> None:
+        try:
+            async for out in agen:
+                self._queue.put_nowait(out)
+        except Exception as e:  # handed to the consumer
+            self._queue.put_nowait(e)
+        else:
+            self._queue.put_nowait(self._END)
+
+    async def next(self) -> dict[str, Any] | None:
+        item = await self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        return None if item is self._END else item
+
+    async def collect(self) -> list[dict[str, Any]]:
+        results = []
+        while (item := await self.next()) is not None:
+            results.append(item)
+        return results
+
+    def close(self) -> None:
+        if not self._task.done():
+            for rid in self._rids:
+                self._tm.abort_request(rid)
+            self._task.cancel()
+
+
+async def until_disconnect(request: Request, aw: Awaitable[T]) -> T:
+    """Awaits ``aw``, cancelling it and raising ClientGone if the client disconnects first."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(aw), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+    if work.done() and not work.cancelled():
+        return work.result()
+    raise ClientGone()
+
+
+class _SSEResponse(StreamingResponse):
+    """An event stream that runs ``on_close`` however it ends (done, error or disconnect)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def _sse(plan: Plan, gen: Generation, first: dict[str, Any]) -> AsyncIterator[str]:
+    try:
+        item: dict[str, Any] | None = first
+        while item is not None:
+            for text in plan.chunks(item):
+                yield f"data: {text}\n\n"
+            item = await gen.next()
+        for text in plan.tail():
+            yield f"data: {text}\n\n"
+    except Exception as e:  # the status line is sent: report the error as an event
+        status, body = _error_for(e)
+        logger.warning("stream ended with HTTP-equivalent %d: %s", status, body["error"]["message"])
+        yield f"data: {orjson.dumps(body).decode()}\n\n"
+    finally:
+        gen.close()
+    yield "data: [DONE]\n\n"
+
+
+async def serve(request: Request, tm: TokenizerManager, plan: Plan,
+                unavailable: str | None = None) -> Response:
+    """Runs ``plan`` and answers: JSON, or an event stream once the first piece is ready."""
+    if unavailable is not None:
+        raise EngineDeadError(unavailable)
+    gen = Generation(tm, plan.obj, plan.rids)
+    try:
+        if not plan.stream:
+            return Response(plan.response(await until_disconnect(request, gen.collect())),
+                            media_type="application/json")
+        # The first piece is awaited before the status line, so a bad request is a 4xx.
+        first = await until_disconnect(request, gen.next())
+    except BaseException:
+        gen.close()
+        raise
+    if first is None:
+        gen.close()
+        return Response(plan.response([]), media_type="application/json")
+    return _SSEResponse(_sse(plan, gen, first), on_close=gen.close)
+
+
+# -- errors, bodies, API key ----------------------------------------------------------------------
+def _error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    if isinstance(exc, OpenAIError):
+        return exc.status, error_body(exc.message, exc.type, exc.param, exc.code)
+    if isinstance(exc, ValidationError):
+        message, param = describe_validation_error(exc)
+        return 400, error_body(message, param=param)
+    if isinstance(exc, EngineDeadError):
+        return 503, error_body(str(exc), "server_error", code="engine_unavailable")
+    if isinstance(exc, TimeoutError):
+        return 503, error_body("the engine did not answer in time", "server_error", code="timeout")
+    # The tokenizer manager, SamplingParams and the chat template report bad input as
+    # ValueErrors with user-facing messages.
+    if isinstance(exc, ValueError):
+        return 400, error_body(str(exc))
+    if isinstance(exc, StarletteHTTPException):
+        return exc.status_code, error_body(str(exc.detail))
+    return 500, error_body("internal server error", "server_error")
+
+
+async def handle_error(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, ClientGone):
+        logger.info("%s: client disconnected; its requests were aborted", request.url.path)
+        return Response(status_code=499)
+    status, body = _error_for(exc)
+    if status == 500:
+        logger.error("%s -> 500: %r", request.url.path, exc, exc_info=exc)
+    else:  # the client's problem, or a known engine state (503): worth a line, not an alarm
+        level = logging.WARNING if status >= 500 else logging.INFO
+        logger.log(level, "%s -> %d: %s", request.url.path, status, body["error"]["message"])
+    return JSONResponse(body, status_code=status)
+
+
+async def read_json(request: Request, model: type[M]) -> M:
+    declared = request.headers.get("content-length", "")
+    too_big = OpenAIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes",
+                          code="request_too_large")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_big
+        chunks.append(chunk)
+    try:
+        text = b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise OpenAIError(400, f"the request body is not valid UTF-8 (byte {e.start})") from None
+    return model.model_validate_json(text)
+
+
+class ApiKeyMiddleware:
+    """Requires ``Authorization: Bearer KEY`` on every path but the health checks."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app, self.expected = app, api_key.encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, key = header.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.expected):
+                body = error_body("missing or invalid API key (send 'Authorization: Bearer KEY')",
+                                  "authentication_error", code="invalid_api_key")
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,218 @@
+"""The OpenAI-compatible routes driven by the official ``openai`` client, routed experts included.
+
+The server serves the bundled tiny model under the name Qwen/Qwen3-30B-A3B. Routed-experts rows
+returned over HTTP must equal an independent float64 reference forward teacher-forced with the
+prompt ids (tokenized as the server does) and the output ids (recovered from ``/generate`` with
+the same prompt ids and sampling parameters, whose text must match the OpenAI response's).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import openai
+import pybase64
+import pytest
+import requests
+
+from sgl_jax.srt.tokenizer import Tokenizer
+from sgl_jax.tools.reference_forward import ReferenceModel, routed_experts_rows
+from tests.server_utils import FAST_ARGS, server_fixture
+
+MODEL = "Qwen/Qwen3-30B-A3B"
+ROUTED = {"return_routed_experts": True}
+MESSAGES = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Explain "},
+                                         {"type": "text", "text": "MoE models"}]}]
+
+
+@pytest.fixture(scope="module")
+def server(request):
+    yield from server_fixture(
+        request, [*FAST_ARGS, "--enable-return-routed-experts", "--served-model-name", MODEL])
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=60)
+
+
+@pytest.fixture(scope="module")
+def info(server):
+    return server.get("/get_model_info").json()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(info):
+    return Tokenizer.from_pretrained(info["model_path"])
+
+
+@pytest.fixture(scope="module")
+def reference(info):
+    return ReferenceModel(info["model_path"])
+
+
+def decode_rows(meta: dict, info: dict) -> np.ndarray:
+    raw = pybase64.b64decode(meta["routed_experts"].encode("utf-8"))
+    flat = np.frombuffer(raw, dtype=np.int32)
+    return flat.reshape(-1, info["num_hidden_layers"], info["num_experts_per_tok"])
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def replay(server, prompt_ids: list[int], params: dict) -> dict:
+    """The same request through /generate: gives the output ids the OpenAI routes do not."""
+    res = server.post("/generate", json={"input_ids": prompt_ids, "sampling_params": params})
+    assert res.status_code == 200, res.text
+    return res.json()
+
+
+def check_rows(server, reference, info, meta: dict, text: str, prompt_ids: list[int],
+               params: dict) -> None:
+    rows = decode_rows(meta, info)
+    assert meta["prompt_tokens"] == len(prompt_ids)
+    assert rows.shape[0] == meta["prompt_tokens"] + meta["completion_tokens"] - 1
+    again = replay(server, prompt_ids, params)
+    assert again["text"] == text
+    assert len(again["output_ids"]) == meta["completion_tokens"]
+    np.testing.assert_array_equal(rows, routed_experts_rows(reference, prompt_ids,
+                                                            again["output_ids"]))
+
+
+# -- completions --------------------------------------------------------------------------------
+def test_completion_routed_experts_match_reference(server, client, info, tokenizer, reference):
+    prompt = "Routing replay needs the expert ids"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                    extra_body=ROUTED)
+    choice = out.choices[0]
+    assert out.model == MODEL and choice.finish_reason in ("stop", "length")
+    assert out.usage.prompt_tokens == choice.meta_info["prompt_tokens"]
+    assert out.usage.completion_tokens == choice.meta_info["completion_tokens"]
+    check_rows(server, reference, info, choice.meta_info, choice.text, tokenizer.encode(prompt),
+               {"max_new_tokens": 8, "temperature": 0})
+
+
+def test_completion_stream_with_usage(server, client, info, tokenizer, reference):
+    prompt = "A streamed completion"
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=7, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body=ROUTED))
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens > 0
+    body = chunks[:-1]
+    assert all(getattr(c.choices[0], "meta_info", None) is None for c in body[:-1])
+    final = body[-1].choices[0]
+    assert final.finish_reason in ("stop", "length")
+    text = "".join(c.choices[0].text for c in body)
+    assert usage.usage.prompt_tokens == final.meta_info["prompt_tokens"]
+    check_rows(server, reference, info, final.meta_info, text, tokenizer.encode(prompt),
+               {"max_new_tokens": 7, "temperature": 0})
+
+
+def test_completion_token_prompts_and_model_path(server, client, info):
+    out = client.completions.create(model=info["model_path"], prompt=[[3, 4, 5], [6, 7]],
+                                    max_tokens=2, temperature=0)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.usage.prompt_tokens == 5
+    assert all("routed_experts" not in c.meta_info for c in out.choices)
+
+
+# -- chat ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_chat_routed_experts_match_reference(server, client, info, tokenizer, reference, stream):
+    params = {"max_new_tokens": 9, "temperature": 0}
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=9, temperature=0, extra_body=ROUTED)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        meta = chunks[-1].choices[0].meta_info
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    else:
+        out = client.chat.completions.create(**kwargs)
+        assert out.choices[0].message.role == "assistant"
+        text, meta = out.choices[0].message.content, out.choices[0].meta_info
+        assert out.usage.total_tokens == meta["prompt_tokens"] + meta["completion_tokens"]
+    check_rows(server, reference, info, meta, text, chat_prompt_ids(tokenizer, MESSAGES), params)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_chat_n2_with_seed_gives_two_complete_choices(server, client, info, tokenizer, reference,
+                                                       stream):
+    seed, ids = 1234, chat_prompt_ids(tokenizer, MESSAGES)
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=1.0, seed=seed, n=2,
+                  extra_body=ROUTED)
+    if stream:
+        texts, metas = {0: "", 1: ""}, {}
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+                if getattr(c, "meta_info", None) is not None:
+                    metas[c.index] = c.meta_info
+        choices = [(texts[i], metas[i]) for i in (0, 1)]
+    else:
+        out = client.chat.completions.create(**kwargs)
+        assert [c.index for c in out.choices] == [0, 1]
+        assert out.usage.prompt_tokens == len(ids)  # the prompt is counted once
+        choices = [(c.message.content, c.meta_info) for c in out.choices]
+    assert choices[0][1]["id"] != choices[1][1]["id"]
+    for i, (text, meta) in enumerate(choices):
+        params = {"max_new_tokens": 6, "temperature": 1.0, "seed": seed + i}
+        check_rows(server, reference, info, meta, text, ids, params)
+
+
+def test_user_story_program(server, info):
+    num_layers, num_experts_per_tok = info["num_hidden_layers"], info["num_experts_per_tok"]
+    response = requests.post(f"{server.url}/v1/chat/completions", json={
+        "model": "Qwen/Qwen3-30B-A3B", "messages": [{"role": "user", "content": "Explain MoE models"}],
+        "return_routed_experts": True, "max_tokens": 50}).json()
+    routed_experts_b64 = response["choices"][0]["meta_info"]["routed_experts"]
+    expert_ids = np.frombuffer(pybase64.b64decode(routed_experts_b64.encode("utf-8")), dtype=np.int32)
+    expert_ids = expert_ids.reshape(-1, num_layers, num_experts_per_tok)
+
+    usage = response["usage"]
+    assert expert_ids.shape[0] == usage["prompt_tokens"] + usage["completion_tokens"] - 1
+    assert ((expert_ids >= 0) & (expert_ids < info["num_experts"])).all()
+
+
+def test_models_list(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+# -- errors -------------------------------------------------------------------------------------
+OPENAI_ERRORS = [
+    ("unknown-model", openai.NotFoundError, dict(model="gpt-4")),
+    ("logprobs", openai.BadRequestError, dict(logprobs=True)),
+    ("top-logprobs", openai.BadRequestError, dict(top_logprobs=2)),
+    ("negative-temperature", openai.BadRequestError, dict(temperature=-1.0)),
+    ("top-p-zero", openai.BadRequestError, dict(top_p=0.0)),
+    ("too-many-tokens", openai.BadRequestError, dict(max_tokens=10**6)),
+    ("n-too-large", openai.BadRequestError, dict(n=10**4)),
+    ("start-len-out-of-range", openai.BadRequestError,
+     dict(extra_body={"return_routed_experts": True, "routed_experts_start_len": 10**4})),
+    ("start-len-wrong-type", openai.BadRequestError,
+     dict(extra_body={"return_routed_experts": True, "routed_experts_start_len": "3"})),
+    ("routed-experts-wrong-type", openai.BadRequestError,
+     dict(extra_body={"return_routed_experts": "yes"})),
+    ("penalty-unsupported", openai.BadRequestError, dict(frequency_penalty=0.5)),
+]
+
+
+@pytest.mark.parametrize("error,kwargs", [c[1:] for c in OPENAI_ERRORS],
+                         ids=[c[0] for c in OPENAI_ERRORS])
+def test_chat_errors(server, client, error, kwargs):
+    kwargs = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **kwargs}
+    with pytest.raises(error) as caught:
+        client.chat.completions.create(**kwargs)
+    body = caught.value.body
+    assert isinstance(body, dict) and body["message"] and "type" in body
+    assert server.get("/health_generate").status_code == 200
+
+
+def test_stream_errors_are_http_errors(server, client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=[10**6], max_tokens=2, stream=True)
+    assert server.get("/health_generate").status_code == 200

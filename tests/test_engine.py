@@ -188,3 +188,26 @@ def test_context_manager_shutdown():
         pids = eng.child_pids()
     time.sleep(0.2)
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids.values())
+
+
+def test_overlap_schedule_gives_identical_results(engine):
+    prompts = [prompt_ids(500 + i, 5 + 13 * i) for i in range(6)]
+    params = [
+        {"max_new_tokens": 10 + i, "temperature": 0.8 if i % 2 else 0.0, "seed": 7 + i,
+         "ignore_eos": True}
+        for i in range(6)
+    ]
+    with Engine(**FAST_ENGINE_ARGS, precompile_bs_paddings=[1, 4, 16],
+                disable_overlap_schedule=True) as sequential:
+        expected = sequential.generate(input_ids=prompts, sampling_params=params)
+    got = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in expected]
+
+
+def test_no_recompilation_after_warm_up(engine):
+    before = engine.get_server_info()["num_compiles"]
+    prompts = [prompt_ids(600 + i, 3 + 17 * i) for i in range(10)]
+    engine.generate(input_ids=prompts,
+                    sampling_params=[{**GREEDY, "max_new_tokens": 3 + 4 * i} for i in range(10)])
+    list(engine.generate(prompt="streaming too", max_new_tokens=5, stream=True))
+    assert engine.get_server_info()["num_compiles"] == before

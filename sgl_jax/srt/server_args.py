@@ -58,6 +58,9 @@ class ServerArgs:
         1.0, "How much KV room to reserve for running requests' future tokens (0..1+).")
     disable_radix_cache: bool = _arg(False, "Turn off prefix (radix) caching.")
     stream_interval: int = _arg(1, "Send a streaming chunk every this many tokens.")
+    disable_overlap_schedule: bool = _arg(
+        False, "Process each step's results before launching the next (by default the host "
+               "prepares step N+1 and processes step N while the device computes).")
 
     # Compilation
     precompile_bs_paddings: list[int] | None = _arg(

@@ -50,6 +50,7 @@ class Req:
     prefix_len: int = 0  # of those, how many belong to the radix tree (locked via last_node)
     last_node: TreeNode | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    inflight: int = 0  # launched steps whose sampled token the host has not processed yet
     admitted: bool = False
     routed_experts: np.ndarray | None = None
     sent_len: int = 0  # output ids already handed to the detokenizer
@@ -68,15 +69,14 @@ class Req:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
-    @property
-    def in_decode(self) -> bool:
-        """Every token but the newest has its K/V cached: the next step is a decode step."""
-        return self.req_pool_idx is not None and self.kv_len == self.seq_len - 1 and bool(
-            self.output_ids
-        )
-
     def remaining_new_tokens(self) -> int:
-        return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
+        return max(self.sampling_params.max_new_tokens - len(self.output_ids) - self.inflight, 0)
+
+    def can_grow(self, context_len: int) -> bool:
+        """Another token may be sampled, counting the ones still in flight."""
+        return (
+            self.remaining_new_tokens() > 0 and self.seq_len + self.inflight < context_len
+        )
 
 
 @dataclass
@@ -90,12 +90,15 @@ class ScheduleBatch:
     # Extend steps: whether each request's sampled token is a real output (its prompt is
     # complete after this step) or a chunk boundary to be discarded.
     samples_output: list[bool] = field(default_factory=list)
+    capture_routed: bool = False  # whether the step's routed-experts rows go to the host
 
     def to_model_worker_batch(self) -> ModelWorkerBatch:
         reqs = self.reqs
         prefix_lens = np.array([r.kv_len for r in reqs], np.int32)
         if self.forward_mode.is_decode:
-            input_ids = np.array([r.output_ids[-1] for r in reqs], np.int32)
+            # Each request feeds the token it sampled last, read on the device: it may still
+            # be in flight (overlap scheduling).
+            input_ids = np.full(len(reqs), -1, np.int32)
         else:
             input_ids = np.concatenate([
                 np.asarray(r.fill_ids[r.kv_len : r.kv_len + n], np.int32)
@@ -110,6 +113,6 @@ class ScheduleBatch:
             out_cache_loc=self.out_cache_loc,
             sampling_params=[r.sampling_params for r in reqs],
             seeds=[r.seed for r in reqs],
-            steps=[len(r.output_ids) for r in reqs],
+            steps=[len(r.output_ids) + r.inflight for r in reqs],
             return_routed_experts=any(r.return_routed_experts for r in reqs),
         )

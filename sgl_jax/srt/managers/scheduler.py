@@ -101,6 +101,8 @@ class Scheduler:
         self.num_retractions = 0
         self.num_generated_tokens = 0
         self.step_stats = StepStats()
+        self.overlap = not server_args.disable_overlap_schedule
+        self.pending: tuple[ScheduleBatch, StepOutput] | None = None  # launched, unprocessed
 
         ctx = zmq.Context(2)
         self.recv_socket = ctx.socket(zmq.PULL)
@@ -110,19 +112,38 @@ class Scheduler:
 
     # -- loop -----------------------------------------------------------------------------------
     def event_loop(self) -> None:
+        """recv -> schedule -> launch -> process.
+
+        With overlap (the default) a step's results are processed after the next step has been
+        launched, so the host's bookkeeping runs while the device computes: a decode step
+        reads its input tokens from the device (the last-token buffer), not from the host.
+        """
+        last = time.perf_counter()
         while True:
             for msg in self.recv_requests():
                 self.process_input(msg)
-            t0 = time.perf_counter()
             batch = self.prefill() or self.decode()
-            if batch is None:
-                continue
-            out = self.run_batch(batch)
-            self.process_batch_result(batch, out)
-            self.step_stats.record(batch, time.perf_counter() - t0)
+            launched = (batch, self.launch_batch(batch)) if batch is not None else None
+            if self.pending is not None:
+                self.process_batch_result(*self.pending)
+            self.pending = launched
+            if not self.overlap:
+                self.drain()
+            if batch is not None:
+                now = time.perf_counter()
+                self.step_stats.record(batch, now - last)
+                last = now
+            else:
+                last = time.perf_counter()
+
+    def drain(self) -> None:
+        """Processes the launched step, if any (before retraction, and without overlap)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self.process_batch_result(*pending)
 
     def recv_requests(self) -> list[Any]:
-        idle = not (self.waiting or self.running or self.chunked)
+        idle = not (self.waiting or self.running or self.chunked or self.pending)
         msgs = []
         if idle and not self.recv_socket.poll(timeout=1000):
             return msgs
@@ -209,16 +230,21 @@ class Scheduler:
         return ScheduleBatch(ForwardMode.EXTEND, reqs, lens, np.concatenate(locs), samples)
 
     def decode(self) -> ScheduleBatch | None:
-        if not self.running:
+        # A request whose in-flight tokens already reach its limit waits for them instead.
+        reqs = [r for r in self.running if r.can_grow(self.context_len)]
+        if not reqs:
             return None
-        slots = self.memory.alloc_kv(len(self.running))
+        slots = self.memory.alloc_kv(len(reqs))
+        if slots is None and self.pending is not None:
+            self.drain()  # finishes may free memory; retraction needs settled requests
+            return self.decode()
         while slots is None:
             if len(self.running) == 1:
                 self._abort_unfittable(self.running[0])
                 return None
             self.retract_one()
-            slots = self.memory.alloc_kv(len(self.running))
-        reqs = list(self.running)
+            reqs = [r for r in self.running if r.can_grow(self.context_len)]
+            slots = self.memory.alloc_kv(len(reqs))
         for req, slot in zip(reqs, slots, strict=True):
             self.memory.assign_kv(req, slot[None])
         return ScheduleBatch(ForwardMode.DECODE, reqs, [1] * len(reqs), slots, [True] * len(reqs))
@@ -244,27 +270,32 @@ class Scheduler:
         logger.info("KV cache full: retracted %s (%d tokens so far)", req.rid, req.seq_len)
 
     # -- running and results --------------------------------------------------------------------
-    def run_batch(self, batch: ScheduleBatch) -> StepOutput:
+    def launch_batch(self, batch: ScheduleBatch) -> StepOutput:
+        """Dispatches a step; the requests' accounting moves on as if it had run."""
         mwb = batch.to_model_worker_batch()
         _, out = forward_worker_batch(self.runner, mwb)
-        self.runner.capturer.on_forward_end(
-            out.routed_rows, mwb.out_cache_loc, mwb.num_tokens, copy=mwb.return_routed_experts
-        )
+        for req, n, samples in zip(batch.reqs, batch.extend_lens, batch.samples_output,
+                                   strict=True):
+            req.kv_len += n
+            if samples:
+                req.inflight += 1
+                if batch.forward_mode == ForwardMode.EXTEND:
+                    self.running.append(req)
+        batch.capture_routed = mwb.return_routed_experts
         return out
 
     def process_batch_result(self, batch: ScheduleBatch, out: StepOutput) -> None:
+        # Rows first: a request finishing below gathers rows that include this step's.
+        self.runner.capturer.on_forward_end(
+            out.routed_rows, batch.out_cache_loc, len(batch.out_cache_loc),
+            copy=batch.capture_routed,
+        )
         next_ids = np.asarray(out.next_token_ids)[: len(batch.reqs)].tolist()
         changed: list[Req] = []
-        for req, n, samples, token in zip(
-            batch.reqs, batch.extend_lens, batch.samples_output, next_ids, strict=True
-        ):
-            req.kv_len += n
-            if req.finished:  # aborted while its step ran
-                self.finish(req)
-                changed.append(req)
+        for req, samples, token in zip(batch.reqs, batch.samples_output, next_ids, strict=True):
+            if not samples or req.finished:  # a chunk boundary, or ended while this step ran
                 continue
-            if not samples:
-                continue
+            req.inflight -= 1
             if req.sampling_params.max_new_tokens == 0:
                 req.finished_reason = finish_length(0)
             else:
@@ -273,8 +304,6 @@ class Scheduler:
                 self.check_finished(req)
             if req.finished:
                 self.finish(req)
-            elif batch.forward_mode == ForwardMode.EXTEND:
-                self.running.append(req)
             changed.append(req)
         self.send_outputs(changed)
 

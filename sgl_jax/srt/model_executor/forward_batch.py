@@ -3,7 +3,12 @@
 Padding conventions (the jitted forward relies on them):
 - padded tokens have ``token_to_req == padded_bs`` (no real row), position 0 and write their K/V
   to the reserved slot 0, which no request ever reads;
-- padded rows have ``seq_lens == prefix_lens == 0`` and an all-zero page-table row.
+- padded rows have ``seq_lens == prefix_lens == 0``, an all-zero page-table row, and the
+  request slot ``NO_REQ_SLOT`` (a spare row of the last-token buffer).
+
+An input id of -1 means "the token this request sampled last": it is read on the device from
+the last-token buffer, so a decode step can be dispatched before the previous step's tokens
+have reached the host (overlap scheduling).
 """
 
 from __future__ import annotations
@@ -29,10 +34,11 @@ class ForwardMode(enum.IntEnum):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class ForwardBatch:
-    input_ids: jax.Array  # [T] int32
+    input_ids: jax.Array  # [T] int32; -1: the request's last sampled token (on device)
     positions: jax.Array  # [T] int32, absolute position of each token in its request
     out_cache_loc: jax.Array  # [T] int32, KV slot each token writes
     token_to_req: jax.Array  # [T] int32, batch row of each token (padded_bs for padding)
+    req_pool_indices: jax.Array  # [B] int32, request slot of each row (the last-token buffer row)
     seq_lens: jax.Array  # [B] int32, tokens of the request including this batch's
     prefix_lens: jax.Array  # [B] int32, tokens already in the KV cache before this batch
     page_table: jax.Array  # [B, W] int32, req_to_token rows: KV slot of every position
@@ -55,7 +61,8 @@ def shape_key(batch: ForwardBatch) -> tuple[int, int, int]:
 
 
 def make_padding_batch(
-    mode: ForwardMode, num_tokens: int, batch_size: int, page_width: int, vocab_size: int
+    mode: ForwardMode, num_tokens: int, batch_size: int, page_width: int, vocab_size: int,
+    no_req_slot: int,
 ) -> ForwardBatch:
     """An all-padding batch of the given shape (used to compile a bucket ahead of time)."""
     zeros_t = np.zeros(num_tokens, np.int32)
@@ -65,6 +72,7 @@ def make_padding_batch(
         positions=zeros_t,
         out_cache_loc=zeros_t,
         token_to_req=np.full(num_tokens, batch_size, np.int32),
+        req_pool_indices=np.full(batch_size, no_req_slot, np.int32),
         seq_lens=zeros_b,
         prefix_lens=zeros_b,
         page_table=np.zeros((batch_size, page_width), np.int32),
@@ -82,7 +90,7 @@ class ModelWorkerBatch:
     req_pool_indices: np.ndarray  # [B] int32
     prefix_lens: np.ndarray  # [B] int32: positions already in the KV cache
     extend_lens: np.ndarray  # [B] int32: new tokens per request (1 in decode)
-    input_ids: np.ndarray  # [T] int32, the requests' new tokens back to back
+    input_ids: np.ndarray  # [T] int32, the requests' new tokens back to back (-1: on device)
     out_cache_loc: np.ndarray  # [T] int32, KV slot of every new token
     sampling_params: list  # per request: objects with temperature/top_p/top_k/min_p
     seeds: list[int]
@@ -104,6 +112,7 @@ def build_forward_batch(
     padded_tokens: int,
     padded_rows: int,
     vocab_size: int,
+    no_req_slot: int,
 ) -> ForwardBatch:
     """Pads a ModelWorkerBatch to a compiled shape.
 
@@ -134,6 +143,7 @@ def build_forward_batch(
         positions=pad(positions, padded_tokens, 0),
         out_cache_loc=pad(mwb.out_cache_loc, padded_tokens, 0),
         token_to_req=pad(row_of_token, padded_tokens, padded_rows),
+        req_pool_indices=pad(mwb.req_pool_indices, padded_rows, no_req_slot),
         seq_lens=pad(seq_lens, padded_rows, 0),
         prefix_lens=pad(prefix_lens, padded_rows, 0),
         page_table=page_table,

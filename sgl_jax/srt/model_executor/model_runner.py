@@ -9,6 +9,7 @@ its outputs, so they are updated in place. Every trace of the step is counted in
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -98,6 +99,12 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.page_width)
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(self.max_total_tokens)
         self.kv_caches = self._allocate_kv_cache(self.token_to_kv_pool_allocator.num_slots)
+        # The token each request slot sampled last (row max_running_requests: padding rows).
+        self.no_req_slot = self.max_running_requests
+        self.last_tokens = jax.device_put(
+            np.zeros(self.max_running_requests + 1, np.int32),
+            NamedSharding(self.mesh, PartitionSpec()),
+        )
 
         capturer = RoutedExpertsCapturer.create(
             enable=server_args.enable_return_routed_experts,
@@ -119,7 +126,7 @@ class ModelRunner:
         self.num_compiles = 0
         self.compile_seconds: dict[tuple[int, int, int], float] = {}
         self._step = jax.jit(
-            partial(self._step_impl, self.graphdef, self.param_treedef), donate_argnums=(1, 2)
+            partial(self._step_impl, self.graphdef, self.param_treedef), donate_argnums=(1, 2, 3)
         )
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -162,23 +169,31 @@ class ModelRunner:
     # -- the jitted step ------------------------------------------------------------------------
     def _step_impl(
         self, graphdef: Any, param_treedef: Any, param_leaves: list, kv_caches: list,
-        routed_cache: Any, batch: ForwardBatch,
+        last_tokens: jax.Array, routed_cache: Any, batch: ForwardBatch,
     ) -> tuple:
         self.num_compiles += 1  # runs only while tracing: one count per compiled shape
         model = nnx.merge(graphdef, jax.tree.unflatten(param_treedef, param_leaves))
+        req_slot = jnp.take(batch.req_pool_indices, batch.token_to_req, mode="fill",
+                            fill_value=self.no_req_slot)
+        input_ids = jnp.where(batch.input_ids < 0, last_tokens[req_slot], batch.input_ids)
+        batch = dataclasses.replace(batch, input_ids=input_ids)
         capturer = get_global_experts_capturer()
         capturer.begin_forward(routed_cache)
         logits, kv_caches = model(batch, kv_caches)
         routed_cache, routed_rows = capturer.end_forward(batch.num_tokens)
         next_ids = sample(logits, batch.sampling)
-        return next_ids, logits, kv_caches, routed_cache, routed_rows
+        # Rows that only end a prompt chunk also write here; no step reads a slot's last token
+        # before the step that samples the request's real next token has written it.
+        last_tokens = last_tokens.at[batch.req_pool_indices].set(next_ids)
+        return next_ids, logits, kv_caches, last_tokens, routed_cache, routed_rows
 
     def forward(self, batch: ForwardBatch) -> StepOutput:
         """Dispatches one step (asynchronously: the outputs are futures until read)."""
         before = self.num_compiles
         t0 = time.perf_counter()
-        next_ids, logits, self.kv_caches, routed_cache, rows = self._step(
-            self.param_leaves, self.kv_caches, self.capturer.device_cache(), batch
+        next_ids, logits, self.kv_caches, self.last_tokens, routed_cache, rows = self._step(
+            self.param_leaves, self.kv_caches, self.last_tokens, self.capturer.device_cache(),
+            batch,
         )
         self.capturer.set_device_cache(routed_cache)
         if self.num_compiles != before:
@@ -205,7 +220,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         for mode, tokens, rows in tqdm(shapes, desc="Precompiling", unit="shape"):
             batch = make_padding_batch(
-                mode, tokens, rows, self.page_width, self.model_config.vocab_size
+                mode, tokens, rows, self.page_width, self.model_config.vocab_size,
+                self.no_req_slot,
             )
             self.forward(batch).next_token_ids.block_until_ready()
         logger.info(
@@ -229,6 +245,7 @@ def forward_worker_batch(runner: ModelRunner, mwb: ModelWorkerBatch) -> tuple[Fo
         tokens = runner.padded_extend_tokens(mwb.num_tokens)
         rows = runner.extend_rows(tokens)
     batch = build_forward_batch(
-        mwb, runner.req_to_token_pool.req_to_token, tokens, rows, runner.model_config.vocab_size
+        mwb, runner.req_to_token_pool.req_to_token, tokens, rows, runner.model_config.vocab_size,
+        runner.no_req_slot,
     )
     return batch, runner.forward(batch)

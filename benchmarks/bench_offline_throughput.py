@@ -110,6 +110,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--return-routed-experts", action="store_true")
+    p.add_argument("--disable-overlap-schedule", action="store_true")
     p.add_argument("--repeats", type=int, default=20)
     args = p.parse_args()
 
@@ -120,6 +121,7 @@ def main() -> None:
         precompile_bs_paddings=sorted({1, args.concurrency}),
         precompile_token_paddings=[64, 256, 1024], chunked_prefill_size=1024,
         enable_return_routed_experts=args.return_routed_experts, log_level="warning",
+        disable_overlap_schedule=args.disable_overlap_schedule,
     )
     prompts = random_prompts(args.num_prompts, args.input_len, cfg.vocab_size)
     eng = engine_run(args, server_kwargs, prompts)
@@ -138,7 +140,8 @@ def main() -> None:
     name = args.preset or "bundled tiny-qwen3-moe"
     print(f"\n### Offline throughput: {name}, {args.num_prompts} requests, concurrency "
           f"{args.concurrency}, input {args.input_len}, output {args.output_len}, routed experts "
-          f"{'on' if args.return_routed_experts else 'off'}\n")
+          f"{'on' if args.return_routed_experts else 'off'}, overlap schedule "
+          f"{'off' if args.disable_overlap_schedule else 'on'}\n")
     print(f"`{' '.join(['python', *sys.argv])}` — {machine_description()}\n")
     print(f"End to end: {eng['input_tokens'] / eng['wall']:.1f} input tok/s, "
           f"{eng['output_tokens'] / eng['wall']:.1f} output tok/s over {eng['wall']:.2f} s; "

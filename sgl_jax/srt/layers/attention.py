@@ -46,18 +46,29 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_new.shape[1]
     group = num_heads // num_kv_heads
-    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * scale
+    # Every contraction below keeps its batch dimensions leading ([KVH, ...] or [T, KVH, ...]):
+    # XLA:CPU runs einsums with a batch dimension in the middle an order of magnitude slower.
+    q32 = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * scale
     req = batch.token_to_req
     pos = batch.positions
 
     # Keys of this batch's own tokens: same request, not after the query (causal).
-    scores = jnp.einsum("tkgd,skd->tkgs", qg, k_new.astype(jnp.float32))
+    qh = q32.transpose(1, 2, 0, 3).reshape(num_kv_heads, group * num_tokens, head_dim)
+    kh = k_new.astype(jnp.float32).transpose(1, 0, 2)  # [KVH, T, D]
+    vh = v_new.astype(jnp.float32).transpose(1, 0, 2)
+    scores = jnp.einsum("kxd,ksd->kxs", qh, kh).reshape(
+        num_kv_heads, group, num_tokens, num_tokens
+    )
     visible = (req[:, None] == req[None, :]) & (pos[None, :] <= pos[:, None])
-    scores = jnp.where(visible[:, None, None, :], scores, _MASKED)
-    m = scores.max(axis=-1)
+    scores = jnp.where(visible[None, None], scores, _MASKED)
+    m = scores.max(axis=-1)  # [KVH, G, T]
     p = jnp.exp(scores - m[..., None])
     denom = p.sum(axis=-1)
-    acc = jnp.einsum("tkgs,skd->tkgd", p, v_new.astype(jnp.float32))
+    acc = jnp.einsum("kxs,ksd->kxd", p.reshape(num_kv_heads, group * num_tokens, num_tokens), vh)
+    # To the per-token layout of the prefix loop: [T, KVH, G, (D)].
+    m = m.transpose(2, 0, 1)
+    denom = denom.transpose(2, 0, 1)
+    acc = acc.reshape(num_kv_heads, group, num_tokens, head_dim).transpose(2, 0, 1, 3)
 
     # Keys of the cached prefix, block by block through the page table.
     prefix_len = jnp.take(batch.prefix_lens, req, mode="fill", fill_value=0)  # [T]
@@ -68,16 +79,16 @@ def paged_attention(
         start = i * block_size
         rows = jax.lax.dynamic_slice_in_dim(batch.page_table, start, block_size, axis=1)
         slots = jnp.take(rows, req, axis=0, mode="fill", fill_value=0)  # [T, block]
-        kb = k_cache[slots].astype(jnp.float32)  # [T, block, KVH, D]
-        vb = v_cache[slots].astype(jnp.float32)
-        s = jnp.einsum("tkgd,tbkd->tkgb", qg, kb)
+        kb = k_cache[slots].astype(jnp.float32).transpose(0, 2, 1, 3)  # [T, KVH, block, D]
+        vb = v_cache[slots].astype(jnp.float32).transpose(0, 2, 1, 3)
+        s = jnp.einsum("tkgd,tkbd->tkgb", q32, kb)
         cols = start + jnp.arange(block_size)
         s = jnp.where((cols[None, :] < prefix_len[:, None])[:, None, None, :], s, _MASKED)
         m_new = jnp.maximum(m, s.max(axis=-1))
         correction = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[..., None])
         denom = denom * correction + p.sum(axis=-1)
-        acc = acc * correction[..., None] + jnp.einsum("tkgb,tbkd->tkgd", p, vb)
+        acc = acc * correction[..., None] + jnp.einsum("tkgb,tkbd->tkgd", p, vb)
         return m_new, denom, acc
 
     m, denom, acc = jax.lax.fori_loop(0, num_blocks, prefix_block, (m, denom, acc))

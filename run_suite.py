@@ -26,6 +26,7 @@ UNIT = [
     "tests/test_server_args.py",
     "tests/test_model_loader.py",
     "tests/test_model_forward.py",
+    "tests/test_parallel.py",
 ]
 E2E = [
     "tests/test_engine.py",

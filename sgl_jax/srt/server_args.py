@@ -79,6 +79,14 @@ class ServerArgs:
     # Parallelism
     tp_size: int = _arg(1, "Tensor-parallel size (devices along the 'tensor' mesh axis).")
     ep_size: int = _arg(1, "Expert-parallel size (devices along the 'expert' mesh axis).")
+    ep_expert_mapping: str | None = _arg(
+        None, "Which experts each 'expert'-axis device holds: JSON (inline or a file) with a "
+              "table [ep_size][num_experts/ep_size] of expert ids for every MoE layer, or "
+              "{\"default\": table, \"<layer_id>\": table}. Default: contiguous blocks.")
+    dist_init_addr: str | None = _arg(
+        None, "host:port of node 0's JAX coordinator, for multi-node (nnodes > 1).")
+    nnodes: int = _arg(1, "Number of nodes (hosts) the mesh spans.")
+    node_rank: int = _arg(0, "This node's rank, 0..nnodes-1.")
 
     # Routed experts
     enable_return_routed_experts: bool = _arg(
@@ -101,9 +109,13 @@ class ServerArgs:
         if self.log_level not in LOG_LEVELS:
             fail(f"log_level={self.log_level!r}; use one of {', '.join(LOG_LEVELS)}")
         for name in ("max_running_requests", "chunked_prefill_size", "stream_interval",
-                     "tp_size", "ep_size", "attention_block_size"):
+                     "tp_size", "ep_size", "attention_block_size", "nnodes"):
             if getattr(self, name) < 1:
                 fail(f"{name}={getattr(self, name)} must be >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            fail(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            fail(f"nnodes={self.nnodes} needs dist_init_addr (host:port of node 0)")
         if self.page_size != 1:
             fail(f"page_size={self.page_size}; only page_size=1 is supported")
         if self.context_length is not None and self.context_length < 2:

@@ -215,9 +215,13 @@ def sample(logits: jax.Array, meta: SamplingMetadata, head_size: int = 1024) -> 
         untruncated = (k >= vocab) & (meta.top_ps >= 1.0) & (meta.min_ps <= 0.0)
         plain = _inverse_cdf(cum, weights > 0.0, total, u)
 
-        # Ties: lower id first. The barrier keeps XLA from fusing later slices (e.g. the last
-        # column) into the top-k, which turns XLA:CPU's fast TopK back into a full sort.
-        head_vals, head_ids = jax.lax.optimization_barrier(jax.lax.top_k(logits, head))
+        # Ties: lower id first. The barriers keep XLA from fusing later slices (e.g. the last
+        # column) into the top-k, which turns XLA:CPU's fast TopK back into a full sort. One
+        # barrier per output: a barrier over the (values, ids) pair crashes XLA's SPMD
+        # partitioner on a multi-device mesh when the logits are replicated (tp=1, ep>1).
+        head_vals, head_ids = jax.lax.top_k(logits, head)
+        head_vals = jax.lax.optimization_barrier(head_vals)
+        head_ids = jax.lax.optimization_barrier(head_ids)
         head_pick, fits = _truncated_pick(head_vals, head_ids, temps, meta, k, total, u)
         needs_sort = ~greedy & ~untruncated & ~fits
 

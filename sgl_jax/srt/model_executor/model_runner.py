@@ -24,6 +24,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.distributed import check_parallel_layout, maybe_initialize_distributed
+from sgl_jax.srt.layers.moe.ep_moe import ExpertMapping
 from sgl_jax.srt.layers.moe.routed_experts_capturer import (
     RoutedExpertsCapturer,
     get_global_experts_capturer,
@@ -79,7 +81,16 @@ class ModelRunner:
         self.server_args = server_args
         self.model_config = model_config
         self.dtype = resolve_dtype(server_args.dtype)
+        # Before the first use of the backend: afterwards JAX only sees this host's devices.
+        maybe_initialize_distributed(
+            server_args.dist_init_addr, server_args.nnodes, server_args.node_rank
+        )
+        check_parallel_layout(
+            model_config, server_args.tp_size, server_args.ep_size, jax.device_count()
+        )
         self.mesh = make_mesh(server_args.tp_size, server_args.ep_size)
+        mapping = server_args.ep_expert_mapping
+        self.expert_mapping = ExpertMapping.parse(mapping) if mapping else None
         self.max_running_requests = int(server_args.max_running_requests)
         self.context_len = model_config.context_len
         # Page-table rows are as wide as the longest request, in whole attention blocks.
@@ -88,7 +99,7 @@ class ModelRunner:
         self.token_paddings = server_args.token_paddings()
 
         t0 = time.perf_counter()
-        self.model = load_model(model_config, self.mesh, self.dtype)
+        self.model = load_model(model_config, self.mesh, self.dtype, self.expert_mapping)
         self.graphdef, params = nnx.split(self.model)
         # The step takes the parameters as a flat list of arrays: flattening an nnx.State of
         # Variables on every call costs more host time than a decode step of a small model.
@@ -191,10 +202,11 @@ class ModelRunner:
         """Dispatches one step (asynchronously: the outputs are futures until read)."""
         before = self.num_compiles
         t0 = time.perf_counter()
-        next_ids, logits, self.kv_caches, self.last_tokens, routed_cache, rows = self._step(
-            self.param_leaves, self.kv_caches, self.last_tokens, self.capturer.device_cache(),
-            batch,
-        )
+        with jax.set_mesh(self.mesh):  # the model's shard_map regions run on this mesh
+            next_ids, logits, self.kv_caches, self.last_tokens, routed_cache, rows = self._step(
+                self.param_leaves, self.kv_caches, self.last_tokens, self.capturer.device_cache(),
+                batch,
+            )
         self.capturer.set_device_cache(routed_cache)
         if self.num_compiles != before:
             next_ids.block_until_ready()

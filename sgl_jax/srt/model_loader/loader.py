@@ -12,7 +12,7 @@ import glob
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -24,6 +24,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.layers.moe.ep_moe import ExpertMapping, apply_expert_mapping, layer_of
 from sgl_jax.srt.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -68,14 +69,21 @@ class SafetensorsCheckpoint:
         return self._where[name].get_tensor(name)
 
 
-def hf_sources(path: Path, num_experts: int) -> tuple[list[str], bool]:
-    """The HF tensor names a parameter is made of, and whether they are transposed."""
+def hf_sources(
+    path: Path, num_experts: int, expert_order: Sequence[int] | None = None
+) -> tuple[list[str], bool]:
+    """The HF tensor names a parameter is made of, and whether they are transposed.
+
+    Stacked experts are read in ``expert_order`` (the layer's physical order under the
+    device-expert mapping, default 0..E-1), so each expert-axis device's shard holds its experts.
+    """
     name = ".".join(str(p) for p in path)
     leaf = path[-1]
     if leaf in _STACKED_EXPERTS:
         prefix = ".".join(str(p) for p in path[:-1])
         proj = _STACKED_EXPERTS[str(leaf)]
-        return [f"{prefix}.experts.{e}.{proj}.weight" for e in range(num_experts)], True
+        order = range(num_experts) if expert_order is None else expert_order
+        return [f"{prefix}.experts.{e}.{proj}.weight" for e in order], True
     if leaf == "weight":  # norms
         return [name], False
     if leaf == "embed_tokens":
@@ -87,17 +95,24 @@ def _flat_params(state: nnx.State) -> Iterator[tuple[Path, nnx.Variable]]:
     yield from nnx.to_flat_state(state)
 
 
-def load_model(config: ModelConfig, mesh: Mesh, dtype: jnp.dtype) -> nnx.Module:
-    """Builds the model for ``config`` with the checkpoint's weights, sharded over ``mesh``."""
+def load_model(
+    config: ModelConfig, mesh: Mesh, dtype: jnp.dtype, expert_mapping: ExpertMapping | None = None
+) -> nnx.Module:
+    """Builds the model for ``config`` with the checkpoint's weights, sharded over ``mesh``;
+    the experts of each MoE layer are placed by ``expert_mapping`` (default: contiguous)."""
     model_cls = get_model_class(config.architecture)
     abstract = nnx.eval_shape(lambda: model_cls(config, dtype))
     graphdef, state = nnx.split(abstract)
     ckpt = SafetensorsCheckpoint(config.model_path)
+    mapping = expert_mapping or ExpertMapping.contiguous(config.num_experts, mesh.shape["expert"])
+    mapping.check(config.num_experts, mesh.shape["expert"])
 
     plan: list[tuple[Path, nnx.Variable, list[str], bool]] = []
     expected: set[str] = set()
     for path, var in _flat_params(state):
-        names, transpose = hf_sources(path, config.num_experts)
+        stacked = path[-1] in _STACKED_EXPERTS
+        order = mapping.physical_order(layer_of(path)) if stacked else None
+        names, transpose = hf_sources(path, config.num_experts, order)
         plan.append((path, var, names, transpose))
         expected.update(names)
     present = ckpt.names()
@@ -134,7 +149,9 @@ def load_model(config: ModelConfig, mesh: Mesh, dtype: jnp.dtype) -> nnx.Module:
     for path, var in _flat_params(state):
         var.set_value(pure[path])
     logger.info("Loaded %d tensors from %s", len(present), config.model_path)
-    return nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state)
+    apply_expert_mapping(model, mapping)  # the order the experts were just stacked in
+    return model
 
 
 def read_generation_eos(model_path: str) -> tuple[int, ...]:

@@ -15,7 +15,7 @@ from flax import nnx
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.layers.attention import paged_attention, write_kv
-from sgl_jax.srt.layers.moe.experts import combine_weights, experts_forward
+from sgl_jax.srt.layers.moe.ep_moe import W_DOWN_SPEC, W_GATE_UP_SPEC, ep_moe_forward
 from sgl_jax.srt.layers.moe.routed_experts_capturer import get_global_experts_capturer
 from sgl_jax.srt.layers.moe.topk import select_experts
 from sgl_jax.srt.layers.norm import RMSNorm
@@ -86,16 +86,23 @@ class Qwen3MoeSparseMoeBlock(nnx.Module):
         # The router stays float32 whatever the model dtype: routing must match a float32
         # reference bit for bit.
         self.gate = _param((hidden, experts), jnp.float32, (None, None))
-        self.w_gate = _param((experts, hidden, inter), dtype, ("expert", None, "tensor"))
-        self.w_up = _param((experts, hidden, inter), dtype, ("expert", None, "tensor"))
-        self.w_down = _param((experts, inter, hidden), dtype, ("expert", "tensor", None))
+        # Stacked experts in the layer's physical order (ep_moe.py): row i holds logical
+        # expert expert_order[i], and the rows of expert-axis device d are mapping[d]. The
+        # loader sets the order it stacked them in; default: identity (contiguous mapping).
+        self.w_gate = _param((experts, hidden, inter), dtype, W_GATE_UP_SPEC)
+        self.w_up = _param((experts, hidden, inter), dtype, W_GATE_UP_SPEC)
+        self.w_down = _param((experts, inter, hidden), dtype, W_DOWN_SPEC)
+        self.expert_order: tuple[int, ...] = tuple(range(experts))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         router_logits = x.astype(jnp.float32) @ self.gate[...]
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        # Logical ids, captured once, before any device-expert mapping is applied.
         get_global_experts_capturer().capture(self.layer_id, topk_ids)
-        weights = combine_weights(topk_ids, topk_weights, self.num_experts)
-        return experts_forward(x, self.w_gate[...], self.w_up[...], self.w_down[...], weights)
+        return ep_moe_forward(
+            x, topk_ids, topk_weights, self.w_gate[...], self.w_up[...], self.w_down[...],
+            self.expert_order,
+        )
 
 
 class Qwen3MoeDecoderLayer(nnx.Module):

@@ -3,8 +3,9 @@
 Every expert is applied to every token and the results are combined with a dense
 ``[tokens, experts]`` weight matrix that is zero outside each token's top-k. On a CPU and
 with the small expert sizes this engine is tested with, this is as fast as gathering
-per-token expert weights and has no data-dependent shapes; with the expert axis sharded
-over a mesh it becomes each device computing its own experts followed by one all-reduce.
+per-token expert weights and has no data-dependent shapes. Under expert parallelism
+(``ep_moe.py``) each device runs this on its own experts with its own columns of the matrix
+(its device-local routing table) and one all-reduce adds the results.
 """
 
 from __future__ import annotations
@@ -13,10 +14,19 @@ import jax
 import jax.numpy as jnp
 
 
-def combine_weights(topk_ids: jax.Array, topk_weights: jax.Array, num_experts: int) -> jax.Array:
-    """[T, k] ids and weights -> [T, E] float32 weights (0 for experts not chosen)."""
-    one_hot = jax.nn.one_hot(topk_ids, num_experts, dtype=jnp.float32)  # [T, k, E]
-    return jnp.einsum("tke,tk->te", one_hot, topk_weights.astype(jnp.float32))
+def combine_weights(
+    topk_ids: jax.Array, topk_weights: jax.Array, expert_ids: jax.Array
+) -> jax.Array:
+    """[T, k] logical ids and weights -> [T, len(expert_ids)] float32 combine weights.
+
+    Column j belongs to logical expert ``expert_ids[j]``: it holds the token's routing weight
+    for that expert, or 0 if the expert is not in the token's top-k. A token's top-k ids are
+    distinct, so at most one term of each sum is non-zero and the weights are copied exactly
+    (a select and a sum of zeros, not a matmul, whose precision depends on the backend).
+    """
+    hit = topk_ids[:, :, None] == expert_ids[None, None, :]  # [T, k, E']
+    w = topk_weights.astype(jnp.float32)[:, :, None]
+    return jnp.sum(jnp.where(hit, w, 0.0), axis=1)
 
 
 def experts_forward(
@@ -26,8 +36,12 @@ def experts_forward(
     w_down: jax.Array,
     weights: jax.Array,
 ) -> jax.Array:
-    """x [T, H]; w_gate, w_up [E, H, I]; w_down [E, I, H]; weights [T, E] -> [T, H]."""
+    """x [T, H]; w_gate, w_up [E, H, I]; w_down [E, I, H]; weights [T, E] -> float32 [T, H].
+
+    The result is float32 whatever the weights' dtype, so that partial sums of several
+    devices are added at full precision; callers cast it back to the activation dtype.
+    """
     gate = jnp.einsum("th,ehi->tei", x, w_gate)
     up = jnp.einsum("th,ehi->tei", x, w_up)
     act = jax.nn.silu(gate) * up * weights[:, :, None].astype(x.dtype)
-    return jnp.einsum("tei,eih->th", act, w_down)
+    return jnp.einsum("tei,eih->th", act, w_down, preferred_element_type=jnp.float32)

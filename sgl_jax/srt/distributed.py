@@ -1,0 +1,108 @@
+"""Parallel layout checks and multi-host start-up.
+
+The engine runs every step under one ``jax.sharding.Mesh`` with the axes ``("expert",
+"tensor")`` (see ``model_runner.make_mesh``): attention heads, dense MLPs, expert intermediate
+dimensions and the vocabulary of the LM head are split over "tensor"; the stacked experts are
+split over "expert". A layout that cannot shard the model evenly is refused here, at start-up,
+with a message naming the number that does not divide, instead of failing deep inside a
+``device_put`` or a compiled step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+
+from sgl_jax.srt.configs.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def parallel_layout_errors(
+    model_config: ModelConfig, tp_size: int, ep_size: int, num_devices: int
+) -> list[str]:
+    """Every reason why a ``tp_size`` x ``ep_size`` mesh cannot hold the model (empty if it can)."""
+    cfg = model_config
+    errors: list[str] = []
+    if tp_size < 1 or ep_size < 1:
+        return [f"tp_size={tp_size} and ep_size={ep_size} must both be >= 1"]
+    if tp_size * ep_size > num_devices:
+        errors.append(
+            f"tp_size={tp_size} x ep_size={ep_size} needs {tp_size * ep_size} devices but only "
+            f"{num_devices} are available"
+        )
+    has_moe = any(cfg.moe_layers)
+    has_dense = not all(cfg.moe_layers)
+    if has_moe and cfg.num_experts % ep_size:
+        errors.append(
+            f"ep_size={ep_size} does not divide num_experts={cfg.num_experts}: every device of "
+            f"the 'expert' axis must hold the same number of experts"
+        )
+    if not has_moe and ep_size > 1:
+        errors.append(f"ep_size={ep_size} > 1 but the model has no MoE layer")
+    # (dimension, what it is) pairs split over the "tensor" axis.
+    split_by_tp = [
+        (cfg.num_attention_heads, "num_attention_heads"),
+        (cfg.num_key_value_heads, "num_key_value_heads (the KV cache is sharded by KV head)"),
+    ]
+    if has_moe:
+        split_by_tp.append((cfg.moe_intermediate_size, "moe_intermediate_size"))
+    if has_dense:
+        split_by_tp.append((cfg.intermediate_size, "intermediate_size"))
+    if not cfg.tie_word_embeddings:
+        split_by_tp.append((cfg.vocab_size, "vocab_size (the LM head is sharded by vocabulary)"))
+    for size, what in split_by_tp:
+        if size % tp_size:
+            errors.append(f"tp_size={tp_size} does not divide {what}={size}")
+    return errors
+
+
+def check_parallel_layout(
+    model_config: ModelConfig, tp_size: int, ep_size: int, num_devices: int
+) -> None:
+    """Raises ValueError listing every problem of the layout, with the values that would work."""
+    errors = parallel_layout_errors(model_config, tp_size, ep_size, num_devices)
+    if not errors:
+        return
+    cfg = model_config
+    tp_ok = [
+        t for t in range(1, num_devices + 1)
+        if not parallel_layout_errors(cfg, t, 1, num_devices)
+    ]
+    ep_ok = [
+        e for e in range(1, num_devices + 1)
+        if not parallel_layout_errors(cfg, 1, e, num_devices)
+    ]
+    raise ValueError(
+        "invalid parallel layout: " + "; ".join(errors)
+        + f". With {num_devices} device(s) this model accepts tp_size in {tp_ok} and ep_size "
+        f"in {ep_ok} (tp_size x ep_size <= {num_devices})"
+    )
+
+
+def maybe_initialize_distributed(
+    dist_init_addr: str | None, nnodes: int, node_rank: int
+) -> bool:
+    """Joins a multi-host JAX job when ``nnodes > 1``; returns whether it did.
+
+    Must run before the first JAX computation of the process (``jax.devices()`` included):
+    afterwards the backend is fixed to this host's devices. Every node runs the same command
+    with its own ``node_rank``; ``dist_init_addr`` (``host:port``) is node 0's coordinator.
+    """
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank={node_rank} must be in [0, nnodes={nnodes})")
+    if nnodes == 1:
+        return False
+    if not dist_init_addr:
+        raise ValueError(
+            f"nnodes={nnodes} needs dist_init_addr (host:port of node 0's coordinator)"
+        )
+    jax.distributed.initialize(
+        coordinator_address=dist_init_addr, num_processes=nnodes, process_id=node_rank
+    )
+    logger.info(
+        "joined %d-node JAX job as node %d: %d local / %d global devices",
+        nnodes, node_rank, jax.local_device_count(), jax.device_count(),
+    )
+    return True

@@ -1,0 +1,360 @@
+"""Tensor and expert parallelism on fake CPU devices (M7).
+
+Every configuration runs the real ModelRunner in a subprocess whose
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` is set before JAX starts (one process
+per device count, all started at once). Each runs the same scenario: a prompt prefilled in two
+chunks, a request that reuses the first chunk's KV as a cached prefix, mixed in one batch with
+a fresh request, then decode steps of all three. The logits must match the single-device run
+to 1e-5 relative error and the routed top-k ids exactly; the workers also report how the
+parameters and the KV cache are really laid out over the devices. A random checkpoint with 8
+KV heads takes tp to 4; it is compared with the float64 reference forward (which the
+single-device forward matches, tests/test_model_forward.py) to save a compilation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sgl_jax.srt.configs.model_config import BUNDLED_MODEL_PATH, ModelConfig
+from sgl_jax.srt.distributed import check_parallel_layout, maybe_initialize_distributed
+from sgl_jax.srt.layers.moe.ep_moe import ExpertMapping, balanced_mapping, expert_load
+
+REPO = Path(__file__).absolute().parents[1]
+REL_TOL = 1e-5
+STRIDED = [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+REVERSED = [[15, 11, 7, 3], [14, 10, 6, 2], [13, 9, 5, 1], [12, 8, 4, 0]]
+# ep4: a non-contiguous mapping for every layer, and a different one for layer 2.
+EP4_MAPPING = json.dumps({"default": STRIDED, "2": REVERSED})
+WIDE = "wide"  # a random checkpoint with 8 KV heads, so that tp can reach 4
+
+# name -> (devices of the worker process that runs it, model, tp, ep, mapping). A worker runs
+# its configurations one after the other; the single-device references use a 1-device mesh
+# (devices[:1]) of a multi-device process, which is the same single-device program.
+CONFIGS: dict[str, tuple[int, str, int, int, str | None]] = {
+    "single": (2, BUNDLED_MODEL_PATH, 1, 1, None),
+    "tp2": (2, BUNDLED_MODEL_PATH, 2, 1, None),
+    "ep2": (2, BUNDLED_MODEL_PATH, 1, 2, None),
+    "tp2_ep2": (4, BUNDLED_MODEL_PATH, 2, 2, None),
+    "ep4_mapped": (4, BUNDLED_MODEL_PATH, 1, 4, EP4_MAPPING),
+    "ep8": (8, BUNDLED_MODEL_PATH, 1, 8, None),
+    "wide_tp4_ep2": (8, WIDE, 4, 2, None),
+}
+REFERENCES = {"single": "single", WIDE: "wide_reference"}  # model -> expected results
+
+
+def _tokens() -> tuple[list[int], list[int], list[int], list[int]]:
+    """Prompt a (40 tokens, prefilled as 24 + 16), b's own 10 tokens after a's first 24, c's
+    prompt (5 tokens), and the tokens decoded by all three."""
+    rng = np.random.default_rng(7)
+    a, b, c = (rng.integers(0, 500, n).tolist() for n in (40, 10, 5))
+    return a, b, c, [1, 2, 3]
+
+
+# -- worker (runs in the subprocess) ---------------------------------------------------------
+def _scenario(runner: Any) -> dict[str, np.ndarray]:
+    from sgl_jax.srt.model_executor.forward_batch import ForwardMode
+    from tests.model_driver import ModelDriver
+
+    driver = ModelDriver(runner, rng_seed=0)
+    a_ids, b_new, c_ids, decoded = _tokens()
+    out: dict[str, np.ndarray] = {}
+    a = driver.new_seq()
+    out["logits_0"], (out["rows_0_a"],) = driver.step(ForwardMode.EXTEND, [a], [a_ids[:24]])
+    # b reuses a's first 24 KV slots as its cached prefix (a radix-cache hit).
+    b, c = driver.new_seq(), driver.new_seq()
+    runner.req_to_token_pool.write(b.pool_idx, 0, np.asarray(a.slots[:24], np.int32))
+    b.length = 24
+    logits, rows = driver.step(ForwardMode.EXTEND, [a, b, c], [a_ids[24:], b_new, c_ids])
+    out["logits_1"] = logits
+    out["rows_1_a"], out["rows_1_b"], out["rows_1_c"] = rows
+    for step, token in enumerate(decoded):
+        logits, rows = driver.step(ForwardMode.DECODE, [a, b, c], [[token]] * 3)
+        out[f"logits_{step + 2}"] = logits
+        out[f"rows_{step + 2}"] = np.stack(rows)
+    return out
+
+
+def _reference_scenario(model_path: str) -> dict[str, np.ndarray]:
+    """The results ``_scenario`` must produce, from the float64 reference forward."""
+    from sgl_jax.tools.reference_forward import ReferenceModel
+
+    ref = ReferenceModel(model_path)
+    a_ids, b_new, c_ids, decoded = _tokens()
+    a, b, c = (ref.forward(seq + decoded) for seq in (a_ids, a_ids[:24] + b_new, c_ids))
+    ends = [len(a_ids), 24 + len(b_new), len(c_ids)]  # prompt lengths
+    out = {
+        "logits_0": a.logits[23:24], "rows_0_a": a.topk_ids[:24],
+        "logits_1": np.stack([o.logits[n - 1] for o, n in zip((a, b, c), ends, strict=True)]),
+        "rows_1_a": a.topk_ids[24:40], "rows_1_b": b.topk_ids[24:34], "rows_1_c": c.topk_ids[:5],
+    }
+    for step in range(len(decoded)):
+        out[f"logits_{step + 2}"] = np.stack(
+            [o.logits[n + step] for o, n in zip((a, b, c), ends, strict=True)]
+        )
+        out[f"rows_{step + 2}"] = np.stack(
+            [o.topk_ids[n + step: n + step + 1] for o, n in zip((a, b, c), ends, strict=True)]
+        )
+    return out
+
+
+def _layout(runner: Any, mapping_spec: str | None) -> dict[str, Any]:
+    """Where the parameters and the KV cache really are, checked shard by shard."""
+    from safetensors import safe_open
+
+    mesh = runner.mesh
+    cfg = runner.model_config
+    ep, tp = mesh.shape["expert"], mesh.shape["tensor"]
+    mapping = (
+        ExpertMapping.parse(mapping_spec) if mapping_spec
+        else ExpertMapping.contiguous(cfg.num_experts, ep)
+    )
+    position = {dev: idx for idx, dev in np.ndenumerate(mesh.devices)}
+    info: dict[str, Any] = {"num_devices_used": mesh.devices.size}
+    layers = runner.model.model.layers
+    placement_ok = True
+    with safe_open(os.path.join(cfg.model_path, "model.safetensors"), "numpy") as f:
+        for layer_id in cfg.moe_layer_ids:
+            block = layers[layer_id].mlp
+            logical = np.stack([
+                f.get_tensor(f"model.layers.{layer_id}.mlp.experts.{e}.gate_proj.weight").T
+                for e in range(cfg.num_experts)
+            ])
+            table = mapping.for_layer(layer_id)
+            for shard in block.w_gate[...].addressable_shards:
+                d, t = position[shard.device]
+                # device (d, t): experts mapping[d], intermediate slice t of tp
+                inter = logical.shape[2] // tp
+                want = logical[table[d]][:, :, t * inter:(t + 1) * inter]
+                placement_ok &= np.array_equal(np.asarray(shard.data), want)
+            placement_ok &= block.expert_order == tuple(table.reshape(-1).tolist())
+    info["expert_placement_ok"] = bool(placement_ok)
+    attn, moe = layers[0].self_attn, layers[0].mlp
+    for name, arr in [
+        ("q_proj", attn.q_proj[...]), ("o_proj", attn.o_proj[...]), ("w_gate", moe.w_gate[...]),
+        ("w_down", moe.w_down[...]),
+        ("kv_cache", runner.kv_caches[0][0]),
+    ]:
+        info[name] = {
+            "spec": [a if a is None or isinstance(a, str) else list(a) for a in arr.sharding.spec],
+            "shard_shape": list(arr.addressable_shards[0].data.shape),
+            "num_shards": len({repr(s.index) for s in arr.addressable_shards}),
+        }
+    return info
+
+
+def _worker(job: dict[str, Any]) -> None:
+    from sgl_jax.srt.model_executor.model_runner import ModelRunner
+    from sgl_jax.srt.server_args import ServerArgs
+    from sgl_jax.srt.utils import enable_compilation_cache
+
+    # The engine's persistent compilation cache (as in the engine tests): reruns skip XLA.
+    enable_compilation_cache(ServerArgs())
+    results: dict[str, Any] = {}
+    wide = os.path.join(job["out"], WIDE)
+    if any(CONFIGS[name][1] == WIDE for name in job["configs"]):
+        from sgl_jax.tools.make_random_model import write_random_model
+
+        write_random_model(
+            wide, "tiny", {"num_attention_heads": 8, "num_key_value_heads": 8}, seed=11
+        )
+        np.savez(os.path.join(job["out"], "wide_reference.npz"), **_reference_scenario(wide))
+    for name in job["configs"]:
+        _, model, tp, ep, mapping = CONFIGS[name]
+        model_path = wide if model == WIDE else model
+        args = ServerArgs(
+            model_path=model_path, tp_size=tp, ep_size=ep, ep_expert_mapping=mapping,
+            max_running_requests=4, chunked_prefill_size=32, precompile_token_paddings=[32],
+            precompile_bs_paddings=[4], max_total_tokens=256, attention_block_size=16,
+            enable_return_routed_experts=True,
+        )
+        runner = ModelRunner(args, ModelConfig.from_hf(model_path))
+        arrays = _scenario(runner)
+        np.savez(os.path.join(job["out"], f"{name}.npz"), **arrays)
+        results[name] = {**_layout(runner, mapping), "num_compiles": runner.num_compiles}
+    # A layout that does not fit this process's devices fails at start-up, clearly.
+    n = job["devices"]
+    try:
+        ModelRunner(ServerArgs(tp_size=2, ep_size=n), ModelConfig.from_hf(None))
+        results["too_many_devices_error"] = None
+    except ValueError as e:
+        results["too_many_devices_error"] = str(e)
+    with open(os.path.join(job["out"], f"layout_{n}.json"), "w") as f:
+        json.dump(results, f)
+
+
+# -- parent side -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def results() -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        by_devices: dict[int, list[str]] = {}
+        for name, (devices, *_) in CONFIGS.items():
+            by_devices.setdefault(devices, []).append(name)
+
+        def run(devices: int) -> subprocess.CompletedProcess:
+            job = {"devices": devices, "configs": by_devices[devices], "out": tmp}
+            env = {**os.environ, "JAX_PLATFORMS": "cpu",
+                   "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+            return subprocess.run(
+                [sys.executable, "-m", "tests.test_parallel", json.dumps(job)],
+                cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+            )
+
+        with ThreadPoolExecutor(len(by_devices)) as pool:
+            procs = dict(zip(by_devices, pool.map(run, by_devices), strict=True))
+        for devices, proc in procs.items():
+            assert proc.returncode == 0, f"{devices}-device worker failed:\n{proc.stderr[-4000:]}"
+        out: dict[str, Any] = {"layout": {}, "arrays": {}}
+        for devices in by_devices:
+            with open(os.path.join(tmp, f"layout_{devices}.json")) as f:
+                out["layout"][devices] = json.load(f)
+        for name in [*CONFIGS, "wide_reference"]:
+            with np.load(os.path.join(tmp, f"{name}.npz")) as z:
+                out["arrays"][name] = dict(z)
+        return out
+
+
+def _reference_of(name: str) -> str:
+    return REFERENCES[WIDE] if CONFIGS[name][1] == WIDE else REFERENCES["single"]
+
+
+def _layout_of(results: dict[str, Any], name: str) -> dict[str, Any]:
+    return results["layout"][CONFIGS[name][0]][name]
+
+
+PARALLEL = [n for n in CONFIGS if n != "single"]
+
+
+@pytest.mark.parametrize("name", PARALLEL)
+def test_matches_single_device(results, name):
+    got, want = results["arrays"][name], results["arrays"][_reference_of(name)]
+    assert set(got) == set(want)
+    for key in want:
+        if key.startswith("rows"):  # routed experts: logical ids, exactly
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+        else:
+            err = np.max(np.abs(got[key] - want[key])) / np.max(np.abs(want[key]))
+            assert got[key].shape == want[key].shape, key
+            assert err < REL_TOL, f"{key}: relative error {err}"
+
+
+def test_scenario_routes_real_experts(results):
+    arrays = results["arrays"]["single"]
+    rows = np.concatenate([arrays["rows_0_a"], arrays["rows_1_b"]])
+    assert rows.shape[1:] == (4, 4) and rows.min() >= 0 and rows.max() < 16
+    # the batch really spreads over the experts of every device, also under ep8
+    assert len(np.unique(rows)) == 16
+
+
+@pytest.mark.parametrize("name", PARALLEL)
+def test_parameters_really_sharded(results, name):
+    _, _, tp, ep, _ = CONFIGS[name]
+    lay = _layout_of(results, name)
+    assert lay["num_devices_used"] == tp * ep
+    assert lay["expert_placement_ok"]
+    heads, kv_heads = (8, 8) if CONFIGS[name][1] == WIDE else (4, 2)
+    assert lay["q_proj"]["spec"] == [None, "tensor"]
+    assert lay["o_proj"]["spec"] == ["tensor", None]
+    assert lay["w_gate"]["spec"] == ["expert", None, "tensor"]
+    assert lay["w_down"]["spec"] == ["expert", "tensor", None]
+    # What each device really holds (head_dim 16, hidden 64, 16 experts of width 32):
+    assert lay["q_proj"]["shard_shape"] == [64, heads * 16 // tp]
+    assert lay["o_proj"]["shard_shape"] == [heads * 16 // tp, 64]
+    assert lay["w_gate"]["shard_shape"] == [16 // ep, 64, 32 // tp]
+    assert lay["w_down"]["shard_shape"] == [16 // ep, 32 // tp, 64]
+    assert lay["w_gate"]["num_shards"] == tp * ep
+    # the KV cache, after the steps that donated and returned it: split by KV head
+    assert lay["kv_cache"]["shard_shape"][1:] == [kv_heads // tp, 16]
+    assert lay["kv_cache"]["num_shards"] == tp
+    # two shapes (one extend bucket, one decode bucket): sharding never forced a recompile
+    assert lay["num_compiles"] == 2
+
+
+def test_too_many_devices_fails_clearly(results):
+    for devices, lay in results["layout"].items():
+        msg = lay["too_many_devices_error"]
+        assert msg is not None and "invalid parallel layout" in msg
+        assert f"needs {2 * devices} devices but only {devices} are available" in msg
+
+
+# -- layout checks and mapping helpers (no devices needed) ------------------------------------
+@pytest.fixture(scope="module")
+def tiny() -> ModelConfig:
+    return ModelConfig.from_hf(None)
+
+
+def test_valid_layouts_pass(tiny):
+    for tp, ep in [(1, 1), (2, 1), (1, 16), (2, 8), (2, 4)]:
+        check_parallel_layout(tiny, tp, ep, 32)
+
+
+@pytest.mark.parametrize("tp,ep,devices,message", [
+    (1, 3, 8, "ep_size=3 does not divide num_experts=16"),
+    (4, 1, 8, r"tp_size=4 does not divide num_key_value_heads \(the KV cache is sharded by KV "
+              r"head\)=2"),
+    (3, 1, 8, "tp_size=3 does not divide num_attention_heads=4"),
+    (2, 4, 4, "needs 8 devices but only 4 are available"),
+    (1, 32, 32, "ep_size=32 does not divide num_experts=16"),
+])
+def test_bad_layouts_fail_clearly(tiny, tp, ep, devices, message):
+    with pytest.raises(ValueError, match=message) as info:
+        check_parallel_layout(tiny, tp, ep, devices)
+    assert "this model accepts tp_size in [1, 2]" in str(info.value)
+
+
+def test_mapping_parse_and_errors():
+    m = ExpertMapping.parse(EP4_MAPPING)
+    np.testing.assert_array_equal(m.for_layer(0), STRIDED)
+    np.testing.assert_array_equal(m.for_layer(2), REVERSED)
+    np.testing.assert_array_equal(m.physical_order(1), np.array(STRIDED).reshape(-1))
+    np.testing.assert_array_equal(m.device_of(0), np.arange(16) % 4)
+    assert ExpertMapping.parse(m.to_json()).to_json() == m.to_json()
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(STRIDED, f)
+    try:
+        np.testing.assert_array_equal(ExpertMapping.parse(f.name).for_layer(3), STRIDED)
+    finally:
+        os.unlink(f.name)
+    with pytest.raises(ValueError, match=r"exactly once; duplicated \[0\], missing .* \[1\]"):
+        ExpertMapping([[0, 0], [2, 3]])
+    with pytest.raises(ValueError, match="2-D integer array"):
+        ExpertMapping([0, 1, 2, 3])
+    with pytest.raises(ValueError, match="num_experts=16 and ep_size=2"):
+        m.check(16, 2)
+    with pytest.raises(ValueError, match="neither JSON nor a file"):
+        ExpertMapping.parse("/no/such/mapping.json")
+
+
+def test_balanced_mapping_from_routed_experts():
+    rng = np.random.default_rng(0)
+    skew = np.array([40, 30, 20, 10] + [1] * 12, dtype=float)
+    routed = rng.choice(16, size=(500, 4, 1), p=skew / skew.sum())  # [tokens, layers, k]
+    load = expert_load(routed, 16)
+    assert load.shape == (4, 16) and load.sum() == 2000
+    table = balanced_mapping(load[0], 4)
+    mapping = ExpertMapping(table)  # a valid mapping
+    # the four hot experts land on four different devices
+    assert sorted(mapping.device_of(0)[:4].tolist()) == [0, 1, 2, 3]
+    per_device = load[0][table].sum(axis=1)
+    assert per_device.max() < load[0].reshape(4, 4).sum(axis=1).max() / 2  # vs contiguous
+
+
+def test_distributed_single_node_is_a_no_op():
+    assert maybe_initialize_distributed(None, 1, 0) is False
+    with pytest.raises(ValueError, match="dist_init_addr"):
+        maybe_initialize_distributed(None, 2, 0)
+    with pytest.raises(ValueError, match="node_rank=2"):
+        maybe_initialize_distributed("127.0.0.1:1234", 2, 2)
+
+
+if __name__ == "__main__":
+    _worker(json.loads(sys.argv[1]))

@@ -53,7 +53,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--ep-size", type=int, default=1)
+    p.add_argument("--fake-devices", type=int, default=0,
+                   help="run on N fake CPU devices (sets XLA_FLAGS for the engine processes)")
     args = p.parse_args()
+    if args.fake_devices:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={args.fake_devices}")
 
     path = model_path_for(args.preset)
     cfg = ModelConfig.from_hf(path)

@@ -33,6 +33,7 @@ E2E = [
     "tests/test_routed_experts.py",
     "tests/test_http_server.py",
     "tests/test_openai_api.py",
+    "tests/test_reliability.py",
 ]
 SUITES = {"unit": UNIT, "e2e": E2E, "all": UNIT + E2E}
 DEFAULT = "all"

@@ -26,6 +26,13 @@ class GenerateReqInput:
     def __post_init__(self) -> None:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of 'text' (a prompt) and 'input_ids'")
+        if self.text is not None and not (
+            isinstance(self.text, str)
+            or (isinstance(self.text, list) and all(isinstance(t, str) for t in self.text))
+        ):
+            raise ValueError("'text' (the prompt) must be a string or a list of strings")
+        if self.input_ids is not None and not isinstance(self.input_ids, list):
+            raise ValueError("'input_ids' must be a list of token ids or a list of such lists")
 
     @property
     def is_single(self) -> bool:

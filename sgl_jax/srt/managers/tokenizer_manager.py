@@ -10,6 +10,8 @@ this one implementation.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -45,6 +47,8 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class ReqState:
+    rid: str  # the caller's request id
+    key: str  # the id the scheduler and detokenizer know: unique per submission
     loop: asyncio.AbstractEventLoop
     event: asyncio.Event
     pending: deque = field(default_factory=deque)  # BatchStrOut slices, appended by the receiver
@@ -65,7 +69,13 @@ class TokenizerManager:
         )
         self.context_len = model_config.context_len
         self.vocab_size = model_config.vocab_size
+        # Running requests by the caller's rid, and the same states by their per-submission key.
+        # A caller may reuse a rid once its request ended here, while the scheduler may still
+        # be sending the old request's last outputs (an abort is asynchronous): those carry the
+        # old key and find no state, instead of being taken for the new request's.
         self.states: dict[str, ReqState] = {}
+        self._by_key: dict[str, ReqState] = {}
+        self._keys = itertools.count()
         self.dead_reason: str | None = None
         self._control: dict[type, deque[Future]] = {
             FlushCacheReqOutput: deque(), GetServerInfoReqOutput: deque(),
@@ -155,9 +165,13 @@ class TokenizerManager:
         ):
             raise ValueError("request ids ('rid') must be unique among running requests")
         loop = asyncio.get_running_loop()
+        keys = []
         for t in tokenized:
-            self.states[t.rid] = ReqState(loop=loop, event=asyncio.Event())
-            self._send_obj(t)
+            state = ReqState(rid=t.rid, key=f"{t.rid}#{next(self._keys)}", loop=loop,
+                             event=asyncio.Event())
+            self.states[t.rid] = self._by_key[state.key] = state
+            keys.append(state.key)
+            self._send_obj(dataclasses.replace(t, rid=state.key))
         try:
             if obj.is_single:
                 async for out in self._wait_one(tokenized[0]):
@@ -169,8 +183,8 @@ class TokenizerManager:
             # The request states are gone by now (_wait_one's finally); the scheduler ignores
             # rids that already finished.
             if self.dead_reason is None:
-                for t in tokenized:
-                    self._send_obj(AbortReq(rid=t.rid))
+                for key in keys:
+                    self._send_obj(AbortReq(rid=key))
             raise
 
     async def _wait_many(self, reqs: list[TokenizedGenerateReqInput]):
@@ -220,10 +234,12 @@ class TokenizerManager:
                         return
         finally:
             self.states.pop(req.rid, None)
+            self._by_key.pop(state.key, None)
 
     def abort_request(self, rid: str) -> None:
-        if rid in self.states and self.dead_reason is None:
-            self._send_obj(AbortReq(rid=rid))
+        state = self.states.get(rid)
+        if state is not None and self.dead_reason is None:
+            self._send_obj(AbortReq(rid=state.key))
 
     # -- control --------------------------------------------------------------------------------
     async def flush_cache(self) -> FlushCacheReqOutput:
@@ -260,17 +276,22 @@ class TokenizerManager:
             if isinstance(msg, BatchStrOut):
                 self._dispatch(msg)
             elif type(msg) in self._control and self._control[type(msg)]:
-                self._control[type(msg)].popleft().set_result(msg)
+                # Replies pair with calls in order. A caller that timed out cancelled its
+                # future; its late reply is consumed here all the same (not handed to the next
+                # caller), and must not raise: this thread delivers every request's outputs.
+                fut = self._control[type(msg)].popleft()
+                if fut.set_running_or_notify_cancel():
+                    fut.set_result(msg)
             else:
                 logger.warning("tokenizer manager got an unexpected %s", type(msg).__name__)
 
     def _dispatch(self, out: BatchStrOut) -> None:
-        for i, rid in enumerate(out.rids):
-            state = self.states.get(rid)
+        for i, key in enumerate(out.rids):
+            state = self._by_key.get(key)
             if state is None:
                 continue  # aborted by its caller
             meta: dict[str, Any] = {
-                "id": rid,
+                "id": state.rid,
                 "prompt_tokens": out.prompt_tokens[i],
                 "completion_tokens": out.completion_tokens[i],
                 "cached_tokens": out.cached_tokens[i],
@@ -296,7 +317,9 @@ class TokenizerManager:
             state.loop.call_soon_threadsafe(state.event.set)
         for futures in self._control.values():
             while futures:
-                futures.popleft().set_exception(EngineDeadError(reason))
+                fut = futures.popleft()
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(EngineDeadError(reason))
 
     def close(self) -> None:
         self._closing = True

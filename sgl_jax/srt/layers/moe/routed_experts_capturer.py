@@ -73,10 +73,17 @@ class _RoutedExpertsDeviceCache:
 class _RoutedExpertsHostCache:
     """Host rows ``[num_token_slots, num_hidden_layers, k]`` int32, one per KV slot.
 
-    ``valid[slot]`` says whether the slot's row was captured since the slot was last written:
-    a batch in which no request asked for routed experts skips the device-to-host copy, so the
+    ``valid[slot]`` says whether the step that last wrote the slot's KV captures its row: a
+    batch in which no request asked for routed experts skips the device-to-host copy, so the
     rows of the KV it wrote are unknown, and a later request that would reuse that KV through
     the prefix cache must recompute it instead (see ``valid_prefix_len``).
+
+    Validity is set when a step is *launched*, rows are written when it is *processed*. With
+    overlap scheduling a slot can be freed and handed to a new step before the step that wrote
+    it is processed; deciding validity at launch keeps it in launch order, and rows are
+    written in the same order, so both always describe the slot's latest writer. A request
+    that reuses a slot whose row is still in flight reads it only when it finishes, after
+    that step has been processed.
     """
 
     def __init__(self, num_tokens: int, num_hidden_layers: int, num_experts_per_tok: int) -> None:
@@ -88,10 +95,9 @@ class _RoutedExpertsHostCache:
 
     def set_experts_buffer(self, loc: np.ndarray, rows: np.ndarray) -> None:
         self.buffer[loc] = rows
-        self.valid[loc] = True
 
-    def invalidate(self, loc: np.ndarray) -> None:
-        self.valid[loc] = False
+    def set_valid(self, loc: np.ndarray, valid: bool) -> None:
+        self.valid[loc] = valid
 
     def nbytes(self) -> int:
         return self.buffer.nbytes + self.valid.nbytes
@@ -151,6 +157,10 @@ class RoutedExpertsCapturer(ABC):
         self, req_pool_idx: int, seqlen: int, req_to_token_pool: ReqToTokenPool
     ) -> np.ndarray | None: ...
 
+    @abstractmethod
+    def on_forward_launch(self, out_cache_loc: np.ndarray, copy: bool) -> None:
+        """Records whether the rows of the KV slots a launched step writes will be known."""
+
     def valid_prefix_len(self, slots: np.ndarray) -> int:
         return len(slots)
 
@@ -177,6 +187,9 @@ class _RoutedExpertsCapturerNoop(RoutedExpertsCapturer):
         return None
 
     def set_device_cache(self, cache) -> None:
+        pass
+
+    def on_forward_launch(self, out_cache_loc, copy) -> None:
         pass
 
     def on_forward_end(self, rows, out_cache_loc, num_real_tokens, copy) -> None:
@@ -240,14 +253,16 @@ class _RoutedExpertsCapturerReal(RoutedExpertsCapturer):
         self, rows: jax.Array | None, out_cache_loc: np.ndarray, num_real_tokens: int,
         copy: bool,
     ) -> None:
-        """Scatter this step's real rows to the host cache, or mark the slots unknown."""
+        """Scatter this step's real rows to the host cache (when the step copies them)."""
         loc = out_cache_loc[:num_real_tokens]
         if not copy or rows is None:
-            self.host_cache.invalidate(loc)
             return
         # np.asarray waits for the forward; the rows array is a fresh output of the forward,
         # never donated, so reading it cannot race with a later step.
         self.host_cache.set_experts_buffer(loc, np.asarray(rows)[:num_real_tokens])
+
+    def on_forward_launch(self, out_cache_loc: np.ndarray, copy: bool) -> None:
+        self.host_cache.set_valid(out_cache_loc, copy)
 
     def get_routed_experts(
         self, req_pool_idx: int, seqlen: int, req_to_token_pool: ReqToTokenPool

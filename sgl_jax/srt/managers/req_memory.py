@@ -87,13 +87,6 @@ class ReqMemory:
         req.last_node = None
         req.kv_len = req.prefix_len = 0
 
-    def release_uncomputed(self, req: Req, n: int) -> None:
-        """Gives back the slots of ``n`` positions past ``req.kv_len`` that were never filled."""
-        start = req.kv_len
-        self.allocator.free(
-            self.req_to_token_pool.req_to_token[req.req_pool_idx, start : start + n].copy()
-        )
-
     # -- accounting -----------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         return {

@@ -244,6 +244,8 @@ class Scheduler:
                 return None
             self.retract_one()
             reqs = [r for r in self.running if r.can_grow(self.context_len)]
+            if not reqs:
+                return None
             slots = self.memory.alloc_kv(len(reqs))
         for req, slot in zip(reqs, slots, strict=True):
             self.memory.assign_kv(req, slot[None])

@@ -15,7 +15,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 import httpx
@@ -24,38 +23,21 @@ import orjson
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import bench_utils  # noqa: E402
 from bench_routed_experts import model_path_for  # noqa: E402
 from bench_utils import machine_description, markdown_table, random_prompts  # noqa: E402
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    from sgl_jax.srt.utils import free_port
-
-    port = free_port()
     bs = sorted({1, 8, 32, 64, *args.concurrency})
-    cmd = [sys.executable, "-m", "sgl_jax.launch_server", "--port", str(port),
-           "--enable-return-routed-experts", "--log-level", "warning",
-           "--max-running-requests", str(max(bs)),
-           "--precompile-bs-paddings", *map(str, bs),
-           "--precompile-token-paddings", "64", "256", "1024", "--chunked-prefill-size", "1024"]
+    flags = ["--enable-return-routed-experts", "--log-level", "warning",
+             "--max-running-requests", str(max(bs)), "--precompile-bs-paddings", *map(str, bs),
+             "--precompile-token-paddings", "64", "256", "1024", "--chunked-prefill-size", "1024"]
     path = model_path_for(args.preset)
     if path:
-        cmd += ["--model-path", path]
-    log = tempfile.NamedTemporaryFile(prefix="bench_serving_", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}; log: {log.name}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"server not ready in time; log: {log.name}")
+        flags += ["--model-path", path]
+    proc, url, _ = bench_utils.start_server(flags, "bench_serving_")
+    return proc, url
 
 
 async def one_request(client: httpx.AsyncClient, url: str, ids: list[int], out_len: int,

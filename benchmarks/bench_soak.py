@@ -30,7 +30,6 @@ import os
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -45,6 +44,7 @@ import pybase64
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import bench_utils  # noqa: E402
 from bench_utils import machine_description, markdown_table  # noqa: E402
 
 # The bundled model's vocabulary ends with special tokens; stay below them.
@@ -449,29 +449,11 @@ def format_report(r: Report) -> str:
 
 # -- running it -----------------------------------------------------------------------------------
 def start_server(concurrency: int, extra: list[str]) -> tuple[subprocess.Popen, str, str]:
-    from sgl_jax.srt.utils import free_port
-
-    port = free_port()
     bs = sorted({1, 4, 16, concurrency})
-    cmd = [sys.executable, "-m", "sgl_jax.launch_server", "--port", str(port),
-           "--enable-return-routed-experts", "--log-level", "warning",
-           "--max-running-requests", str(concurrency), "--precompile-bs-paddings", *map(str, bs),
-           "--precompile-token-paddings", "64", "256", "--chunked-prefill-size", "256", *extra]
-    log = tempfile.NamedTemporaryFile(prefix="bench_soak_", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}; log: {log.name}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url, log.name
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise SystemExit(f"the server was not ready in time; log: {log.name}")
+    flags = ["--enable-return-routed-experts", "--log-level", "warning",
+             "--max-running-requests", str(concurrency), "--precompile-bs-paddings", *map(str, bs),
+             "--precompile-token-paddings", "64", "256", "--chunked-prefill-size", "256", *extra]
+    return bench_utils.start_server(flags, "bench_soak_", timeout=600)
 
 
 def main() -> int:

@@ -20,6 +20,7 @@ from sgl_jax.srt.model_executor.forward_batch import ForwardBatch
 # Finite "minus infinity": a fully masked row then gives weights of exactly 0, never NaN.
 _MASKED = -1e30
 DEFAULT_BLOCK_SIZE = 128
+FINE_BLOCK_SIZE = 16  # the tail of a prefix is read in blocks of this many positions
 
 
 def write_kv(
@@ -70,19 +71,21 @@ def paged_attention(
     denom = denom.transpose(2, 0, 1)
     acc = acc.reshape(num_kv_heads, group, num_tokens, head_dim).transpose(2, 0, 1, 3)
 
-    # Keys of the cached prefix, block by block through the page table.
+    # Keys of the cached prefix, block by block through the page table: whole blocks first,
+    # then the remainder in small blocks, so a short prefix (a chunk boundary, a 1-token
+    # prefix-cache hit) costs every query of the batch a few positions, not a whole block.
     prefix_len = jnp.take(batch.prefix_lens, req, mode="fill", fill_value=0)  # [T]
-    num_blocks = (jnp.max(batch.prefix_lens) + block_size - 1) // block_size
+    longest = jnp.max(batch.prefix_lens)
+    fine = min(block_size, FINE_BLOCK_SIZE)
 
-    def prefix_block(i: jax.Array, carry: tuple) -> tuple:
+    def prefix_block(start: jax.Array, size: int, carry: tuple) -> tuple:
         m, denom, acc = carry
-        start = i * block_size
-        rows = jax.lax.dynamic_slice_in_dim(batch.page_table, start, block_size, axis=1)
-        slots = jnp.take(rows, req, axis=0, mode="fill", fill_value=0)  # [T, block]
-        kb = k_cache[slots].astype(jnp.float32).transpose(0, 2, 1, 3)  # [T, KVH, block, D]
+        rows = jax.lax.dynamic_slice_in_dim(batch.page_table, start, size, axis=1)
+        slots = jnp.take(rows, req, axis=0, mode="fill", fill_value=0)  # [T, size]
+        kb = k_cache[slots].astype(jnp.float32).transpose(0, 2, 1, 3)  # [T, KVH, size, D]
         vb = v_cache[slots].astype(jnp.float32).transpose(0, 2, 1, 3)
         s = jnp.einsum("tkgd,tkbd->tkgb", q32, kb)
-        cols = start + jnp.arange(block_size)
+        cols = start + jnp.arange(size)
         s = jnp.where((cols[None, :] < prefix_len[:, None])[:, None, None, :], s, _MASKED)
         m_new = jnp.maximum(m, s.max(axis=-1))
         correction = jnp.exp(m - m_new)
@@ -91,6 +94,14 @@ def paged_attention(
         acc = acc * correction[..., None] + jnp.einsum("tkgb,tkbd->tkgd", p, vb)
         return m_new, denom, acc
 
-    m, denom, acc = jax.lax.fori_loop(0, num_blocks, prefix_block, (m, denom, acc))
+    num_blocks = longest // block_size
+    carry = jax.lax.fori_loop(
+        0, num_blocks, lambda i, c: prefix_block(i * block_size, block_size, c), (m, denom, acc)
+    )
+    done = num_blocks * block_size
+    num_fine = (longest - done + fine - 1) // fine
+    m, denom, acc = jax.lax.fori_loop(
+        0, num_fine, lambda i, c: prefix_block(done + i * fine, fine, c), carry
+    )
     out = acc / denom[..., None]
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)

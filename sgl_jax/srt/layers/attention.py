@@ -76,7 +76,9 @@ def paged_attention(
     # prefix-cache hit) costs every query of the batch a few positions, not a whole block.
     prefix_len = jnp.take(batch.prefix_lens, req, mode="fill", fill_value=0)  # [T]
     longest = jnp.max(batch.prefix_lens)
-    fine = min(block_size, FINE_BLOCK_SIZE)
+    # Decode has one query per request, so a wide gather is cheap and fewer loop iterations
+    # (each a fixed cost per layer) win; an extend batch gathers per query token.
+    fine = block_size if batch.forward_mode.is_decode else min(block_size, FINE_BLOCK_SIZE)
 
     def prefix_block(start: jax.Array, size: int, carry: tuple) -> tuple:
         m, denom, acc = carry

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 
@@ -47,7 +46,3 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def print_now(*args: object) -> None:
-    print(*args, flush=True, file=sys.stderr)

@@ -73,10 +73,6 @@ class ModelConfig:
     def moe_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i, moe in enumerate(self.moe_layers) if moe)
 
-    @property
-    def num_kv_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     @staticmethod
     def from_hf(model_path: str | None = None, context_length: int | None = None) -> ModelConfig:
         path = resolve_model_path(model_path)

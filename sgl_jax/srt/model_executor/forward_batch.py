@@ -3,7 +3,7 @@
 Padding conventions (the jitted forward relies on them):
 - padded tokens have ``token_to_req == padded_bs`` (no real row), position 0 and write their K/V
   to the reserved slot 0, which no request ever reads;
-- padded rows have ``seq_lens == prefix_lens == 0``, an all-zero page-table row, and the
+- padded rows have ``prefix_lens == 0``, an all-zero page-table row, and the
   request slot ``NO_REQ_SLOT`` (a spare row of the last-token buffer).
 
 An input id of -1 means "the token this request sampled last": it is read on the device from
@@ -39,7 +39,6 @@ class ForwardBatch:
     out_cache_loc: jax.Array  # [T] int32, KV slot each token writes
     token_to_req: jax.Array  # [T] int32, batch row of each token (padded_bs for padding)
     req_pool_indices: jax.Array  # [B] int32, request slot of each row (the last-token buffer row)
-    seq_lens: jax.Array  # [B] int32, tokens of the request including this batch's
     prefix_lens: jax.Array  # [B] int32, tokens already in the KV cache before this batch
     page_table: jax.Array  # [B, W] int32, req_to_token rows: KV slot of every position
     logits_indices: jax.Array  # [B] int32, token index whose logits each row samples from
@@ -52,7 +51,7 @@ class ForwardBatch:
 
     @property
     def batch_size(self) -> int:
-        return self.seq_lens.shape[0]
+        return self.prefix_lens.shape[0]
 
 
 def shape_key(batch: ForwardBatch) -> tuple[int, int, int]:
@@ -73,7 +72,6 @@ def make_padding_batch(
         out_cache_loc=zeros_t,
         token_to_req=np.full(num_tokens, batch_size, np.int32),
         req_pool_indices=np.full(batch_size, no_req_slot, np.int32),
-        seq_lens=zeros_b,
         prefix_lens=zeros_b,
         page_table=np.zeros((batch_size, page_width), np.int32),
         logits_indices=zeros_b,
@@ -124,7 +122,6 @@ def build_forward_batch(
         raise ValueError(f"batch of {t} tokens / {b} rows exceeds padding {padded_tokens}/{padded_rows}")
     extend_lens = mwb.extend_lens.astype(np.int32)
     prefix_lens = mwb.prefix_lens.astype(np.int32)
-    seq_lens = prefix_lens + extend_lens
     row_of_token = np.repeat(np.arange(b, dtype=np.int32), extend_lens)
     starts = np.cumsum(extend_lens) - extend_lens
     positions = np.arange(t, dtype=np.int32) - np.repeat(starts, extend_lens) + np.repeat(
@@ -144,7 +141,6 @@ def build_forward_batch(
         out_cache_loc=pad(mwb.out_cache_loc, padded_tokens, 0),
         token_to_req=pad(row_of_token, padded_tokens, padded_rows),
         req_pool_indices=pad(mwb.req_pool_indices, padded_rows, no_req_slot),
-        seq_lens=pad(seq_lens, padded_rows, 0),
         prefix_lens=pad(prefix_lens, padded_rows, 0),
         page_table=page_table,
         logits_indices=pad(starts + extend_lens - 1, padded_rows, 0),

@@ -9,7 +9,6 @@ mis-shaped tensor fails before anything is placed, naming the tensor.
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -152,13 +151,3 @@ def load_model(
     model = nnx.merge(graphdef, state)
     apply_expert_mapping(model, mapping)  # the order the experts were just stacked in
     return model
-
-
-def read_generation_eos(model_path: str) -> tuple[int, ...]:
-    """EOS ids from generation_config.json, if present (they may extend config.json's)."""
-    file = os.path.join(model_path, "generation_config.json")
-    if not os.path.isfile(file):
-        return ()
-    with open(file, encoding="utf-8") as f:
-        eos = json.load(f).get("eos_token_id")
-    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))

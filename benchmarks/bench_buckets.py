@@ -22,7 +22,7 @@ from bench_routed_experts import model_path_for  # noqa: E402
 from bench_utils import machine_description, markdown_table  # noqa: E402
 
 from sgl_jax.srt.configs.model_config import ModelConfig  # noqa: E402
-from sgl_jax.srt.model_executor.forward_batch import ForwardMode, make_padding_batch  # noqa: E402
+from sgl_jax.srt.forward_batch_info import ForwardMode, make_padding_batch  # noqa: E402
 from sgl_jax.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from sgl_jax.srt.server_args import ServerArgs  # noqa: E402
 
@@ -38,7 +38,7 @@ def main() -> None:
     runner.precompile()
     rows = []
     for (mode, tokens, bs), compile_s in sorted(runner.compile_seconds.items()):
-        batch = make_padding_batch(ForwardMode(mode), tokens, bs, runner.page_width,
+        batch = make_padding_batch(ForwardMode(mode), tokens, bs,
                                    runner.model_config.vocab_size, runner.no_req_slot)
         times = []
         for _ in range(args.repeats):

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sgl_jax.srt.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
-from sgl_jax.srt.model_executor.model_runner import ModelRunner, forward_worker_batch
+from sgl_jax.srt.forward_batch_info import ForwardMode, ModelWorkerBatch
+from sgl_jax.srt.model_executor.model_runner import ModelRunner
 
 
 @dataclass
@@ -74,7 +74,7 @@ class ModelDriver:
             return_routed_experts=True,
         )
         self.runner.capturer.on_forward_launch(mwb.out_cache_loc, True)
-        batch, out = forward_worker_batch(self.runner, mwb)
+        batch, out = self.runner.run_worker_batch(mwb)
         self.runner.capturer.on_forward_end(
             out.routed_rows, mwb.out_cache_loc, mwb.num_tokens, copy=True
         )

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sgl_jax.srt.configs.model_config import BUNDLED_MODEL_PATH, ModelConfig
-from sgl_jax.srt.model_executor.forward_batch import ForwardMode
+from sgl_jax.srt.forward_batch_info import ForwardMode
 from sgl_jax.srt.model_executor.model_runner import ModelRunner
 from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.tools.reference_forward import ReferenceModel

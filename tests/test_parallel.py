@@ -62,7 +62,7 @@ def _tokens() -> tuple[list[int], list[int], list[int], list[int]]:
 
 # -- worker (runs in the subprocess) ---------------------------------------------------------
 def _scenario(runner: Any) -> dict[str, np.ndarray]:
-    from sgl_jax.srt.model_executor.forward_batch import ForwardMode
+    from sgl_jax.srt.forward_batch_info import ForwardMode
     from tests.model_driver import ModelDriver
 
     driver = ModelDriver(runner, rng_seed=0)

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, get_args, get_origin, get_type_hints
 
 DTYPES = ("auto", "float32", "bfloat16")
+ATTENTION_BACKENDS = ("native", "pallas")
+MOE_BACKENDS = ("auto", "dense", "ragged")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -33,8 +35,8 @@ class ServerArgs:
     tokenizer_path: str | None = _arg(None, "Tokenizer directory. Default: the model path.")
     served_model_name: str | None = _arg(
         None, "Model name reported by the API and expected in requests. Default: the path.")
-    dtype: str = _arg("auto", "Parameter and activation dtype ('auto' is float32). The router "
-                      "always runs in float32.", choices=DTYPES)
+    dtype: str = _arg("auto", "Parameter and activation dtype ('auto': bfloat16 on TPU/GPU, "
+                      "float32 on CPU). The router always runs in float32.", choices=DTYPES)
     context_length: int | None = _arg(
         None, "Maximum tokens per request (prompt + output). Default: the model's.")
     random_seed: int = _arg(42, "Seed for requests that do not give their own.")
@@ -53,7 +55,9 @@ class ServerArgs:
               "2048 tokens, at least the context length.")
     chunked_prefill_size: int = _arg(
         1024, "Most prompt tokens per prefill batch; longer prompts are prefilled in chunks.")
-    page_size: int = _arg(1, "KV cache page size in tokens (only 1 is supported).")
+    page_size: int = _arg(
+        1, "KV cache page size in tokens: the allocator hands out pages and the prefix cache "
+           "matches whole pages. The pallas attention backend wants 16 or more on TPU.")
     schedule_conservativeness: float = _arg(
         1.0, "How much KV room to reserve for running requests' future tokens (0..1+).")
     disable_radix_cache: bool = _arg(False, "Turn off prefix (radix) caching.")
@@ -70,7 +74,20 @@ class ServerArgs:
         None, "Prefill token-count buckets, compiled at start-up. Default: powers of two from "
               "64 up to chunked_prefill_size.", nargs="+")
     disable_precompile: bool = _arg(False, "Compile buckets on first use instead of at start.")
-    attention_block_size: int = _arg(128, "Positions per block of the paged attention loop.")
+    attention_backend: str = _arg(
+        "native", "Attention kernel: 'native' (pure JAX, blocked by request; any device) or "
+                  "'pallas' (JAX's ragged paged attention TPU kernel; head_dim must be a "
+                  "multiple of 128; on CPU it runs in interpret mode, for tests only).",
+        choices=ATTENTION_BACKENDS)
+    moe_backend: str = _arg(
+        "auto", "Expert compute: 'dense' (every expert on every token, then masked: fastest "
+                "on CPU at small sizes), 'ragged' (tokens sorted by expert, grouped matmuls "
+                "with jax.lax.ragged_dot: only the top-k experts' FLOPs) or 'auto' (ragged "
+                "on TPU/GPU, dense on CPU). Routing is identical in all.",
+        choices=MOE_BACKENDS)
+    attention_block_size: int = _arg(
+        128, "KV positions per iteration of the native attention loop (rounded up to whole "
+             "pages).")
     compilation_cache_dir: str | None = _arg(
         os.path.join(os.path.expanduser("~"), ".cache", "sgl_jax", "jax_compilation_cache"),
         "Persistent JAX compilation cache ('' to disable): a second start of the same "
@@ -116,8 +133,13 @@ class ServerArgs:
             fail(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
         if self.nnodes > 1 and not self.dist_init_addr:
             fail(f"nnodes={self.nnodes} needs dist_init_addr (host:port of node 0)")
-        if self.page_size != 1:
-            fail(f"page_size={self.page_size}; only page_size=1 is supported")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            fail(f"page_size={self.page_size} must be a power of two >= 1")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            fail(f"attention_backend={self.attention_backend!r}; use one of "
+                 f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.moe_backend not in MOE_BACKENDS:
+            fail(f"moe_backend={self.moe_backend!r}; use one of {', '.join(MOE_BACKENDS)}")
         if self.context_length is not None and self.context_length < 2:
             fail(f"context_length={self.context_length} must be >= 2")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from sgl_jax.srt.forward_batch_info import ForwardMode, ModelWorkerBatch
 from sgl_jax.srt.mem_cache.radix_cache import TreeNode
-from sgl_jax.srt.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
 

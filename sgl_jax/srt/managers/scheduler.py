@@ -22,6 +22,7 @@ import numpy as np
 import zmq
 
 from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.forward_batch_info import ForwardMode
 from sgl_jax.srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -41,12 +42,7 @@ from sgl_jax.srt.managers.schedule_batch import (
     finish_matched_token,
 )
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
-from sgl_jax.srt.model_executor.forward_batch import ForwardMode
-from sgl_jax.srt.model_executor.model_runner import (
-    ModelRunner,
-    StepOutput,
-    forward_worker_batch,
-)
+from sgl_jax.srt.model_executor.model_runner import ModelRunner, StepOutput
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
 from sgl_jax.srt.tokenizer import Tokenizer
 from sgl_jax.srt.utils import configure_logging, enable_compilation_cache, watch_parent
@@ -276,7 +272,7 @@ class Scheduler:
         """Dispatches a step; the requests' accounting moves on as if it had run."""
         mwb = batch.to_model_worker_batch()
         self.runner.capturer.on_forward_launch(mwb.out_cache_loc, mwb.return_routed_experts)
-        _, out = forward_worker_batch(self.runner, mwb)
+        _, out = self.runner.run_worker_batch(mwb)
         for req, n, samples in zip(batch.reqs, batch.extend_lens, batch.samples_output,
                                    strict=True):
             req.kv_len += n

@@ -17,13 +17,20 @@ class ReqToTokenPool:
         self.size = size
         self.max_context_len = max_context_len
         self.req_to_token = np.zeros((size, max_context_len), dtype=np.int32)
+        # Leading positions of each slot's row whose pages the device page table already
+        # holds (ModelRunner.req_to_page); a new occupant starts with none.
+        self.device_len = np.zeros(size, dtype=np.int64)
         self._free: list[int] = list(range(size))
 
     def available_size(self) -> int:
         return len(self._free)
 
     def alloc(self) -> int | None:
-        return self._free.pop() if self._free else None
+        if not self._free:
+            return None
+        idx = self._free.pop()
+        self.device_len[idx] = 0
+        return idx
 
     def free(self, req_pool_idx: int) -> None:
         if req_pool_idx in self._free:
@@ -40,7 +47,10 @@ class ReqToTokenPool:
 class TokenToKVPoolAllocator:
     """Free list of KV token slots ``1 .. size``; slot 0 is reserved for padding."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, page_size: int = 1) -> None:
+        if page_size != 1:
+            raise NotImplementedError("paged allocation is being added")
+        self.page_size = page_size
         self.size = size
         self._free = np.arange(1, size + 1, dtype=np.int32)
         self._num_free = size

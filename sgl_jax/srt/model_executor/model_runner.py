@@ -1,9 +1,20 @@
 """ModelRunner: owns the model, the KV cache and the memory pools; runs one jitted step.
 
 A step is the model forward plus sampling, jitted once per (mode, padded tokens, padded rows).
-The KV cache and the routed-experts device buffer are donated into the step and replaced by
-its outputs, so they are updated in place. Every trace of the step is counted in
-``num_compiles``: after precompilation, serving inside the buckets must leave it flat.
+The KV cache, the device page table, the last-token buffer and the routed-experts device buffer
+are donated into the step and replaced by its outputs, so they are updated in place. Every
+trace of the step is counted in ``num_compiles``: after precompilation, serving inside the
+buckets must leave it flat.
+
+The device page table ``req_to_page[req_slot, page_column]`` is device-resident: the step
+records the page of every token it computes, and the host sends a request's page row only
+once, when the request starts on a cached prefix (``_sync_prefix_pages``). So what the host
+sends per step grows with the batch's tokens and rows, never with batch x context.
+
+``abstract=True`` builds the same runner with no weights and no memory (parameters, KV cache
+and buffers are ``jax.ShapeDtypeStruct`` sharded over a mesh of the given ``devices``): it
+lowers the very step the engine serves for ahead-of-time compilation (``lower_bucket``), e.g.
+on compile-only TPU devices (``tools/aot_report``).
 """
 
 from __future__ import annotations
@@ -11,7 +22,9 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -25,15 +38,7 @@ from tqdm import tqdm
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.distributed import check_parallel_layout, maybe_initialize_distributed
-from sgl_jax.srt.layers.moe.ep_moe import ExpertMapping
-from sgl_jax.srt.layers.moe.routed_experts_capturer import (
-    RoutedExpertsCapturer,
-    get_global_experts_capturer,
-    set_global_experts_capturer,
-)
-from sgl_jax.srt.layers.sampler import sample
-from sgl_jax.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
-from sgl_jax.srt.model_executor.forward_batch import (
+from sgl_jax.srt.forward_batch_info import (
     ForwardBatch,
     ForwardMode,
     ModelWorkerBatch,
@@ -41,7 +46,23 @@ from sgl_jax.srt.model_executor.forward_batch import (
     make_padding_batch,
     shape_key,
 )
-from sgl_jax.srt.model_loader.loader import load_model
+from sgl_jax.srt.layers.attention import (
+    AttentionMetadata,
+    create_attention_backend,
+    kv_cache_shape,
+    update_page_table,
+)
+from sgl_jax.srt.layers.moe.ep_moe import ExpertMapping
+from sgl_jax.srt.layers.moe.experts import resolve_moe_backend
+from sgl_jax.srt.layers.moe.routed_experts_capturer import (
+    RoutedExpertsCapturer,
+    get_global_experts_capturer,
+    set_global_experts_capturer,
+)
+from sgl_jax.srt.layers.sampler import sample
+from sgl_jax.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from sgl_jax.srt.model_loader.loader import abstract_model, load_model
+from sgl_jax.srt.models.backends import ModelBackends
 from sgl_jax.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -56,19 +77,22 @@ class StepOutput:
     routed_rows: jax.Array | None  # [T_pad, layers, k] int32, when the capturer is enabled
 
 
-def make_mesh(tp_size: int, ep_size: int) -> Mesh:
-    devices = jax.devices()
+def make_mesh(devices: Sequence[Any], tp_size: int, ep_size: int) -> Mesh:
     need = tp_size * ep_size
     if need > len(devices):
         raise ValueError(
             f"tp_size={tp_size} x ep_size={ep_size} needs {need} devices; {len(devices)} "
             f"available ({devices[0].platform})"
         )
-    grid = np.array(devices[:need]).reshape(ep_size, tp_size)
+    grid = np.array(list(devices)[:need]).reshape(ep_size, tp_size)
     return Mesh(grid, ("expert", "tensor"))
 
 
-def resolve_dtype(name: str) -> jnp.dtype:
+def resolve_dtype(name: str, platform: str) -> jnp.dtype:
+    """``auto``: bfloat16 on accelerators, float32 on CPU (where routing must match a float32
+    reference bit for bit)."""
+    if name == "auto":
+        return jnp.float32 if platform == "cpu" else jnp.bfloat16
     return jnp.bfloat16 if name == "bfloat16" else jnp.float32
 
 
@@ -76,30 +100,48 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _nbytes(x: Any) -> int:
+    return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+
+
 class ModelRunner:
-    def __init__(self, server_args: ServerArgs, model_config: ModelConfig) -> None:
+    def __init__(
+        self, server_args: ServerArgs, model_config: ModelConfig,
+        devices: Sequence[Any] | None = None, abstract: bool = False,
+    ) -> None:
         self.server_args = server_args
         self.model_config = model_config
-        self.dtype = resolve_dtype(server_args.dtype)
-        # Before the first use of the backend: afterwards JAX only sees this host's devices.
-        maybe_initialize_distributed(
-            server_args.dist_init_addr, server_args.nnodes, server_args.node_rank
+        self.abstract = abstract
+        if devices is None:
+            # Before the first use of the backend: afterwards JAX only sees this host's devices.
+            maybe_initialize_distributed(
+                server_args.dist_init_addr, server_args.nnodes, server_args.node_rank
+            )
+            devices = jax.devices()
+        check_parallel_layout(model_config, server_args.tp_size, server_args.ep_size, len(devices))
+        self.mesh = make_mesh(devices, server_args.tp_size, server_args.ep_size)
+        self.platform = devices[0].platform
+        self.dtype = resolve_dtype(server_args.dtype, self.platform)
+        self.backends = ModelBackends(
+            attention=create_attention_backend(
+                server_args.attention_backend, self.platform, model_config.head_dim,
+                server_args.attention_block_size,
+            ),
+            moe=resolve_moe_backend(server_args.moe_backend, self.platform),
         )
-        check_parallel_layout(
-            model_config, server_args.tp_size, server_args.ep_size, jax.device_count()
-        )
-        self.mesh = make_mesh(server_args.tp_size, server_args.ep_size)
         mapping = server_args.ep_expert_mapping
         self.expert_mapping = ExpertMapping.parse(mapping) if mapping else None
         self.max_running_requests = int(server_args.max_running_requests)
         self.context_len = model_config.context_len
-        # Page-table rows are as wide as the longest request, in whole attention blocks.
-        self.page_width = round_up(self.context_len, server_args.attention_block_size)
+        self.page_size = server_args.page_size
+        # Host rows of req_to_token hold every position of the longest request, in whole pages.
+        self.page_width = round_up(self.context_len, self.page_size)
         self.bs_paddings = server_args.bs_paddings()
         self.token_paddings = server_args.token_paddings()
 
         t0 = time.perf_counter()
-        self.model = load_model(model_config, self.mesh, self.dtype, self.expert_mapping)
+        build = abstract_model if abstract else load_model
+        self.model = build(model_config, self.mesh, self.dtype, self.expert_mapping)
         self.graphdef, params = nnx.split(self.model)
         # The step takes the parameters as a flat list of arrays: flattening an nnx.State of
         # Variables on every call costs more host time than a decode step of a small model.
@@ -108,20 +150,38 @@ class ModelRunner:
 
         self.max_total_tokens = self._resolve_max_total_tokens()
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.page_width)
-        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(self.max_total_tokens)
-        self.kv_caches = self._allocate_kv_cache(self.token_to_kv_pool_allocator.num_slots)
-        # The token each request slot sampled last (row max_running_requests: padding rows).
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
+            self.max_total_tokens, page_size=self.page_size
+        )
+        num_slots = self.token_to_kv_pool_allocator.num_slots
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        cfg = model_config
+        self.kv_caches = [
+            self._device_zeros(
+                kv_cache_shape(num_slots, self.page_size, cfg.num_key_value_heads, cfg.head_dim),
+                self.dtype, NamedSharding(self.mesh, PartitionSpec(None, None, "tensor", None)),
+            )
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        # Request slot max_running_requests is the padding rows' spare row, in both tables.
         self.no_req_slot = self.max_running_requests
-        self.last_tokens = jax.device_put(
-            np.zeros(self.max_running_requests + 1, np.int32),
-            NamedSharding(self.mesh, PartitionSpec()),
+        self.req_to_page = self._device_zeros(
+            (self.max_running_requests + 1, self.page_width // self.page_size), jnp.int32,
+            replicated,
+        )
+        self.last_tokens = self._device_zeros(
+            (self.max_running_requests + 1,), jnp.int32, replicated
+        )
+        self._set_page_row = jax.jit(
+            lambda table, row, pages: table.at[row].set(pages), donate_argnums=0
         )
 
         capturer = RoutedExpertsCapturer.create(
             enable=server_args.enable_return_routed_experts,
             model_config=model_config,
             num_fused_shared_experts=0,
-            num_tokens=self.token_to_kv_pool_allocator.num_slots,
+            # An abstract runner never serves: no host rows (they can be gigabytes).
+            num_tokens=1 if abstract else num_slots,
             max_running_requests=self.max_running_requests,
             chunked_prefill_size=server_args.chunked_prefill_size,
         )
@@ -130,17 +190,28 @@ class ModelRunner:
         if capturer.device_cache() is not None:
             # Committed to the mesh like the step's own outputs, so that the first call and
             # later calls see the same placement and share one compiled program.
-            replicated = NamedSharding(self.mesh, PartitionSpec())
-            capturer.set_device_cache(jax.device_put(capturer.device_cache(), replicated))
+            cache = capturer.device_cache()
+            if abstract:
+                buf = cache.buffer
+                cache.buffer = jax.ShapeDtypeStruct(buf.shape, buf.dtype, sharding=replicated)
+                capturer.set_device_cache(cache)
+            else:
+                capturer.set_device_cache(jax.device_put(cache, replicated))
         self._check_capture_capacity()
 
         self.num_compiles = 0
         self.compile_seconds: dict[tuple[int, int, int], float] = {}
         self._step = jax.jit(
-            partial(self._step_impl, self.graphdef, self.param_treedef), donate_argnums=(1, 2, 3)
+            partial(self._step_impl, self.graphdef, self.param_treedef),
+            donate_argnums=(1, 2, 3, 4),
         )
 
     # -- set-up ---------------------------------------------------------------------------------
+    def _device_zeros(self, shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> Any:
+        if self.abstract:
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
     def kv_bytes_per_token(self) -> int:
         cfg = self.model_config
         itemsize = jnp.dtype(self.dtype).itemsize
@@ -148,17 +219,12 @@ class ModelRunner:
 
     def _resolve_max_total_tokens(self) -> int:
         if self.server_args.max_total_tokens is not None:
-            return int(self.server_args.max_total_tokens)
-        wanted = self.max_running_requests * 2048
-        budget = DEFAULT_KV_BUDGET_BYTES // self.kv_bytes_per_token()
-        return max(self.context_len, min(wanted, budget))
-
-    def _allocate_kv_cache(self, num_slots: int) -> list[tuple[jax.Array, jax.Array]]:
-        cfg = self.model_config
-        shape = (num_slots, cfg.num_key_value_heads, cfg.head_dim)
-        sharding = NamedSharding(self.mesh, PartitionSpec(None, "tensor", None))
-        make = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=sharding)
-        return [(make(), make()) for _ in range(cfg.num_hidden_layers)]
+            tokens = int(self.server_args.max_total_tokens)
+        else:
+            wanted = self.max_running_requests * 2048
+            budget = DEFAULT_KV_BUDGET_BYTES // self.kv_bytes_per_token()
+            tokens = max(self.context_len, min(wanted, budget))
+        return round_up(tokens, self.page_size)
 
     def _check_capture_capacity(self) -> None:
         limit = self.capturer.max_tokens()
@@ -173,40 +239,50 @@ class ModelRunner:
             )
 
     def memory_report(self) -> dict[str, int]:
-        params = sum(x.nbytes for x in self.param_leaves)
-        kv = sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
-        return {"parameters": params, "kv_cache": kv, **self.capturer.memory_report()}
+        return {
+            "parameters": sum(_nbytes(x) for x in self.param_leaves),
+            "kv_cache": sum(_nbytes(kv) for kv in self.kv_caches),
+            "page_table": _nbytes(self.req_to_page),
+            **self.capturer.memory_report(),
+        }
 
     # -- the jitted step ------------------------------------------------------------------------
     def _step_impl(
         self, graphdef: Any, param_treedef: Any, param_leaves: list, kv_caches: list,
-        last_tokens: jax.Array, routed_cache: Any, batch: ForwardBatch,
+        req_to_page: jax.Array, last_tokens: jax.Array, routed_cache: Any, batch: ForwardBatch,
     ) -> tuple:
         self.num_compiles += 1  # runs only while tracing: one count per compiled shape
         model = nnx.merge(graphdef, jax.tree.unflatten(param_treedef, param_leaves))
-        req_slot = jnp.take(batch.req_pool_indices, batch.token_to_req, mode="fill",
+        token_to_req, positions = batch.token_to_req, batch.positions
+        req_slot = jnp.take(batch.req_pool_indices, token_to_req, mode="fill",
                             fill_value=self.no_req_slot)
         input_ids = jnp.where(batch.input_ids < 0, last_tokens[req_slot], batch.input_ids)
         batch = dataclasses.replace(batch, input_ids=input_ids)
+        req_to_page = update_page_table(
+            req_to_page, req_slot, positions, batch.out_cache_loc, self.page_size
+        )
+        meta = AttentionMetadata.build(batch, token_to_req, positions, req_to_page, self.page_size)
         capturer = get_global_experts_capturer()
         capturer.begin_forward(routed_cache)
-        logits, kv_caches = model(batch, kv_caches)
+        logits, kv_caches = model(batch, meta, kv_caches, self.backends)
         routed_cache, routed_rows = capturer.end_forward(batch.num_tokens)
         next_ids = sample(logits, batch.sampling)
         # Rows that only end a prompt chunk also write here; no step reads a slot's last token
         # before the step that samples the request's real next token has written it.
         last_tokens = last_tokens.at[batch.req_pool_indices].set(next_ids)
-        return next_ids, logits, kv_caches, last_tokens, routed_cache, routed_rows
+        return next_ids, logits, kv_caches, req_to_page, last_tokens, routed_cache, routed_rows
+
+    def _step_args(self, batch: Any) -> tuple:
+        return (self.param_leaves, self.kv_caches, self.req_to_page, self.last_tokens,
+                self.capturer.device_cache(), batch)
 
     def forward(self, batch: ForwardBatch) -> StepOutput:
         """Dispatches one step (asynchronously: the outputs are futures until read)."""
         before = self.num_compiles
         t0 = time.perf_counter()
         with jax.set_mesh(self.mesh):  # the model's shard_map regions run on this mesh
-            next_ids, logits, self.kv_caches, self.last_tokens, routed_cache, rows = self._step(
-                self.param_leaves, self.kv_caches, self.last_tokens, self.capturer.device_cache(),
-                batch,
-            )
+            (next_ids, logits, self.kv_caches, self.req_to_page, self.last_tokens, routed_cache,
+             rows) = self._step(*self._step_args(batch))
         self.capturer.set_device_cache(routed_cache)
         if self.num_compiles != before:
             next_ids.block_until_ready()
@@ -214,6 +290,49 @@ class ModelRunner:
             self.compile_seconds[key] = time.perf_counter() - t0
             logger.debug("compiled %s in %.2fs", key, self.compile_seconds[key])
         return StepOutput(next_ids, logits, rows)
+
+    def lower_bucket(self, mode: ForwardMode, num_tokens: int, batch_size: int) -> Any:
+        """``jax.stages.Lowered`` of the step for one bucket (abstract or not; nothing runs)."""
+        batch = make_padding_batch(
+            mode, num_tokens, batch_size, self.model_config.vocab_size, self.no_req_slot
+        )
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        batch = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), batch
+        )
+        with jax.set_mesh(self.mesh):
+            return self._step.lower(*self._step_args(batch))
+
+    # -- batches --------------------------------------------------------------------------------
+    def run_worker_batch(self, mwb: ModelWorkerBatch) -> tuple[ForwardBatch, StepOutput]:
+        """Pads ``mwb`` to its bucket and dispatches it; returns the padded batch and output."""
+        if mwb.forward_mode.is_decode:
+            rows = self.padded_decode_bs(mwb.batch_size)
+            tokens = rows
+        else:
+            tokens = self.padded_extend_tokens(mwb.num_tokens)
+            rows = self.extend_rows(tokens)
+        self._sync_prefix_pages(mwb)
+        batch = build_forward_batch(
+            mwb, tokens, rows, self.model_config.vocab_size, self.no_req_slot
+        )
+        return batch, self.forward(batch)
+
+    def _sync_prefix_pages(self, mwb: ModelWorkerBatch) -> None:
+        """Sends the page row of each request that starts on a cached prefix the device page
+        table does not hold yet (once per admission; the step records every other page)."""
+        pool = self.req_to_token_pool
+        for idx, prefix, extend in zip(
+            mwb.req_pool_indices, mwb.prefix_lens, mwb.extend_lens, strict=True
+        ):
+            if pool.device_len[idx] < prefix:
+                # A fresh array: on CPU the device may read it in place after we return.
+                pages = pool.req_to_token[idx, :: self.page_size] // self.page_size
+                with jax.set_mesh(self.mesh):
+                    self.req_to_page = self._set_page_row(
+                        self.req_to_page, np.int32(idx), pages.astype(np.int32)
+                    )
+            pool.device_len[idx] = prefix + extend
 
     # -- padding buckets ------------------------------------------------------------------------
     def padded_decode_bs(self, bs: int) -> int:
@@ -232,10 +351,14 @@ class ModelRunner:
         t0 = time.perf_counter()
         for mode, tokens, rows in tqdm(shapes, desc="Precompiling", unit="shape"):
             batch = make_padding_batch(
-                mode, tokens, rows, self.page_width, self.model_config.vocab_size,
-                self.no_req_slot,
+                mode, tokens, rows, self.model_config.vocab_size, self.no_req_slot
             )
             self.forward(batch).next_token_ids.block_until_ready()
+        with jax.set_mesh(self.mesh):  # the one shape of the prefix page-row update
+            self.req_to_page = self._set_page_row(
+                self.req_to_page, np.int32(self.no_req_slot),
+                np.zeros(self.req_to_page.shape[1], np.int32),
+            )
         logger.info(
             "Precompiled %d shapes in %.1fs (decode bs %s; extend tokens %s)",
             len(shapes), time.perf_counter() - t0, self.bs_paddings, self.token_paddings,
@@ -246,18 +369,3 @@ def _bucket(buckets: list[int], n: int) -> int:
     """The smallest bucket >= n; past the largest, a multiple of 64 (compiled on demand)."""
     i = bisect.bisect_left(buckets, n)
     return buckets[i] if i < len(buckets) else round_up(n, 64)
-
-
-def forward_worker_batch(runner: ModelRunner, mwb: ModelWorkerBatch) -> tuple[ForwardBatch, StepOutput]:
-    """Pads ``mwb`` to its bucket and dispatches it; returns the padded batch and the output."""
-    if mwb.forward_mode.is_decode:
-        rows = runner.padded_decode_bs(mwb.batch_size)
-        tokens = rows
-    else:
-        tokens = runner.padded_extend_tokens(mwb.num_tokens)
-        rows = runner.extend_rows(tokens)
-    batch = build_forward_batch(
-        mwb, runner.req_to_token_pool.req_to_token, tokens, rows, runner.model_config.vocab_size,
-        runner.no_req_slot,
-    )
-    return batch, runner.forward(batch)

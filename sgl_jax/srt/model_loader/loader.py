@@ -94,6 +94,29 @@ def _flat_params(state: nnx.State) -> Iterator[tuple[Path, nnx.Variable]]:
     yield from nnx.to_flat_state(state)
 
 
+def _param_sharding(var: nnx.Variable, mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec(*(var.get_metadata().get("out_sharding") or ())))
+
+
+def abstract_model(
+    config: ModelConfig, mesh: Mesh, dtype: jnp.dtype, expert_mapping: ExpertMapping | None = None
+) -> nnx.Module:
+    """The model with ``jax.ShapeDtypeStruct`` parameters sharded over ``mesh``: no checkpoint
+    is read and nothing is allocated (for ahead-of-time compilation, ``tools/aot_report``)."""
+    model_cls = get_model_class(config.architecture)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: model_cls(config, dtype)))
+    for _, var in _flat_params(state):
+        value = var.get_value()
+        var.set_value(
+            jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=_param_sharding(var, mesh))
+        )
+    model = nnx.merge(graphdef, state)
+    mapping = expert_mapping or ExpertMapping.contiguous(config.num_experts, mesh.shape["expert"])
+    mapping.check(config.num_experts, mesh.shape["expert"])
+    apply_expert_mapping(model, mapping)
+    return model
+
+
 def load_model(
     config: ModelConfig, mesh: Mesh, dtype: jnp.dtype, expert_mapping: ExpertMapping | None = None
 ) -> nnx.Module:
@@ -141,10 +164,7 @@ def load_model(
                 f"{tuple(abstract_value.shape[1:] if len(names) > 1 else abstract_value.shape)}"
                 f"{' (transposed)' if transpose else ''}"
             )
-        spec = PartitionSpec(*(var.get_metadata().get("out_sharding") or ()))
-        pure[path] = jax.device_put(
-            value.astype(abstract_value.dtype), NamedSharding(mesh, spec)
-        )
+        pure[path] = jax.device_put(value.astype(abstract_value.dtype), _param_sharding(var, mesh))
     for path, var in _flat_params(state):
         var.set_value(pure[path])
     logger.info("Loaded %d tensors from %s", len(present), config.model_path)

@@ -14,15 +14,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.srt.layers.attention import paged_attention, write_kv
+from sgl_jax.srt.forward_batch_info import ForwardBatch
+from sgl_jax.srt.layers.attention import AttentionMetadata, write_kv
 from sgl_jax.srt.layers.moe.ep_moe import W_DOWN_SPEC, W_GATE_UP_SPEC, ep_moe_forward
 from sgl_jax.srt.layers.moe.routed_experts_capturer import get_global_experts_capturer
 from sgl_jax.srt.layers.moe.topk import select_experts
 from sgl_jax.srt.layers.norm import RMSNorm
 from sgl_jax.srt.layers.rotary import apply_rotary
-from sgl_jax.srt.model_executor.forward_batch import ForwardBatch
+from sgl_jax.srt.models.backends import ModelBackends
 
-KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: (k, v), each [slots, kv_heads, head_dim]
+KVCache = list[jax.Array]  # per layer: [pages, page_size, 2 * kv_heads, head_dim] (attention/base.py)
 
 
 def _param(shape: tuple[int, ...], dtype: jnp.dtype, sharding: tuple[str | None, ...]) -> nnx.Param:
@@ -46,19 +47,20 @@ class Qwen3MoeAttention(nnx.Module):
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
 
     def __call__(
-        self, x: jax.Array, batch: ForwardBatch, kv: tuple[jax.Array, jax.Array]
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        self, x: jax.Array, batch: ForwardBatch, meta: AttentionMetadata, kv: jax.Array,
+        backends: ModelBackends,
+    ) -> tuple[jax.Array, jax.Array]:
         t = x.shape[0]
         q = (x @ self.q_proj[...]).reshape(t, self.num_heads, self.head_dim)
         k = (x @ self.k_proj[...]).reshape(t, self.num_kv_heads, self.head_dim)
         v = (x @ self.v_proj[...]).reshape(t, self.num_kv_heads, self.head_dim)
-        q = apply_rotary(self.q_norm(q), batch.positions, self.rope_theta)
-        k = apply_rotary(self.k_norm(k), batch.positions, self.rope_theta)
-        # Write first, then read the prefix from the written cache: the reads then depend on
-        # the scatter, so XLA updates the donated cache in place instead of copying it.
-        k_cache, v_cache = write_kv(*kv, k, v, batch.out_cache_loc)
-        out = paged_attention(q, k, v, k_cache, v_cache, batch, self.head_dim**-0.5)
-        return out.reshape(t, -1) @ self.o_proj[...], (k_cache, v_cache)
+        q = apply_rotary(self.q_norm(q), meta.positions, self.rope_theta)
+        k = apply_rotary(self.k_norm(k), meta.positions, self.rope_theta)
+        # Write first, then read everything (prefix and new tokens) from the written cache:
+        # the reads depend on the scatter, so XLA updates the donated cache in place.
+        kv = write_kv(kv, k, v, batch.out_cache_loc)
+        out = backends.attention.attend(q, kv, meta, self.head_dim**-0.5)
+        return out.reshape(t, -1) @ self.o_proj[...], kv
 
 
 class Qwen3MoeMLP(nnx.Module):
@@ -69,7 +71,7 @@ class Qwen3MoeMLP(nnx.Module):
         self.up_proj = _param((hidden, intermediate), dtype, (None, "tensor"))
         self.down_proj = _param((intermediate, hidden), dtype, ("tensor", None))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, backends: ModelBackends) -> jax.Array:
         act = jax.nn.silu(x @ self.gate_proj[...]) * (x @ self.up_proj[...])
         return act @ self.down_proj[...]
 
@@ -94,14 +96,14 @@ class Qwen3MoeSparseMoeBlock(nnx.Module):
         self.w_down = _param((experts, inter, hidden), dtype, W_DOWN_SPEC)
         self.expert_order: tuple[int, ...] = tuple(range(experts))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, backends: ModelBackends) -> jax.Array:
         router_logits = x.astype(jnp.float32) @ self.gate[...]
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         # Logical ids, captured once, before any device-expert mapping is applied.
         get_global_experts_capturer().capture(self.layer_id, topk_ids)
         return ep_moe_forward(
             x, topk_ids, topk_weights, self.w_gate[...], self.w_up[...], self.w_down[...],
-            self.expert_order,
+            self.expert_order, backend=backends.moe,
         )
 
 
@@ -116,11 +118,12 @@ class Qwen3MoeDecoderLayer(nnx.Module):
             self.mlp = Qwen3MoeMLP(config.hidden_size, config.intermediate_size, dtype)
 
     def __call__(
-        self, h: jax.Array, batch: ForwardBatch, kv: tuple[jax.Array, jax.Array]
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        attn_out, kv = self.self_attn(self.input_layernorm(h), batch, kv)
+        self, h: jax.Array, batch: ForwardBatch, meta: AttentionMetadata, kv: jax.Array,
+        backends: ModelBackends,
+    ) -> tuple[jax.Array, jax.Array]:
+        attn_out, kv = self.self_attn(self.input_layernorm(h), batch, meta, kv, backends)
         h = h + attn_out
-        h = h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.mlp(self.post_attention_layernorm(h), backends)
         return h, kv
 
 
@@ -132,11 +135,14 @@ class Qwen3MoeModel(nnx.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def __call__(self, batch: ForwardBatch, kv_caches: KVCache) -> tuple[jax.Array, KVCache]:
+    def __call__(
+        self, batch: ForwardBatch, meta: AttentionMetadata, kv_caches: KVCache,
+        backends: ModelBackends,
+    ) -> tuple[jax.Array, KVCache]:
         h = jnp.take(self.embed_tokens[...], batch.input_ids, axis=0)
         new_caches = []
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            h, kv = layer(h, batch, kv)
+            h, kv = layer(h, batch, meta, kv, backends)
             new_caches.append(kv)
         return h, new_caches
 
@@ -148,9 +154,12 @@ class Qwen3MoeForCausalLM(nnx.Module):
         if not config.tie_word_embeddings:
             self.lm_head = _param((config.hidden_size, config.vocab_size), dtype, (None, "tensor"))
 
-    def __call__(self, batch: ForwardBatch, kv_caches: KVCache) -> tuple[jax.Array, KVCache]:
-        """Returns float32 logits ``[B, vocab]`` of each row's ``logits_indices`` token."""
-        h, kv_caches = self.model(batch, kv_caches)
+    def __call__(
+        self, batch: ForwardBatch, meta: AttentionMetadata, kv_caches: KVCache,
+        backends: ModelBackends,
+    ) -> tuple[jax.Array, KVCache]:
+        """Returns float32 logits ``[B, vocab]`` of each row's last new token."""
+        h, kv_caches = self.model(batch, meta, kv_caches, backends)
         h = self.model.norm(jnp.take(h, batch.logits_indices, axis=0))
         if self.config.tie_word_embeddings:
             logits = h @ self.model.embed_tokens[...].T

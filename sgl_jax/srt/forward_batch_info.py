@@ -1,14 +1,22 @@
-"""ForwardBatch: the device-side view of one padded batch (a pytree, the jitted forward's input).
+"""How a batch is described: ForwardMode, the host-side ModelWorkerBatch and the device-side
+ForwardBatch (a pytree, the jitted step's input).
 
-Padding conventions (the jitted forward relies on them):
-- padded tokens have ``token_to_req == padded_bs`` (no real row), position 0 and write their K/V
-  to the reserved slot 0, which no request ever reads;
-- padded rows have ``prefix_lens == 0``, an all-zero page-table row, and the
-  request slot ``NO_REQ_SLOT`` (a spare row of the last-token buffer).
+A leaf module: layers, models, the model runner and the scheduler all import it, and it
+imports none of them.
+
+Padding conventions (the jitted step relies on them):
+- padded tokens come after every real token; they belong to no row, sit at position 0 and
+  write their K/V to the reserved slot 0 (page 0), which no request ever reads;
+- padded rows have ``prefix_lens == extend_lens == 0`` and the request slot ``NO_REQ_SLOT``
+  (a spare row of the last-token buffer and of the device page table).
 
 An input id of -1 means "the token this request sampled last": it is read on the device from
 the last-token buffer, so a decode step can be dispatched before the previous step's tokens
 have reached the host (overlap scheduling).
+
+What the host sends per step grows with the batch's tokens and rows only: a request's page
+table lives on the device (``ModelRunner.req_to_page``), and the per-token row, position
+and the rows' logit indices are derived inside the step from ``extend_lens``.
 """
 
 from __future__ import annotations
@@ -17,9 +25,10 @@ import dataclasses
 import enum
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from sgl_jax.srt.layers.sampler import SamplingMetadata
+from sgl_jax.srt.sampling.sampling_metadata import SamplingMetadata
 
 
 class ForwardMode(enum.IntEnum):
@@ -35,13 +44,10 @@ class ForwardMode(enum.IntEnum):
 @dataclasses.dataclass
 class ForwardBatch:
     input_ids: jax.Array  # [T] int32; -1: the request's last sampled token (on device)
-    positions: jax.Array  # [T] int32, absolute position of each token in its request
-    out_cache_loc: jax.Array  # [T] int32, KV slot each token writes
-    token_to_req: jax.Array  # [T] int32, batch row of each token (padded_bs for padding)
-    req_pool_indices: jax.Array  # [B] int32, request slot of each row (the last-token buffer row)
+    out_cache_loc: jax.Array  # [T] int32, KV slot each token writes (page * page_size + offset)
+    req_pool_indices: jax.Array  # [B] int32, request slot of each row
     prefix_lens: jax.Array  # [B] int32, tokens already in the KV cache before this batch
-    page_table: jax.Array  # [B, W] int32, req_to_token rows: KV slot of every position
-    logits_indices: jax.Array  # [B] int32, token index whose logits each row samples from
+    extend_lens: jax.Array  # [B] int32, new tokens of each row (1 in decode, 0 for padding)
     sampling: SamplingMetadata
     forward_mode: ForwardMode = dataclasses.field(metadata={"static": True})
 
@@ -53,28 +59,55 @@ class ForwardBatch:
     def batch_size(self) -> int:
         return self.prefix_lens.shape[0]
 
+    # -- derived on the device (traced), so the host does not send them -----------------------
+    @property
+    def extend_starts(self) -> jax.Array:
+        """[B] index of each row's first token (rows' tokens are back to back)."""
+        return jnp.cumsum(self.extend_lens) - self.extend_lens
+
+    @property
+    def seq_lens(self) -> jax.Array:
+        """[B] tokens of each row once this batch is in the cache (0 for padding rows)."""
+        return self.prefix_lens + self.extend_lens
+
+    @property
+    def token_to_req(self) -> jax.Array:
+        """[T] batch row of each token; ``batch_size`` for padded tokens."""
+        ends = jnp.cumsum(self.extend_lens)
+        token = jnp.arange(self.num_tokens, dtype=jnp.int32)
+        return jnp.searchsorted(ends, token, side="right").astype(jnp.int32)
+
+    @property
+    def positions(self) -> jax.Array:
+        """[T] absolute position of each token in its request (0 for padded tokens)."""
+        row = self.token_to_req
+        token = jnp.arange(self.num_tokens, dtype=jnp.int32)
+        start = jnp.take(self.extend_starts, row, mode="fill", fill_value=0)
+        prefix = jnp.take(self.prefix_lens, row, mode="fill", fill_value=0)
+        return jnp.where(row < self.batch_size, prefix + token - start, 0)
+
+    @property
+    def logits_indices(self) -> jax.Array:
+        """[B] the token whose logits each row samples from: its last new token."""
+        return jnp.maximum(self.extend_starts + self.extend_lens - 1, 0)
+
 
 def shape_key(batch: ForwardBatch) -> tuple[int, int, int]:
-    """What a compiled forward is specialised on (besides the model's own shapes)."""
+    """What a compiled step is specialised on (besides the model's own shapes)."""
     return (int(batch.forward_mode), batch.num_tokens, batch.batch_size)
 
 
 def make_padding_batch(
-    mode: ForwardMode, num_tokens: int, batch_size: int, page_width: int, vocab_size: int,
-    no_req_slot: int,
+    mode: ForwardMode, num_tokens: int, batch_size: int, vocab_size: int, no_req_slot: int,
 ) -> ForwardBatch:
     """An all-padding batch of the given shape (used to compile a bucket ahead of time)."""
-    zeros_t = np.zeros(num_tokens, np.int32)
     zeros_b = np.zeros(batch_size, np.int32)
     return ForwardBatch(
-        input_ids=zeros_t,
-        positions=zeros_t,
-        out_cache_loc=zeros_t,
-        token_to_req=np.full(num_tokens, batch_size, np.int32),
+        input_ids=np.zeros(num_tokens, np.int32),
+        out_cache_loc=np.zeros(num_tokens, np.int32),
         req_pool_indices=np.full(batch_size, no_req_slot, np.int32),
         prefix_lens=zeros_b,
-        page_table=np.zeros((batch_size, page_width), np.int32),
-        logits_indices=zeros_b,
+        extend_lens=zeros_b.copy(),
         sampling=SamplingMetadata.from_params([], [], [], batch_size, vocab_size),
         forward_mode=mode,
     )
@@ -105,45 +138,29 @@ class ModelWorkerBatch:
 
 
 def build_forward_batch(
-    mwb: ModelWorkerBatch,
-    req_to_token: np.ndarray,
-    padded_tokens: int,
-    padded_rows: int,
-    vocab_size: int,
+    mwb: ModelWorkerBatch, padded_tokens: int, padded_rows: int, vocab_size: int,
     no_req_slot: int,
 ) -> ForwardBatch:
     """Pads a ModelWorkerBatch to a compiled shape.
 
-    Every array is freshly allocated: on the CPU backend the forward may read numpy memory in
-    place, so nothing handed to a forward is ever reused or mutated afterwards.
+    Every array is freshly allocated: on the CPU backend the step may read numpy memory in
+    place, so nothing handed to a step is ever reused or mutated afterwards.
     """
     t, b = mwb.num_tokens, mwb.batch_size
     if t > padded_tokens or b > padded_rows:
         raise ValueError(f"batch of {t} tokens / {b} rows exceeds padding {padded_tokens}/{padded_rows}")
-    extend_lens = mwb.extend_lens.astype(np.int32)
-    prefix_lens = mwb.prefix_lens.astype(np.int32)
-    row_of_token = np.repeat(np.arange(b, dtype=np.int32), extend_lens)
-    starts = np.cumsum(extend_lens) - extend_lens
-    positions = np.arange(t, dtype=np.int32) - np.repeat(starts, extend_lens) + np.repeat(
-        prefix_lens, extend_lens
-    )
 
     def pad(values: np.ndarray, size: int, fill: int) -> np.ndarray:
         out = np.full(size, fill, dtype=np.int32)
         out[: len(values)] = values
         return out
 
-    page_table = np.zeros((padded_rows, req_to_token.shape[1]), dtype=np.int32)
-    page_table[:b] = req_to_token[mwb.req_pool_indices]
     return ForwardBatch(
         input_ids=pad(mwb.input_ids, padded_tokens, 0),
-        positions=pad(positions, padded_tokens, 0),
         out_cache_loc=pad(mwb.out_cache_loc, padded_tokens, 0),
-        token_to_req=pad(row_of_token, padded_tokens, padded_rows),
         req_pool_indices=pad(mwb.req_pool_indices, padded_rows, no_req_slot),
-        prefix_lens=pad(prefix_lens, padded_rows, 0),
-        page_table=page_table,
-        logits_indices=pad(starts + extend_lens - 1, padded_rows, 0),
+        prefix_lens=pad(mwb.prefix_lens, padded_rows, 0),
+        extend_lens=pad(mwb.extend_lens, padded_rows, 0),
         sampling=SamplingMetadata.from_params(
             mwb.sampling_params, mwb.seeds, mwb.steps, padded_rows, vocab_size
         ),

@@ -1,0 +1,47 @@
+"""Attention backends behind one interface (``AttentionBackend.attend``), chosen at start-up.
+
+- ``native``: pure JAX, blocked by request; the CPU default and the reference.
+- ``pallas``: JAX's ragged paged attention TPU kernel (interpret mode on CPU, for tests).
+"""
+
+from __future__ import annotations
+
+from sgl_jax.srt.layers.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    kv_cache_shape,
+    update_page_table,
+    write_kv,
+)
+from sgl_jax.srt.layers.attention.native import NativeAttention
+from sgl_jax.srt.layers.attention.pallas import PallasAttention, check_pallas_shapes
+
+ATTENTION_BACKENDS = ("native", "pallas")
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "NativeAttention",
+    "PallasAttention",
+    "create_attention_backend",
+    "kv_cache_shape",
+    "update_page_table",
+    "write_kv",
+]
+
+
+def create_attention_backend(
+    name: str, platform: str, head_dim: int, kv_block: int
+) -> AttentionBackend:
+    """The backend for ``--attention-backend`` on a device platform ("cpu", "tpu", "gpu")."""
+    if name == "native":
+        return NativeAttention(kv_block)
+    if name == "pallas":
+        check_pallas_shapes(head_dim)
+        if platform not in ("tpu", "cpu"):
+            raise ValueError(
+                f"--attention-backend pallas runs JAX's TPU kernel; on {platform} use native"
+            )
+        return PallasAttention(interpret=platform == "cpu")
+    raise ValueError(f"unknown attention backend {name!r}; use one of {ATTENTION_BACKENDS}")

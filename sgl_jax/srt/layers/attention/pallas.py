@@ -1,0 +1,77 @@
+"""JAX's Pallas TPU kernel for ragged paged attention (what a TPU runs).
+
+The kernel takes the batch as it is: queries back to back (``cu_q_lens``), each sequence's
+total length (``kv_lens`` = prefix + new tokens, whose K/V were written to the cache first)
+and its pages (``page_indices``), and reads the cache in the combined K/V layout of
+``base.py``. It needs ``head_dim`` to be a multiple of 128.
+
+Under tensor parallelism the heads are split over the "tensor" mesh axis; the kernel is a
+custom call that XLA cannot partition, so it runs inside ``shard_map`` on each device's heads.
+On CPU it runs in Pallas' TPU interpret mode (slow; for tests only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from sgl_jax.srt.layers.attention.base import AttentionBackend, AttentionMetadata
+
+TENSOR_AXIS = "tensor"
+HEAD_DIM_MULTIPLE = 128
+
+
+def check_pallas_shapes(head_dim: int) -> None:
+    if head_dim % HEAD_DIM_MULTIPLE:
+        raise ValueError(
+            f"--attention-backend pallas needs head_dim to be a multiple of "
+            f"{HEAD_DIM_MULTIPLE} (JAX's ragged paged attention kernel); this model has "
+            f"head_dim={head_dim}. Use --attention-backend native."
+        )
+
+
+class PallasAttention(AttentionBackend):
+    name = "pallas"
+
+    def __init__(self, interpret: bool = False) -> None:
+        self.interpret = interpret
+
+    def attend(
+        self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float
+    ) -> jax.Array:
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+            ragged_paged_attention,
+        )
+
+        kv_lens = meta.seq_lens.astype(jnp.int32)
+        cu_q_lens = jnp.concatenate(
+            [jnp.zeros(1, jnp.int32), jnp.cumsum(meta.extend_lens).astype(jnp.int32)]
+        )
+        # Padded rows (no new tokens) come last: they are not sequences for the kernel.
+        num_seqs = jnp.sum(meta.extend_lens > 0).astype(jnp.int32).reshape(1)
+        page_indices = meta.page_indices.astype(jnp.int32)
+        kernel = partial(ragged_paged_attention, sm_scale=scale)
+
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty and mesh.shape.get(TENSOR_AXIS, 1) > 1:
+            kernel = jax.shard_map(
+                kernel,
+                mesh=mesh,
+                in_specs=(P(None, TENSOR_AXIS, None), P(None, None, TENSOR_AXIS, None),
+                          P(), P(), P(), P()),
+                out_specs=P(None, TENSOR_AXIS, None),
+                check_vma=False,
+            )
+        with self._mode():
+            return kernel(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
+
+    def _mode(self) -> contextlib.AbstractContextManager:
+        if not self.interpret:
+            return contextlib.nullcontext()
+        from sgl_jax.srt.layers.attention.pallas_interpret import tpu_interpret_mode
+
+        return tpu_interpret_mode()

@@ -27,17 +27,42 @@ class Seq:
     pool_idx: int
     length: int = 0  # tokens already in the KV cache
     slots: list[int] = field(default_factory=list)
+    shared: int = 0  # leading slots borrowed from another Seq (a cached prefix): not freed
 
 
 class ModelDriver:
+    """With ``page_size > 1`` the driver hands out KV pages itself (in random order, never
+    through the allocator): positions [i*P, (i+1)*P) of a sequence share one page."""
+
     def __init__(self, runner: ModelRunner, rng_seed: int = 0) -> None:
         self.runner = runner
         self.rng = np.random.default_rng(rng_seed)
+        self.page_size = runner.page_size
+        num_pages = runner.token_to_kv_pool_allocator.num_slots // self.page_size
+        self.free_pages = self.rng.permutation(np.arange(1, num_pages)).tolist()
 
     def new_seq(self) -> Seq:
         idx = self.runner.req_to_token_pool.alloc()
         assert idx is not None
         return Seq(idx)
+
+    def share_prefix(self, seq: Seq, source: Seq, n: int) -> None:
+        """``seq`` starts on ``source``'s first ``n`` tokens (a prefix-cache hit)."""
+        assert n % self.page_size == 0, "a cached prefix is whole pages"
+        self.runner.req_to_token_pool.write(seq.pool_idx, 0, np.asarray(source.slots[:n], np.int32))
+        seq.slots = list(source.slots[:n])
+        seq.length = seq.shared = n
+
+    def _alloc_pages(self, seq: Seq, n: int) -> np.ndarray:
+        size = self.page_size
+        out = []
+        for pos in range(seq.length, seq.length + n):
+            if pos % size == 0:
+                page = self.free_pages.pop()
+            else:
+                page = (out[-1] if out else seq.slots[-1]) // size
+            out.append(page * size + pos % size)
+        return np.asarray(out, np.int32)
 
     def _alloc(self, n: int, scatter: bool) -> np.ndarray:
         # Allocate more than needed and keep a random subset, so a request's slots are not
@@ -58,7 +83,10 @@ class ModelDriver:
         pool = self.runner.req_to_token_pool
         locs = []
         for seq, toks in zip(seqs, new_tokens, strict=True):
-            loc = self._alloc(len(toks), scatter)
+            if self.page_size > 1:
+                loc = self._alloc_pages(seq, len(toks))
+            else:
+                loc = self._alloc(len(toks), scatter)
             pool.write(seq.pool_idx, seq.length, loc)
             locs.append(loc)
         mwb = ModelWorkerBatch(
@@ -89,5 +117,9 @@ class ModelDriver:
         return logits, rows
 
     def release(self, seq: Seq) -> None:
-        self.runner.token_to_kv_pool_allocator.free(np.asarray(seq.slots, np.int32))
+        own = np.asarray(seq.slots[seq.shared :], np.int32)
+        if self.page_size > 1:
+            self.free_pages.extend(sorted({int(s) // self.page_size for s in own}))
+        else:
+            self.runner.token_to_kv_pool_allocator.free(own)
         self.runner.req_to_token_pool.free(seq.pool_idx)

@@ -1,14 +1,12 @@
-"""Tensor and expert parallelism on fake CPU devices (M7).
+"""Tensor and expert parallelism on fake CPU devices (M7), with every expert backend (M8).
 
 Every configuration runs the real ModelRunner in a subprocess whose
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` is set before JAX starts (one process
-per device count, all started at once). Each runs the same scenario: a prompt prefilled in two
-chunks, a request that reuses the first chunk's KV as a cached prefix, mixed in one batch with
-a fresh request, then decode steps of all three. The logits must match the single-device run
-to 1e-5 relative error and the routed top-k ids exactly; the workers also report how the
-parameters and the KV cache are really laid out over the devices. A random checkpoint with 8
-KV heads takes tp to 4; it is compared with the float64 reference forward (which the
-single-device forward matches, tests/test_model_forward.py) to save a compilation.
+per device count, all started at once). Each runs the scenario of tests/backend_scenario.py (a
+prompt prefilled in two chunks, a request on a cached prefix, a mixed extend batch, decode
+steps). The logits must match the float64 reference forward to 1e-5 relative error and the
+routed top-k ids exactly; the workers also report how the parameters and the KV cache are
+really laid out over the devices. A random checkpoint with 8 KV heads takes tp to 4.
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ import pytest
 from sgl_jax.srt.configs.model_config import BUNDLED_MODEL_PATH, ModelConfig
 from sgl_jax.srt.distributed import check_parallel_layout, maybe_initialize_distributed
 from sgl_jax.srt.layers.moe.ep_moe import ExpertMapping, balanced_mapping, expert_load
+from tests.backend_scenario import assert_matches, reference_scenario, run_scenario
 
 REPO = Path(__file__).absolute().parents[1]
 REL_TOL = 1e-5
@@ -37,74 +36,26 @@ REVERSED = [[15, 11, 7, 3], [14, 10, 6, 2], [13, 9, 5, 1], [12, 8, 4, 0]]
 EP4_MAPPING = json.dumps({"default": STRIDED, "2": REVERSED})
 WIDE = "wide"  # a random checkpoint with 8 KV heads, so that tp can reach 4
 
-# name -> (devices of the worker process that runs it, model, tp, ep, mapping). A worker runs
-# its configurations one after the other; the single-device references use a 1-device mesh
-# (devices[:1]) of a multi-device process, which is the same single-device program.
-CONFIGS: dict[str, tuple[int, str, int, int, str | None]] = {
-    "single": (2, BUNDLED_MODEL_PATH, 1, 1, None),
-    "tp2": (2, BUNDLED_MODEL_PATH, 2, 1, None),
-    "ep2": (2, BUNDLED_MODEL_PATH, 1, 2, None),
-    "tp2_ep2": (4, BUNDLED_MODEL_PATH, 2, 2, None),
-    "ep4_mapped": (4, BUNDLED_MODEL_PATH, 1, 4, EP4_MAPPING),
-    "ep8": (8, BUNDLED_MODEL_PATH, 1, 8, None),
-    "wide_tp4_ep2": (8, WIDE, 4, 2, None),
+RAGGED = {"moe_backend": "ragged"}
+# name -> (devices of the worker process that runs it, model, tp, ep, mapping, other server
+# args). A worker runs its configurations one after the other; the single-device references
+# use a 1-device mesh (devices[:1]) of a multi-device process, the same single-device program.
+CONFIGS: dict[str, tuple[int, str, int, int, str | None, dict[str, Any]]] = {
+    "single": (2, BUNDLED_MODEL_PATH, 1, 1, None, {}),
+    "tp2": (2, BUNDLED_MODEL_PATH, 2, 1, None, {}),
+    "ep2": (2, BUNDLED_MODEL_PATH, 1, 2, None, {}),
+    "tp2_ep2": (4, BUNDLED_MODEL_PATH, 2, 2, None, {}),
+    "ep4_mapped": (4, BUNDLED_MODEL_PATH, 1, 4, EP4_MAPPING, {}),
+    "ep8": (8, BUNDLED_MODEL_PATH, 1, 8, None, {}),
+    "wide_tp4_ep2": (8, WIDE, 4, 2, None, {}),
+    # The sparse expert backend: each device sorts and computes only its experts' assignments.
+    "single_ragged": (2, BUNDLED_MODEL_PATH, 1, 1, None, RAGGED),
+    "tp2_ragged": (2, BUNDLED_MODEL_PATH, 2, 1, None, RAGGED),
+    "tp2_ep2_ragged": (4, BUNDLED_MODEL_PATH, 2, 2, None, RAGGED),
+    "ep4_mapped_ragged": (4, BUNDLED_MODEL_PATH, 1, 4, EP4_MAPPING, RAGGED),
+    "wide_tp4_ep2_ragged": (8, WIDE, 4, 2, None, RAGGED),
 }
-REFERENCES = {"single": "single", WIDE: "wide_reference"}  # model -> expected results
-
-
-def _tokens() -> tuple[list[int], list[int], list[int], list[int]]:
-    """Prompt a (40 tokens, prefilled as 24 + 16), b's own 10 tokens after a's first 24, c's
-    prompt (5 tokens), and the tokens decoded by all three."""
-    rng = np.random.default_rng(7)
-    a, b, c = (rng.integers(0, 500, n).tolist() for n in (40, 10, 5))
-    return a, b, c, [1, 2, 3]
-
-
-# -- worker (runs in the subprocess) ---------------------------------------------------------
-def _scenario(runner: Any) -> dict[str, np.ndarray]:
-    from sgl_jax.srt.forward_batch_info import ForwardMode
-    from tests.model_driver import ModelDriver
-
-    driver = ModelDriver(runner, rng_seed=0)
-    a_ids, b_new, c_ids, decoded = _tokens()
-    out: dict[str, np.ndarray] = {}
-    a = driver.new_seq()
-    out["logits_0"], (out["rows_0_a"],) = driver.step(ForwardMode.EXTEND, [a], [a_ids[:24]])
-    # b reuses a's first 24 KV slots as its cached prefix (a radix-cache hit).
-    b, c = driver.new_seq(), driver.new_seq()
-    runner.req_to_token_pool.write(b.pool_idx, 0, np.asarray(a.slots[:24], np.int32))
-    b.length = 24
-    logits, rows = driver.step(ForwardMode.EXTEND, [a, b, c], [a_ids[24:], b_new, c_ids])
-    out["logits_1"] = logits
-    out["rows_1_a"], out["rows_1_b"], out["rows_1_c"] = rows
-    for step, token in enumerate(decoded):
-        logits, rows = driver.step(ForwardMode.DECODE, [a, b, c], [[token]] * 3)
-        out[f"logits_{step + 2}"] = logits
-        out[f"rows_{step + 2}"] = np.stack(rows)
-    return out
-
-
-def _reference_scenario(model_path: str) -> dict[str, np.ndarray]:
-    """The results ``_scenario`` must produce, from the float64 reference forward."""
-    from sgl_jax.tools.reference_forward import ReferenceModel
-
-    ref = ReferenceModel(model_path)
-    a_ids, b_new, c_ids, decoded = _tokens()
-    a, b, c = (ref.forward(seq + decoded) for seq in (a_ids, a_ids[:24] + b_new, c_ids))
-    ends = [len(a_ids), 24 + len(b_new), len(c_ids)]  # prompt lengths
-    out = {
-        "logits_0": a.logits[23:24], "rows_0_a": a.topk_ids[:24],
-        "logits_1": np.stack([o.logits[n - 1] for o, n in zip((a, b, c), ends, strict=True)]),
-        "rows_1_a": a.topk_ids[24:40], "rows_1_b": b.topk_ids[24:34], "rows_1_c": c.topk_ids[:5],
-    }
-    for step in range(len(decoded)):
-        out[f"logits_{step + 2}"] = np.stack(
-            [o.logits[n + step] for o, n in zip((a, b, c), ends, strict=True)]
-        )
-        out[f"rows_{step + 2}"] = np.stack(
-            [o.topk_ids[n + step: n + step + 1] for o, n in zip((a, b, c), ends, strict=True)]
-        )
-    return out
+WIDE_OVERRIDES = {"num_attention_heads": 8, "num_key_value_heads": 8}
 
 
 def _layout(runner: Any, mapping_spec: str | None) -> dict[str, Any]:
@@ -142,7 +93,7 @@ def _layout(runner: Any, mapping_spec: str | None) -> dict[str, Any]:
     for name, arr in [
         ("q_proj", attn.q_proj[...]), ("o_proj", attn.o_proj[...]), ("w_gate", moe.w_gate[...]),
         ("w_down", moe.w_down[...]),
-        ("kv_cache", runner.kv_caches[0][0]),
+        ("kv_cache", runner.kv_caches[0]),
     ]:
         info[name] = {
             "spec": [a if a is None or isinstance(a, str) else list(a) for a in arr.sharding.spec],
@@ -161,24 +112,17 @@ def _worker(job: dict[str, Any]) -> None:
     enable_compilation_cache(ServerArgs())
     results: dict[str, Any] = {}
     wide = os.path.join(job["out"], WIDE)
-    if any(CONFIGS[name][1] == WIDE for name in job["configs"]):
-        from sgl_jax.tools.make_random_model import write_random_model
-
-        write_random_model(
-            wide, "tiny", {"num_attention_heads": 8, "num_key_value_heads": 8}, seed=11
-        )
-        np.savez(os.path.join(job["out"], "wide_reference.npz"), **_reference_scenario(wide))
     for name in job["configs"]:
-        _, model, tp, ep, mapping = CONFIGS[name]
+        _, model, tp, ep, mapping, extra = CONFIGS[name]
         model_path = wide if model == WIDE else model
         args = ServerArgs(
             model_path=model_path, tp_size=tp, ep_size=ep, ep_expert_mapping=mapping,
             max_running_requests=4, chunked_prefill_size=32, precompile_token_paddings=[32],
             precompile_bs_paddings=[4], max_total_tokens=256, attention_block_size=16,
-            enable_return_routed_experts=True,
+            enable_return_routed_experts=True, **extra,
         )
         runner = ModelRunner(args, ModelConfig.from_hf(model_path))
-        arrays = _scenario(runner)
+        arrays = run_scenario(runner)
         np.savez(os.path.join(job["out"], f"{name}.npz"), **arrays)
         results[name] = {**_layout(runner, mapping), "num_compiles": runner.num_compiles}
     # A layout that does not fit this process's devices fails at start-up, clearly.
@@ -195,7 +139,10 @@ def _worker(job: dict[str, Any]) -> None:
 # -- parent side -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def results() -> dict[str, Any]:
+    from sgl_jax.tools.make_random_model import write_random_model
+
     with tempfile.TemporaryDirectory() as tmp:
+        write_random_model(os.path.join(tmp, WIDE), "tiny", WIDE_OVERRIDES, seed=11)
         by_devices: dict[int, list[str]] = {}
         for name, (devices, *_) in CONFIGS.items():
             by_devices.setdefault(devices, []).append(name)
@@ -217,34 +164,24 @@ def results() -> dict[str, Any]:
         for devices in by_devices:
             with open(os.path.join(tmp, f"layout_{devices}.json")) as f:
                 out["layout"][devices] = json.load(f)
-        for name in [*CONFIGS, "wide_reference"]:
+        for name in CONFIGS:
             with np.load(os.path.join(tmp, f"{name}.npz")) as z:
                 out["arrays"][name] = dict(z)
+        # Every layout is checked against the independent float64 reference forward.
+        out["reference"] = {
+            model: reference_scenario(os.path.join(tmp, WIDE) if model == WIDE else model)
+            for model in {CONFIGS[name][1] for name in CONFIGS}
+        }
         return out
-
-
-def _reference_of(name: str) -> str:
-    return REFERENCES[WIDE] if CONFIGS[name][1] == WIDE else REFERENCES["single"]
 
 
 def _layout_of(results: dict[str, Any], name: str) -> dict[str, Any]:
     return results["layout"][CONFIGS[name][0]][name]
 
 
-PARALLEL = [n for n in CONFIGS if n != "single"]
-
-
-@pytest.mark.parametrize("name", PARALLEL)
-def test_matches_single_device(results, name):
-    got, want = results["arrays"][name], results["arrays"][_reference_of(name)]
-    assert set(got) == set(want)
-    for key in want:
-        if key.startswith("rows"):  # routed experts: logical ids, exactly
-            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
-        else:
-            err = np.max(np.abs(got[key] - want[key])) / np.max(np.abs(want[key]))
-            assert got[key].shape == want[key].shape, key
-            assert err < REL_TOL, f"{key}: relative error {err}"
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_matches_reference(results, name):
+    assert_matches(results["arrays"][name], results["reference"][CONFIGS[name][1]], REL_TOL)
 
 
 def test_scenario_routes_real_experts(results):
@@ -255,9 +192,9 @@ def test_scenario_routes_real_experts(results):
     assert len(np.unique(rows)) == 16
 
 
-@pytest.mark.parametrize("name", PARALLEL)
+@pytest.mark.parametrize("name", list(CONFIGS))
 def test_parameters_really_sharded(results, name):
-    _, _, tp, ep, _ = CONFIGS[name]
+    _, _, tp, ep, _, _ = CONFIGS[name]
     lay = _layout_of(results, name)
     assert lay["num_devices_used"] == tp * ep
     assert lay["expert_placement_ok"]
@@ -272,8 +209,9 @@ def test_parameters_really_sharded(results, name):
     assert lay["w_gate"]["shard_shape"] == [16 // ep, 64, 32 // tp]
     assert lay["w_down"]["shard_shape"] == [16 // ep, 32 // tp, 64]
     assert lay["w_gate"]["num_shards"] == tp * ep
-    # the KV cache, after the steps that donated and returned it: split by KV head
-    assert lay["kv_cache"]["shard_shape"][1:] == [kv_heads // tp, 16]
+    # the KV cache [pages, page_size, 2 * kv_heads, head_dim], after the steps that donated
+    # and returned it: split by KV head (each device holds the K and V of its heads)
+    assert lay["kv_cache"]["shard_shape"][2:] == [2 * kv_heads // tp, 16]
     assert lay["kv_cache"]["num_shards"] == tp
     # two shapes (one extend bucket, one decode bucket): sharding never forced a recompile
     assert lay["num_compiles"] == 2

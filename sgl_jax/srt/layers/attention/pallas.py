@@ -12,7 +12,6 @@ On CPU it runs in Pallas' TPU interpret mode (slow; for tests only).
 
 from __future__ import annotations
 
-import contextlib
 from functools import partial
 
 import jax
@@ -39,6 +38,10 @@ class PallasAttention(AttentionBackend):
 
     def __init__(self, interpret: bool = False) -> None:
         self.interpret = interpret
+        if interpret:
+            from sgl_jax.srt.layers.attention.pallas_interpret import enable_tpu_interpret_mode
+
+            enable_tpu_interpret_mode()
 
     def attend(
         self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float
@@ -54,7 +57,7 @@ class PallasAttention(AttentionBackend):
         # Padded rows (no new tokens) come last: they are not sequences for the kernel.
         num_seqs = jnp.sum(meta.extend_lens > 0).astype(jnp.int32).reshape(1)
         page_indices = meta.page_indices.astype(jnp.int32)
-        kernel = partial(ragged_paged_attention, sm_scale=scale)
+        kernel = partial(ragged_paged_attention, sm_scale=scale, **self._block_sizes(meta))
 
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty and mesh.shape.get(TENSOR_AXIS, 1) > 1:
@@ -66,12 +69,15 @@ class PallasAttention(AttentionBackend):
                 out_specs=P(None, TENSOR_AXIS, None),
                 check_vma=False,
             )
-        with self._mode():
-            return kernel(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
+        return kernel(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
 
-    def _mode(self) -> contextlib.AbstractContextManager:
+    def _block_sizes(self, meta: AttentionMetadata) -> dict[str, int]:
+        """On a TPU the kernel picks tuned block sizes for its chip; the interpreter has no
+        chip, so it gets fixed ones (128 positions of KV per block, 16 queries)."""
         if not self.interpret:
-            return contextlib.nullcontext()
-        from sgl_jax.srt.layers.attention.pallas_interpret import tpu_interpret_mode
-
-        return tpu_interpret_mode()
+            return {}
+        pages_per_seq = meta.page_indices.shape[1]
+        return {
+            "num_kv_pages_per_block": max(1, min(pages_per_seq, 128 // meta.page_size)),
+            "num_queries_per_block": 16,
+        }

@@ -1,8 +1,9 @@
 """A/B of two commits with the same benchmark, interleaved in one run (this machine is noisy).
 
-Exports ``--base`` (a git revision) into a temporary directory, then runs a benchmark script of
-each tree in turn (base, head, base, head, ...), each with its own ``sgl_jax`` first on
-PYTHONPATH, and parses the markdown table each run prints. For every table row it prints the
+Exports ``--base`` (a git revision) into a temporary directory, then runs this tree's copy of a
+benchmark script in turn against each tree's ``sgl_jax`` (base, head, base, head, ...: the
+tree first on PYTHONPATH), and parses the markdown table each run prints. The script must
+only use options both trees accept. For every table row it prints the
 median of every numeric cell for base and head, and head/base.
 
     python benchmarks/bench_ab_commits.py --base c6db0ee --rounds 3 -- \\
@@ -33,7 +34,8 @@ def export_tree(rev: str, into: str) -> None:
 
 def run(tree: str, script_args: list[str]) -> dict[str, list[float]]:
     env = {**os.environ, "PYTHONPATH": tree}
-    out = subprocess.run([sys.executable, *script_args], cwd=tree, env=env, check=True,
+    script = [os.path.join(REPO, script_args[0]), *script_args[1:]]
+    out = subprocess.run([sys.executable, *script], cwd=tree, env=env, check=True,
                          capture_output=True, text=True).stdout
     rows: dict[str, list[float]] = {}
     for line in out.splitlines():

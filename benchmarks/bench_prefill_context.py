@@ -33,8 +33,8 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--chunked-prefill-size", type=int, default=1024)
-    p.add_argument("--attention-backend", default="native")
-    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--attention-backend", default=None, help="default: the engine's")
+    p.add_argument("--page-size", type=int, default=None, help="default: the engine's")
     args = p.parse_args()
 
     path = model_path_for(args.preset)
@@ -48,7 +48,10 @@ def main() -> None:
         chunked_prefill_size=args.chunked_prefill_size,
         context_length=min(cfg.context_len, longest + 8),
         max_total_tokens=args.num_prompts * (longest + 8),
-        attention_backend=args.attention_backend, page_size=args.page_size,
+        # Only options given are passed, so the script also runs against older trees
+        # (bench_ab_commits.py).
+        **{k: v for k, v in (("attention_backend", args.attention_backend),
+                             ("page_size", args.page_size)) if v is not None},
     )
     params = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
     rates: dict[int, list[float]] = {n: [] for n in args.lengths}

@@ -1,4 +1,8 @@
-"""Radix cache against the real KV allocator: invariants, LRU, locks, splits, no leaks."""
+"""Radix cache against the real KV allocator: invariants, LRU, locks, splits, no leaks.
+
+The helpers and the randomized model check work with any page size (see also
+tests/test_paged_memory.py for the paged specifics).
+"""
 
 from __future__ import annotations
 
@@ -22,20 +26,38 @@ def _nodes(cache: RadixCache) -> list[TreeNode]:
     return out
 
 
+def page_slots(pages, page_size: int) -> set[int]:
+    """Every slot of the given pages."""
+    return {int(p) * page_size + o for p in pages for o in range(page_size)}
+
+
 def _free_slots(alloc: TokenToKVPoolAllocator) -> set[int]:
-    return {int(s) for s in alloc._free[: alloc.available_size()]}
+    return page_slots(alloc.free_pages(), alloc.page_size)
+
+
+def assert_paged(slots: np.ndarray, page_size: int, start: int = 0) -> None:
+    """``slots`` of positions ``start ..``: position i at offset i % P of one page per P."""
+    pos = np.arange(start, start + len(slots))
+    assert (slots % page_size == pos % page_size).all(), slots
+    page = slots // page_size
+    first = np.flatnonzero(pos % page_size == 0)
+    for a, b in zip(first, list(first[1:]) + [len(slots)], strict=True):
+        assert (page[a:b] == page[a]).all(), slots
 
 
 def check_invariants(
     cache: RadixCache, alloc: TokenToKVPoolAllocator, outside: set[int] | None = None
 ) -> set[int]:
-    """Structure, size counters and slot ownership; ``outside`` = slots requests hold."""
+    """Structure, size counters and slot ownership; ``outside`` = slots requests hold (their
+    partly filled last pages count as whole pages)."""
+    page = alloc.page_size
     tree_slots: list[int] = []
     evictable = protected = 0
     for node in _nodes(cache):
-        assert len(node.key) == len(node.value) > 0
+        assert len(node.key) == len(node.value) > 0 and len(node.key) % page == 0
+        assert_paged(node.value, page)
         parent = node.parent
-        assert parent is not None and parent.children[int(node.key[0])] is node
+        assert parent is not None and parent.children[cache.child_key(node.key)] is node
         if parent is not cache.root:
             assert parent.lock_ref >= node.lock_ref  # ancestors of a locked node are locked
         assert node.lock_ref >= 0
@@ -48,10 +70,10 @@ def check_invariants(
     assert cache.total_size() == evictable + protected == len(tree_slots)
     held = set(tree_slots)
     assert len(held) == len(tree_slots), "a slot is held twice by the tree"
-    outside = outside or set()
+    outside = page_slots({s // page for s in outside or set()}, page)
     free = _free_slots(alloc)
     assert not (held & free) and not (held & outside) and not (free & outside)
-    assert held | free | outside == set(range(1, alloc.size + 1)), "slot leaked"
+    assert held | free | outside == set(range(page, alloc.num_slots)), "slot leaked"
     return held
 
 
@@ -59,11 +81,14 @@ def run_request(cache: RadixCache, alloc: TokenToKVPoolAllocator, tokens: list[i
     """A whole request the way the scheduler does it; returns the insert result."""
     cached, node = cache.match_prefix(tokens)
     cache.inc_lock_ref(node)
-    own = alloc.alloc(len(tokens) - len(cached))
+    own = alloc.alloc_extend(len(tokens) - len(cached), len(cached))
     assert own is not None
     kv = np.concatenate([cached, own])
+    assert_paged(kv, alloc.page_size)
     n = cache.insert(tokens, kv)
-    alloc.free(kv[len(cached) : n])  # the caller-free rule
+    aligned = len(tokens) - len(tokens) % alloc.page_size
+    alloc.free(kv[len(cached) : n])  # the caller-free rule: duplicates...
+    alloc.free(kv[aligned:])  # ...and the unaligned tail
     cache.dec_lock_ref(node)
     return n
 
@@ -243,29 +268,46 @@ def test_bad_input_and_reset(cache: RadixCache) -> None:
     check_invariants(cache, alloc)
 
 
-def test_randomized_against_brute_force_model() -> None:
-    rng = random.Random(1234)
-    alloc = TokenToKVPoolAllocator(120)
-    cache = RadixCache(alloc)
-    # Model: every cached prefix (tuple) -> the slot of its last token. Prefix-closed.
-    model: dict[tuple[int, ...], int] = {}
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_randomized_against_brute_force_model(page: int) -> None:
+    rng = random.Random(1234 * page)
+    alloc = TokenToKVPoolAllocator(120 if page == 1 else 40 * page, page_size=page)
+    cache = RadixCache(alloc, page_size=page)
+    # Model: every cached prefix of whole pages (tuple) -> the slots of its last page.
+    # Prefix-closed.
+    model: dict[tuple[int, ...], tuple[int, ...]] = {}
     running: list[tuple[list[int], int, TreeNode, np.ndarray]] = []  # requests in flight
     locks: list[tuple[list[int], int, TreeNode]] = []  # bare locks on matched prefixes
 
+    # With pages, random sequences rarely share whole pages: draw most as prefixes of a few
+    # related bases (one differs from the first inside its first page, one after two pages),
+    # sometimes with a token changed.
+    b0 = [rng.randrange(3) for _ in range(6 * page)]
+    b1 = b0[: page // 2] + [3] + b0[page // 2 + 1 :]
+    b2 = b0[: 2 * page + 1] + [3] + b0[2 * page + 2 :]
+    bases = [b0, b1, b2, [rng.randrange(3) for _ in range(6 * page)]]
+
     def rand_seq() -> list[int]:
-        return [rng.randrange(3) for _ in range(rng.randint(1, 10))]
+        if page == 1 or rng.random() < 0.2:
+            return [rng.randrange(3) for _ in range(rng.randint(1, 10 * page))]
+        seq = list(rng.choice(bases)[: rng.randint(1, 6 * page)])
+        if rng.random() < 0.4:
+            seq[rng.randrange(len(seq))] = 4
+        return seq
 
     def model_match(seq: list[int]) -> list[int]:
-        out = []
-        for i in range(len(seq)):
-            if tuple(seq[: i + 1]) not in model:
+        """Slots of the longest cached prefix (whole pages)."""
+        out: list[int] = []
+        for end in range(page, len(seq) + 1, page):
+            if tuple(seq[:end]) not in model:
                 break
-            out.append(model[tuple(seq[: i + 1])])
+            out += model[tuple(seq[:end])]
         return out
 
     def locked_slots() -> set[int]:
         held = [(s, n) for s, n, *_ in running] + [(s, n) for s, n, _ in locks]
-        return {model[tuple(s[: i + 1])] for s, n in held for i in range(n)}
+        return {x for s, n in held for end in range(page, n + 1, page)
+                for x in model[tuple(s[:end])]}
 
     def evict(n: int) -> int:
         before, protected = alloc.available_size(), locked_slots()
@@ -273,36 +315,49 @@ def test_randomized_against_brute_force_model() -> None:
         freed = cache.evict(n)
         assert freed == alloc.available_size() - before
         assert freed >= min(n, evictable)
-        gone = {int(s) for s in alloc._free[before : alloc.available_size()]}
+        gone = page_slots(alloc.free_pages()[before // page :], page)
         assert not (gone & protected)
-        for prefix in [p for p, s in model.items() if s in gone]:
-            del model[prefix]
-        assert all(p[:-1] in model for p in model if len(p) > 1), "a non-leaf was evicted"
+        for prefix in [p for p, s in model.items() if s[0] in gone]:
+            assert set(model.pop(prefix)) <= gone  # whole pages go
+        assert all(p[:-page] in model for p in model if len(p) > page), "a non-leaf was evicted"
         return freed
 
     for _ in range(400):
         op = rng.random()
-        if op < 0.35:  # a request arrives: match, lock, allocate the rest
+        if op < 0.35:  # a request arrives: match, lock, allocate the rest in two steps
             seq = rand_seq()
             cached, node = cache.match_prefix(seq)
             assert cached.tolist() == model_match(seq)
             cache.inc_lock_ref(node)
             need = len(seq) - len(cached)
-            if alloc.available_size() < need:
-                evict(need - alloc.available_size())
-            own = alloc.alloc(need)
-            if own is None:
-                cache.dec_lock_ref(node)
+            want = alloc.tokens_needed(len(cached), need)
+            if alloc.available_size() < want:
+                evict(want - alloc.available_size())
+            first = rng.randint(0, need)  # the second part fills the first's last page
+            kv = cached
+            for n in (first, need - first):
+                before = alloc.available_size()
+                own = alloc.alloc_extend(n, len(kv), int(kv[-1]) if len(kv) else -1)
+                if own is None:
+                    assert alloc.available_size() == before  # nothing taken
+                    alloc.free(kv[len(cached) :])
+                    cache.dec_lock_ref(node)
+                    break
+                assert before - alloc.available_size() == alloc.tokens_needed(len(kv), n)
+                kv = np.concatenate([kv, own])
             else:
-                running.append((seq, len(cached), node, np.concatenate([cached, own])))
-        elif op < 0.65 and running:  # a request finishes: insert, free duplicates, unlock
+                assert_paged(kv, page)
+                running.append((seq, len(cached), node, kv))
+        elif op < 0.65 and running:  # a request finishes: insert, free the rest, unlock
             seq, cached_len, node, kv = running.pop(rng.randrange(len(running)))
             expect = len(model_match(seq))
+            aligned = len(seq) - len(seq) % page
             n = cache.insert(seq, kv)
-            assert n == expect and n >= cached_len
-            for i in range(n, len(seq)):
-                model[tuple(seq[: i + 1])] = int(kv[i])
-            alloc.free(kv[cached_len:n])
+            assert n == expect and n >= cached_len and n % page == 0
+            for end in range(n + page, aligned + 1, page):
+                model[tuple(seq[:end])] = tuple(int(x) for x in kv[end - page : end])
+            alloc.free(kv[cached_len:n])  # duplicates
+            alloc.free(kv[aligned:])  # the unaligned tail
             cache.dec_lock_ref(node)
         elif op < 0.75:
             seq = rand_seq()
@@ -313,10 +368,11 @@ def test_randomized_against_brute_force_model() -> None:
         elif op < 0.85 and locks:
             cache.dec_lock_ref(locks.pop(rng.randrange(len(locks)))[2])
         else:
-            evict(rng.randint(1, 20))
+            evict(rng.randint(1, 20 * page))
         outside = {int(s) for _, c, _, kv in running for s in kv[c:]}
         held = check_invariants(cache, alloc, outside)
-        assert held == set(model.values()) and len(held) == len(model)
+        assert held == {x for v in model.values() for x in v}
+        assert len(held) == len(model) * page
 
     for _, cached_len, node, kv in running:
         alloc.free(kv[cached_len:])

@@ -5,6 +5,13 @@ Every KV slot a request holds is ``req_to_token[req.req_pool_idx, :req.kv_len]``
 rest to the request. Releasing a request hands its own slots to the tree or back to the pool,
 so that after every request is released the pool plus the tree's evictable slots are all the
 slots there are.
+
+Pages (``page_size`` P): KV is handed out in pages, and a request's positions ``[i*P,
+(i+1)*P)`` share one page at offsets ``0 .. P-1`` (the device page table relies on it). The
+cached prefix is whole pages, so a request's own slots start on a page boundary and its partly
+filled last page is its own; on release the tree takes whole pages and the unaligned tail goes
+back to the pool. Capacity is counted in tokens of whole pages: growing a request of ``kv_len``
+positions by ``n`` takes ``allocator.tokens_needed(kv_len, n)``.
 """
 
 from __future__ import annotations
@@ -29,11 +36,16 @@ class ReqMemory:
         self.allocator = allocator
         self.tree = tree
         self.capturer = capturer
+        self.page_size = allocator.page_size
 
     # -- admission ------------------------------------------------------------------------------
     def available_kv(self) -> int:
-        """Slots obtainable now: free ones plus those the tree could evict."""
+        """Slots obtainable now (whole pages): free ones plus those the tree could evict."""
         return self.allocator.available_size() + self.tree.evictable_size()
+
+    def kv_needed(self, kv_len: int, n: int) -> int:
+        """Of ``available_kv()``, what growing a request of ``kv_len`` positions by ``n`` takes."""
+        return self.allocator.tokens_needed(kv_len, n)
 
     def admit(self, req: Req) -> bool:
         """Gives ``req`` a request slot and its longest usable cached prefix (locked)."""
@@ -43,10 +55,11 @@ class ReqMemory:
         req.req_pool_idx = idx
         # At least one token must be computed: its logits sample the next token.
         usable = req.fill_ids[: req.seq_len - 1]
-        slots, node = self.tree.match_prefix(usable)
+        slots, node = self.tree.match_prefix(usable)  # whole pages
         if req.return_routed_experts:
             # Reuse only KV whose routed-experts rows were captured when it was computed.
             valid = self.capturer.valid_prefix_len(slots)
+            valid -= valid % self.page_size
             if valid < len(slots):
                 slots, node = self.tree.match_prefix(usable[:valid])
         self.tree.inc_lock_ref(node)
@@ -58,11 +71,35 @@ class ReqMemory:
             req.admitted = True
         return True
 
-    def alloc_kv(self, n: int) -> np.ndarray | None:
-        slots = self.allocator.alloc(n)
-        if slots is None:
-            self.tree.evict(n - self.allocator.available_size())
-            slots = self.allocator.alloc(n)
+    def alloc_kv(self, req: Req, n: int) -> np.ndarray | None:
+        """Slots for ``req``'s next ``n`` positions (evicting cached KV if needed), or None.
+
+        They continue ``req``'s last page, then take new pages; record them with ``assign_kv``.
+        """
+        kv_len = req.kv_len
+        need = self.allocator.tokens_needed(kv_len, n)
+        short = need - self.allocator.available_size()
+        if short > 0:
+            self.tree.evict(short)
+        last = -1
+        if kv_len % self.page_size:
+            last = int(self.req_to_token_pool.req_to_token[req.req_pool_idx, kv_len - 1])
+        return self.allocator.alloc_extend(n, kv_len, last)
+
+    def alloc_decode_kv(self, reqs: list[Req]) -> np.ndarray | None:
+        """One slot for each of ``reqs`` at its position ``kv_len``, allocated AND recorded
+        (evicting cached KV if needed); None, with nothing taken, if they do not fit."""
+        b = len(reqs)
+        idx = np.fromiter((r.req_pool_idx for r in reqs), dtype=np.int64, count=b)
+        kv_lens = np.fromiter((r.kv_len for r in reqs), dtype=np.int64, count=b)
+        short = self.allocator.decode_tokens_needed(kv_lens) - self.allocator.available_size()
+        if short > 0:
+            self.tree.evict(short)
+        table = self.req_to_token_pool.req_to_token
+        last = table[idx, kv_lens - 1] if self.page_size > 1 else None
+        slots = self.allocator.alloc_decode(kv_lens, last)
+        if slots is not None:
+            table[idx, kv_lens] = slots
         return slots
 
     def assign_kv(self, req: Req, slots: np.ndarray) -> None:
@@ -76,8 +113,11 @@ class ReqMemory:
             return
         slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].copy()
         if cache and not self.tree.disable:
-            already = self.tree.insert(req.fill_ids[: req.kv_len], slots)
+            # The tree takes whole pages; the duplicates and the unaligned tail come back.
+            aligned = req.kv_len - req.kv_len % self.page_size
+            already = self.tree.insert(req.fill_ids[:aligned], slots[:aligned])
             self.allocator.free(slots[req.prefix_len : already])
+            self.allocator.free(slots[aligned:])
         else:
             self.allocator.free(slots[req.prefix_len :])
         if req.last_node is not None:

@@ -80,7 +80,8 @@ class Scheduler:
         if not server_args.disable_precompile:
             self.runner.precompile()
         tree = RadixCache(
-            self.runner.token_to_kv_pool_allocator, disable=server_args.disable_radix_cache
+            self.runner.token_to_kv_pool_allocator, disable=server_args.disable_radix_cache,
+            page_size=server_args.page_size,
         )
         self.memory = ReqMemory(
             self.runner.req_to_token_pool, self.runner.token_to_kv_pool_allocator, tree,
@@ -169,20 +170,21 @@ class Scheduler:
             seed=seed, stream=msg.stream, return_routed_experts=msg.return_routed_experts,
             routed_experts_start_len=msg.routed_experts_start_len,
         )
-        need = len(req.origin_input_ids) + 1
-        if need > self.runner.max_total_tokens:
+        # The prompt plus the first generated token, in whole pages.
+        need = self.memory.kv_needed(0, len(req.origin_input_ids) + 1)
+        if need > self.runner.token_to_kv_pool_allocator.size:
             req.finished_reason = finish_abort(
                 f"the prompt needs {need} KV slots but the KV cache holds "
-                f"{self.runner.max_total_tokens}; raise --max-total-tokens"
+                f"{self.runner.token_to_kv_pool_allocator.size}; raise --max-total-tokens"
             )
             self.send_outputs([req])
             return
         self.waiting.append(req)
 
     # -- scheduling -----------------------------------------------------------------------------
-    def _reserved_tokens(self, extra: list[Req]) -> int:
-        future = sum(min(r.remaining_new_tokens(), RESERVE_CLIP) for r in self.running + extra)
-        return int(future * self.server_args.schedule_conservativeness)
+    def _future_kv(self, req: Req, kv_len: int) -> int:
+        """KV (whole pages, in tokens) for ``req``'s future tokens once it holds ``kv_len``."""
+        return self.memory.kv_needed(kv_len, min(req.remaining_new_tokens(), RESERVE_CLIP))
 
     def prefill(self) -> ScheduleBatch | None:
         if not self.waiting and self.chunked is None:
@@ -192,6 +194,9 @@ class Scheduler:
         lens: list[int] = []
         locs: list[np.ndarray] = []
         candidates = ([self.chunked] if self.chunked else []) + list(self.waiting)
+        # Reserved for the future tokens of the running requests and of those whose whole
+        # prompt this batch computes.
+        future = sum(self._future_kv(r, r.kv_len) for r in self.running)
         for req in candidates:
             if budget == 0 or len(self.running) + len(reqs) >= self.max_running:
                 break
@@ -200,10 +205,12 @@ class Scheduler:
                 break
             todo = req.seq_len - req.kv_len
             n = min(todo, budget)
-            reserve = self._reserved_tokens(reqs + ([req] if n == todo else []))
+            mine = self._future_kv(req, req.seq_len) if n == todo else 0
+            reserve = int((future + mine) * self.server_args.schedule_conservativeness)
             slots = None
-            if self.memory.available_kv() - reserve >= n or not (self.running or reqs):
-                slots = self.memory.alloc_kv(n)
+            need = self.memory.kv_needed(req.kv_len, n)
+            if self.memory.available_kv() - reserve >= need or not (self.running or reqs):
+                slots = self.memory.alloc_kv(req, n)
             if slots is None:
                 if fresh:
                     self.memory.release(req, cache=False)
@@ -215,6 +222,7 @@ class Scheduler:
             self.memory.assign_kv(req, slots)
             if fresh:
                 self.waiting.remove(req)
+            future += mine
             reqs.append(req)
             lens.append(n)
             locs.append(slots)
@@ -230,7 +238,7 @@ class Scheduler:
         reqs = [r for r in self.running if r.can_grow(self.context_len)]
         if not reqs:
             return None
-        slots = self.memory.alloc_kv(len(reqs))
+        slots = self.memory.alloc_decode_kv(reqs)  # recorded in req_to_token too
         if slots is None and self.pending is not None:
             self.drain()  # finishes may free memory; retraction needs settled requests
             return self.decode()
@@ -242,9 +250,7 @@ class Scheduler:
             reqs = [r for r in self.running if r.can_grow(self.context_len)]
             if not reqs:
                 return None
-            slots = self.memory.alloc_kv(len(reqs))
-        for req, slot in zip(reqs, slots, strict=True):
-            self.memory.assign_kv(req, slot[None])
+            slots = self.memory.alloc_decode_kv(reqs)
         return ScheduleBatch(ForwardMode.DECODE, reqs, [1] * len(reqs), slots, [True] * len(reqs))
 
     def _abort_unfittable(self, req: Req) -> None:

@@ -45,41 +45,143 @@ class ReqToTokenPool:
 
 
 class TokenToKVPoolAllocator:
-    """Free list of KV token slots ``1 .. size``; slot 0 is reserved for padding."""
+    """Hands out KV slots in pages of ``page_size`` (P) tokens.
+
+    Slot ``s`` is offset ``s % P`` of page ``s // P``. Pages ``1 .. size // P`` are usable;
+    page 0 (slots ``0 .. P-1``) is reserved for padding (``PADDING_SLOT``). All counts are in
+    tokens (``available_size()`` is free pages x P), so with ``P == 1`` a page is a slot and
+    this is the plain free list of slots ``1 .. size`` it always was.
+
+    The invariant the device page table relies on: a request's positions ``[i*P, (i+1)*P)``
+    live in one page at offsets ``0 .. P-1`` in order (``req_to_token[idx, pos] ==
+    page_i * P + pos % P``). ``alloc_extend`` / ``alloc_decode`` keep it: they first fill the
+    rest of the request's last page, then take whole new pages. A page has one owner at a
+    time (a request, or the radix tree, which holds whole pages only), so a partly filled
+    last page is always its request's own and is never shared.
+
+    Freeing (``free``): every page that one of the given slots belongs to goes back. Callers
+    give a request's slots in position order, so the slots of one page are adjacent; what they
+    free is whole pages plus at most one partial tail page per request (its positions
+    ``[aligned_len, kv_len)``), and every page exactly once. Freeing a free page raises.
+    """
 
     def __init__(self, size: int, page_size: int = 1) -> None:
-        if page_size != 1:
-            raise NotImplementedError("paged allocation is being added")
+        if page_size < 1 or page_size & (page_size - 1):
+            raise ValueError(f"page_size={page_size} must be a power of two >= 1")
+        if size < 0 or size % page_size:
+            raise ValueError(f"size={size} must be a multiple of page_size={page_size}")
         self.page_size = page_size
-        self.size = size
-        self._free = np.arange(1, size + 1, dtype=np.int32)
-        self._num_free = size
+        self.size = size  # usable tokens
+        self.num_pages = size // page_size  # usable pages, 1 .. num_pages
+        self._offsets = np.arange(page_size, dtype=np.int32)
+        self.clear()
 
     @property
     def num_slots(self) -> int:
-        """Rows of each KV array (the usable slots plus the padding slot)."""
-        return self.size + 1
+        """Rows of the flat KV (the usable pages plus the padding page), in tokens."""
+        return (self.num_pages + 1) * self.page_size
 
     def available_size(self) -> int:
-        return self._num_free
+        """Free tokens: free pages x page_size."""
+        return self._num_free * self.page_size
+
+    def free_pages(self) -> np.ndarray:
+        """The free page ids (a copy; for checks and tests)."""
+        return self._free[: self._num_free].copy()
+
+    def tokens_needed(self, kv_len: int, n: int) -> int:
+        """``available_size()`` that extending a request of ``kv_len`` positions by ``n``
+        takes: its new pages x page_size (the rest of its last page is its own already)."""
+        p = self.page_size
+        if p == 1:
+            return n
+        return (-(-(kv_len + n) // p) + (kv_len // -p)) * p
+
+    # -- allocation -----------------------------------------------------------------------------
+    def _take(self, k: int) -> np.ndarray | None:
+        if k > self._num_free:
+            return None
+        start = self._num_free - k
+        pages = self._free[start : self._num_free].copy()
+        self._num_free = start
+        self._is_free[pages] = False
+        return pages
 
     def alloc(self, n: int) -> np.ndarray | None:
-        if n > self._num_free:
+        """Slots of positions ``0 .. n-1`` of a new request (``ceil(n / P)`` fresh pages)."""
+        if self.page_size == 1:
+            return self._take(n)
+        return self.alloc_extend(n, 0)
+
+    def alloc_extend(self, n: int, kv_len: int = 0, last_slot: int = -1) -> np.ndarray | None:
+        """Slots of positions ``kv_len .. kv_len+n-1`` of a request that holds ``kv_len``.
+
+        ``last_slot`` is the slot of position ``kv_len - 1`` (needed when ``kv_len % P``):
+        the rest of its page comes first, then whole new pages. None (and nothing taken) when
+        there are not enough free pages.
+        """
+        p = self.page_size
+        if p == 1:
+            return self._take(n)
+        fill = min(-kv_len % p, n)  # free offsets left in the request's last page
+        if fill and last_slot % p != (kv_len - 1) % p:
+            raise ValueError(f"slot {last_slot} cannot hold position {kv_len - 1} (page {p})")
+        pages = self._take(-(-(n - fill) // p))
+        if pages is None:
             return None
-        start = self._num_free - n
-        out = self._free[start : self._num_free].copy()
-        self._num_free = start
+        out = np.empty(n, dtype=np.int32)
+        out[:fill] = np.arange(last_slot + 1, last_slot + 1 + fill, dtype=np.int32)
+        out[fill:] = (pages[:, None] * p + self._offsets).reshape(-1)[: n - fill]
         return out
 
+    def alloc_decode(self, kv_lens: np.ndarray, last_slots: np.ndarray | None) -> np.ndarray | None:
+        """One slot for each of many requests: slot of position ``kv_lens[i]`` of request i.
+
+        ``last_slots[i]`` is the slot of position ``kv_lens[i] - 1`` (unused, and may be None,
+        with ``P == 1``). A request whose last page is full gets a new page. O(batch) numpy;
+        None (and nothing taken) when there are not enough free pages.
+        """
+        p = self.page_size
+        if p == 1:
+            return self._take(len(kv_lens))
+        kv_lens = np.asarray(kv_lens)
+        new = kv_lens % p == 0
+        pages = self._take(int(np.count_nonzero(new)))
+        if pages is None:
+            return None
+        out = np.asarray(last_slots, dtype=np.int32) + 1
+        out[new] = pages * p
+        return out
+
+    def decode_tokens_needed(self, kv_lens: np.ndarray) -> int:
+        """``available_size()`` that ``alloc_decode(kv_lens, ...)`` takes."""
+        if self.page_size == 1:
+            return len(kv_lens)
+        return int(np.count_nonzero(np.asarray(kv_lens) % self.page_size == 0)) * self.page_size
+
+    # -- release ----------------------------------------------------------------------------------
     def free(self, slots: np.ndarray) -> None:
-        n = len(slots)
-        if n == 0:
+        """Gives back every page that one of ``slots`` belongs to (see the class docstring)."""
+        if len(slots) == 0:
             return
-        if self._num_free + n > self.size:
-            raise RuntimeError("more KV slots freed than were allocated")
-        self._free[self._num_free : self._num_free + n] = slots
-        self._num_free += n
+        slots = np.asarray(slots)
+        if self.page_size == 1:
+            pages = slots
+        else:
+            pages = slots // self.page_size
+            if len(pages) > 1:  # a page's slots are adjacent: keep each run's first
+                pages = pages[np.concatenate(([True], pages[1:] != pages[:-1]))]
+        k = len(pages)
+        if self._num_free + k > self.num_pages:
+            raise RuntimeError("more KV pages freed than were allocated")
+        if self._is_free[pages].any():
+            raise RuntimeError("a KV page was freed twice, or was never handed out")
+        self._is_free[pages] = True
+        self._free[self._num_free : self._num_free + k] = pages
+        self._num_free += k
 
     def clear(self) -> None:
-        self._free = np.arange(1, self.size + 1, dtype=np.int32)
-        self._num_free = self.size
+        self._free = np.arange(1, self.num_pages + 1, dtype=np.int32)  # a stack: top at the end
+        self._num_free = self.num_pages
+        # Page 0 (padding) counts as free, so that freeing it raises; it is never handed out.
+        self._is_free = np.ones(self.num_pages + 1, dtype=bool)

@@ -20,6 +20,14 @@ Ownership of KV slots (the rule that keeps the allocator leak-free):
   instead would free the tree's own slots and corrupt the cache.
 - With ``disable=True`` the tree keeps nothing: ``insert`` returns 0 and takes no slots, so the
   caller owns, and must free, all of ``kv_slots``.
+
+Pages (``page_size`` P > 1): the tree holds whole pages only, so that a page has one owner.
+Every node's key is a multiple of P long and its value is whole pages (``value[i] ==
+page * P + i % P``); ``match_prefix`` returns a multiple of P and splits only at page
+boundaries; ``insert`` caches only the page-aligned part ``[0, aligned_len)``, ``aligned_len =
+len // P * P``, so besides the duplicates ``kv_slots[cached_len:returned]`` the caller must also
+free the unaligned tail ``kv_slots[aligned_len:]`` (one partial page, its own). ``evict``
+frees whole pages, and all sizes stay in tokens (multiples of P).
 """
 
 from __future__ import annotations
@@ -39,9 +47,12 @@ _node_ids = itertools.count()
 class TreeNode:
     """An edge of the radix tree: a run of tokens (``key``) and their KV slots (``value``).
 
-    Invariants: ``len(key) == len(value)`` (> 0 except at the root); the children of a node
-    start with distinct tokens and are keyed by that first token; ``lock_ref`` of a node is at
-    least the ``lock_ref`` of any child (locks are taken on a node and all its ancestors).
+    Invariants: ``len(key) == len(value)`` (> 0 except at the root, a multiple of the page
+    size); the children of a node start with distinct first pages and are keyed by that page
+    (``RadixCache.child_key``: the first token itself when P == 1, the first page's bytes when
+    P > 1, so that children sharing a first token but differing within the first page
+    coexist); ``lock_ref`` of a node is at least the ``lock_ref`` of any child (locks are taken
+    on a node and all its ancestors).
     """
 
     __slots__ = ("id", "key", "value", "children", "parent", "lock_ref", "last_access_time")
@@ -57,7 +68,7 @@ class TreeNode:
         self.id = next(_node_ids)  # creation order; breaks ties between equal access times
         self.key = key
         self.value = value
-        self.children: dict[int, TreeNode] = {}
+        self.children: dict[int | bytes, TreeNode] = {}
         self.parent = parent
         self.lock_ref = lock_ref
         self.last_access_time = last_access_time
@@ -73,9 +84,17 @@ def _common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class RadixCache:
-    def __init__(self, allocator: TokenToKVPoolAllocator, disable: bool = False) -> None:
+    def __init__(
+        self, allocator: TokenToKVPoolAllocator, disable: bool = False,
+        page_size: int | None = None,
+    ) -> None:
+        """``page_size`` defaults to the allocator's and must equal it."""
+        if page_size is not None and page_size != allocator.page_size:
+            raise ValueError(f"page_size={page_size} but the allocator's pages hold "
+                             f"{allocator.page_size} tokens")
         self.allocator = allocator
         self.disable = disable
+        self.page_size = allocator.page_size
         # A logical clock rather than wall time: strictly increasing, so LRU order is exact
         # and deterministic in tests.
         self._clock = itertools.count(1)
@@ -97,39 +116,56 @@ class RadixCache:
 
     # ---- lookup and insertion --------------------------------------------------------------
 
-    def match_prefix(self, token_ids: Sequence[int]) -> tuple[np.ndarray, TreeNode]:
-        """Longest cached prefix of ``token_ids``: (its KV slots, the deepest node matched).
+    def child_key(self, key: np.ndarray, pos: int = 0) -> int | bytes:
+        """The children-dict key of a run of tokens starting at ``key[pos]``: its first page."""
+        if self.page_size == 1:
+            return int(key[pos])
+        return key[pos : pos + self.page_size].tobytes()
 
-        If the match ends inside a node the node is split, so the returned node covers exactly
-        the matched prefix and locking it protects exactly those slots. The slots are lent, not
-        given: lock the node before relying on them.
+    def match_prefix(self, token_ids: Sequence[int]) -> tuple[np.ndarray, TreeNode]:
+        """Longest cached prefix of ``token_ids`` in whole pages: (its KV slots, the deepest
+        node matched); the length is a multiple of the page size.
+
+        If the match ends inside a node the node is split (at a page boundary), so the returned
+        node covers exactly the matched prefix and locking it protects exactly those slots. The
+        slots are lent, not given: lock the node before relying on them.
         """
-        if self.disable or len(token_ids) == 0:
+        if self.disable or len(token_ids) < self.page_size:
             return _EMPTY.copy(), self.root
+        page = self.page_size
         key = np.asarray(token_ids, dtype=np.int32)
+        if page > 1:
+            key = key[: len(key) - len(key) % page]
         now = next(self._clock)
         node, pos, values = self.root, 0, []
         node.last_access_time = now
         while pos < len(key):
-            child = node.children.get(int(key[pos]))
+            # child_key, inlined: this loop is the hot path of admission
+            child = node.children.get(
+                int(key[pos]) if page == 1 else key[pos : pos + page].tobytes()
+            )
             if child is None:
                 break
             n = _common_prefix_len(child.key, key[pos:])
+            if page > 1:
+                n -= n % page  # >= page: the child's first page matched as a whole
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access_time = now
             values.append(child.value)
             node, pos = child, pos + n
-            # After a split, key[pos] (if any) differs from the split-off tail: the next lookup
-            # misses and the loop ends.
+            # After a split, the page at key[pos] (if any) differs from the split-off tail's
+            # first page: the next lookup misses and the loop ends.
         slots = np.concatenate(values) if values else _EMPTY.copy()
         return slots, node
 
     def insert(self, token_ids: Sequence[int], kv_slots: np.ndarray) -> int:
-        """Cache ``token_ids`` with their ``kv_slots``; return the prefix length already cached.
+        """Cache the page-aligned part of ``token_ids`` with their ``kv_slots``; return the
+        prefix length already cached (a multiple of the page size).
 
-        The tree takes ownership of ``kv_slots[returned:]``; see the module docstring for which
-        of the caller's slots it must free (``kv_slots[cached_len:returned]``).
+        The tree takes ownership of ``kv_slots[returned:aligned_len]``; see the module docstring
+        for which of the caller's slots it must free (``kv_slots[cached_len:returned]`` and,
+        with pages, the unaligned tail ``kv_slots[aligned_len:]``).
         """
         if self.disable:
             return 0
@@ -137,18 +173,26 @@ class RadixCache:
         value = np.asarray(kv_slots, dtype=np.int32)
         if key.shape != value.shape or key.ndim != 1:
             raise ValueError(f"token_ids {key.shape} and kv_slots {value.shape} differ in shape")
+        page = self.page_size
+        if page > 1:
+            aligned = len(key) - len(key) % page
+            key, value = key[:aligned], value[:aligned]
         now = next(self._clock)
         node, pos = self.root, 0
         node.last_access_time = now
         while pos < len(key):
-            child = node.children.get(int(key[pos]))
+            child = node.children.get(
+                int(key[pos]) if page == 1 else key[pos : pos + page].tobytes()
+            )
             if child is None:
                 # Copy so the caller reusing its buffer cannot change what the tree holds.
                 leaf = TreeNode(key[pos:].copy(), value[pos:].copy(), node, 0, now)
-                node.children[int(key[pos])] = leaf
+                node.children[self.child_key(leaf.key)] = leaf
                 self._evictable_size += len(leaf.key)
                 break
             n = _common_prefix_len(child.key, key[pos:])
+            if page > 1:
+                n -= n % page
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access_time = now
@@ -156,18 +200,19 @@ class RadixCache:
         return pos
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
-        """Split ``child`` after its first ``n`` tokens (0 < n < len); return the new parent.
+        """Split ``child`` after its first ``n`` tokens (0 < n < len, whole pages); return the
+        new parent.
 
         The new parent copies the child's lock_ref: every lock that covered the child covered
         all of its tokens, so it now covers both halves. Sizes are unchanged.
         """
         parent = child.parent
-        assert parent is not None and 0 < n < len(child.key)
+        assert parent is not None and 0 < n < len(child.key) and n % self.page_size == 0
         head = TreeNode(child.key[:n], child.value[:n], parent, child.lock_ref,
                         child.last_access_time)
-        parent.children[int(head.key[0])] = head
+        parent.children[self.child_key(head.key)] = head
         child.key, child.value, child.parent = child.key[n:], child.value[n:], head
-        head.children[int(child.key[0])] = child
+        head.children[self.child_key(child.key)] = child
         return head
 
     # ---- locking -----------------------------------------------------------------------------
@@ -196,7 +241,8 @@ class RadixCache:
     # ---- eviction ----------------------------------------------------------------------------
 
     def evict(self, num_tokens: int) -> int:
-        """Free at least ``num_tokens`` slots if possible, least recently used leaves first.
+        """Free at least ``num_tokens`` slots (whole pages) if possible, least recently used
+        leaves first.
 
         Only unlocked leaves go; a parent left childless and unlocked becomes a candidate in
         turn. Whole nodes are freed, so more than ``num_tokens`` may be returned; fewer only
@@ -215,7 +261,7 @@ class RadixCache:
             self.allocator.free(leaf.value)
             freed += len(leaf.value)
             self._evictable_size -= len(leaf.value)
-            del parent.children[int(leaf.key[0])]
+            del parent.children[self.child_key(leaf.key)]
             leaf.parent = None
             if not parent.children and parent.lock_ref == 0:  # the root's lock_ref is 1
                 heapq.heappush(heap, (parent.last_access_time, parent.id, parent))

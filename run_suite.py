@@ -19,6 +19,7 @@ UNIT = [
     "tests/test_make_random_model.py",
     "tests/test_reference_forward.py",
     "tests/test_radix_cache.py",
+    "tests/test_paged_memory.py",
     "tests/test_sampling_params.py",
     "tests/test_sampler.py",
     "tests/test_tokenizer.py",
@@ -26,11 +27,14 @@ UNIT = [
     "tests/test_server_args.py",
     "tests/test_model_loader.py",
     "tests/test_model_forward.py",
+    "tests/test_moe_backends.py",
+    "tests/test_backends.py",
     "tests/test_parallel.py",
 ]
 E2E = [
     "tests/test_engine.py",
     "tests/test_routed_experts.py",
+    "tests/test_paged_engine.py",
     "tests/test_http_server.py",
     "tests/test_openai_api.py",
     "tests/test_reliability.py",

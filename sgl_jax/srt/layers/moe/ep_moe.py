@@ -16,11 +16,12 @@ is a compile-time constant: a new mapping means new weights and a new compilatio
 
 Forward (:func:`ep_moe_forward`). The router runs once, replicated, and its top-k ids are the
 LOGICAL ids (the routed-experts capture sees them before any mapping). Inside ``shard_map``
-every device turns (topk_ids, topk_weights) into its local routing table, the ``[T, E_l]``
-combine weights of its own experts (found through its row of the mapping), applies its experts
-(with tp > 1: its slice of their intermediate dimension) to all tokens, and one ``psum`` over
-("expert", "tensor") adds the partial outputs. No device ever holds another device's expert
-weights.
+every device translates them, through its row of the mapping (:func:`local_row_table`), into
+rows of its own shard of the weights (the sentinel ``E_l`` for experts held elsewhere), runs the
+expert backend (``experts.py``: ``dense`` or ``ragged``) on its own experts (with tp > 1: its
+slice of their intermediate dimension), and one ``psum`` over ("expert", "tensor") adds the
+float32 partial outputs. No device ever holds another device's expert weights, and x is never
+moved: the only communication is that all-reduce of a ``[T, H]`` array (``docs/moe_backends.md``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from sgl_jax.srt.layers.moe.experts import combine_weights, experts_forward
+from sgl_jax.srt.layers.moe.experts import get_expert_compute
 
 EXPERT_AXIS = "expert"
 TENSOR_AXIS = "tensor"
@@ -194,6 +195,18 @@ def expert_load(routed_experts: np.ndarray, num_experts: int) -> np.ndarray:
     return out
 
 
+def local_row_table(expert_order: Sequence[int], ep_size: int) -> np.ndarray:
+    """``[ep_size, E]`` int32: ``table[d][e]`` is the row of logical expert e in expert-axis
+    device d's shard of the stacked weights, or ``E_l = E / ep_size`` (the sentinel: held by
+    another device). The inverse of the mapping rows; a compile-time constant."""
+    order = np.asarray(expert_order, dtype=np.int32)
+    per_device = order.size // ep_size
+    table = np.full((ep_size, order.size), per_device, dtype=np.int32)
+    for d, experts in enumerate(order.reshape(ep_size, per_device)):
+        table[d, experts] = np.arange(per_device, dtype=np.int32)
+    return table
+
+
 def ep_moe_forward(
     x: jax.Array,
     topk_ids: jax.Array,
@@ -202,32 +215,33 @@ def ep_moe_forward(
     w_up: jax.Array,
     w_down: jax.Array,
     expert_order: Sequence[int],
+    backend: str = "dense",
 ) -> jax.Array:
     """x [T, H] (replicated); topk_ids / topk_weights [T, k] LOGICAL ids and their weights;
-    stacked weights in physical order; expert_order [E] that order. Returns [T, H].
+    stacked weights in physical order; expert_order [E] that order; backend a resolved
+    expert backend, "dense" or "ragged" (static: part of the compiled program). Returns
+    [T, H] in x's dtype.
 
     Traced under ``jax.set_mesh(mesh)`` (the model runner's step), this is an explicit
     ``shard_map`` over the mesh; without a mesh in context (a model called directly) the same
     maths runs on the whole stacked weights.
     """
-    order = np.asarray(expert_order, dtype=np.int32)
+    compute = get_expert_compute(backend)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not {EXPERT_AXIS, TENSOR_AXIS} <= set(mesh.axis_names):
-        weights = combine_weights(topk_ids, topk_weights, jnp.asarray(order))
-        return experts_forward(x, w_gate, w_up, w_down, weights).astype(x.dtype)
-    # Row d: the logical experts of expert-axis device d, i.e. of its shard of the weights.
-    table = order.reshape(mesh.shape[EXPERT_AXIS], -1)
+        rows = jnp.asarray(local_row_table(expert_order, 1)[0])[topk_ids]
+        return compute(x, rows, topk_weights, w_gate, w_up, w_down).astype(x.dtype)
+    table = local_row_table(expert_order, mesh.shape[EXPERT_AXIS])
 
     def local_experts(
         x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate: jax.Array,
         w_up: jax.Array, w_down: jax.Array,
     ) -> jax.Array:
-        # The [T, E_l] routing table built from this device's row of the mapping is the only
-        # place a global id is translated. Tokens routed elsewhere get weight 0 here, so the
-        # partial sums of all devices add up to the single-device result.
-        local_ids = jnp.asarray(table)[jax.lax.axis_index(EXPERT_AXIS)]
-        weights = combine_weights(topk_ids, topk_weights, local_ids)
-        partial = experts_forward(x, w_gate, w_up, w_down, weights)  # float32
+        # This device's row of the table is the only place a global id is translated.
+        # Assignments to experts held elsewhere get the sentinel row and contribute nothing
+        # here, so the partial sums of all devices add up to the single-device result.
+        rows = jnp.asarray(table)[jax.lax.axis_index(EXPERT_AXIS)][topk_ids]
+        partial = compute(x, rows, topk_weights, w_gate, w_up, w_down)  # float32
         return jax.lax.psum(partial, (EXPERT_AXIS, TENSOR_AXIS)).astype(x.dtype)
 
     moe = jax.shard_map(

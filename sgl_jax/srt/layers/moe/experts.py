@@ -1,47 +1,86 @@
-"""Expert computation for the sparse MoE block.
+"""Expert-compute backends of the sparse MoE block: one interface, chosen once by name.
 
-Every expert is applied to every token and the results are combined with a dense
-``[tokens, experts]`` weight matrix that is zero outside each token's top-k. On a CPU and
-with the small expert sizes this engine is tested with, this is as fast as gathering
-per-token expert weights and has no data-dependent shapes. Under expert parallelism
-(``ep_moe.py``) each device runs this on its own experts with its own columns of the matrix
-(its device-local routing table) and one all-reduce adds the results.
+A backend computes, on one device, the experts that device holds for every token routed to
+them. Its signature (:class:`ExpertCompute`)::
+
+    backend(x [T, H], local_ids [T, k], topk_weights [T, k],
+            w_gate [E_l, H, I], w_up [E_l, H, I], w_down [E_l, I, H]) -> float32 [T, H]
+
+``local_ids`` are rows of the device's stacked weights (its local expert index); an expert held
+by another device has the sentinel row ``E_l``, which a backend must ignore. The result is the
+device's float32 partial sum; ``ep_moe.ep_moe_forward`` adds the partial sums of all devices
+(one psum) and casts to the activation dtype. Routing is not part of a backend: every backend
+consumes the same (topk_ids, topk_weights), so the routed experts never depend on the backend.
+
+- ``dense`` (``dense.py``): every expert on every token, combined with ``[T, E_l]`` weights.
+- ``ragged`` (``ragged.py``): each token-expert assignment once, grouped by expert,
+  ``jax.lax.ragged_dot``.
+
+``--moe-backend auto`` is resolved once at start-up by :func:`resolve_moe_backend`.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import jax
-import jax.numpy as jnp
+
+from sgl_jax.srt.layers.moe.dense import combine_weights, dense_experts, experts_forward
+from sgl_jax.srt.layers.moe.ragged import ragged_experts
+
+__all__ = [
+    "MOE_BACKENDS", "MOE_BACKEND_CHOICES", "ExpertCompute", "combine_weights", "experts_forward",
+    "get_expert_compute", "resolve_moe_backend",
+]
 
 
-def combine_weights(
-    topk_ids: jax.Array, topk_weights: jax.Array, expert_ids: jax.Array
-) -> jax.Array:
-    """[T, k] logical ids and weights -> [T, len(expert_ids)] float32 combine weights.
+class ExpertCompute(Protocol):
+    def __call__(
+        self, x: jax.Array, local_ids: jax.Array, topk_weights: jax.Array, w_gate: jax.Array,
+        w_up: jax.Array, w_down: jax.Array,
+    ) -> jax.Array: ...
 
-    Column j belongs to logical expert ``expert_ids[j]``: it holds the token's routing weight
-    for that expert, or 0 if the expert is not in the token's top-k. A token's top-k ids are
-    distinct, so at most one term of each sum is non-zero and the weights are copied exactly
-    (a select and a sum of zeros, not a matmul, whose precision depends on the backend).
+
+MOE_BACKENDS: dict[str, ExpertCompute] = {"dense": dense_experts, "ragged": ragged_experts}
+MOE_BACKEND_CHOICES: tuple[str, ...] = ("auto", *MOE_BACKENDS)  # the --moe-backend choices
+
+# What "auto" means per JAX platform (jax.default_backend(); "cuda"/"rocm" are GPUs too).
+_AUTO = {"tpu": "ragged", "cpu": "dense", "gpu": "dense", "cuda": "dense", "rocm": "dense"}
+
+
+def resolve_moe_backend(name: str, platform: str) -> str:
+    """``--moe-backend`` -> the backend that runs: "dense" or "ragged".
+
+    "dense" and "ragged" are taken as given, on any platform. "auto" picks:
+
+    - TPU: ``ragged``. XLA:TPU lowers ``ragged_dot`` to a grouped matmul, so the expert FLOPs
+      drop from ``2*3*T*E*H*I`` to ``2*3*T*k*H*I`` (E/k = 16x for Qwen3-30B-A3B's 128/8).
+    - CPU: ``dense``. XLA:CPU has no grouped matmul: JAX lowers ``ragged_dot`` to a dense dot
+      over a group-masked ``[E, T*k, H]`` copy of the rows, ``k`` times the dense backend's
+      FLOPs (measured in ``docs/moe_backends.md``).
+    - GPU: ``dense``. XLA:GPU's ``RaggedDotRewriter`` by default rewrites ``ragged_dot`` the
+      same way (dense dot over an E-fold, group-masked LHS: k times the dense FLOPs and an
+      ``[T*k, E, H]`` temporary). A grouped GEMM is used only behind opt-in flags (cuDNN
+      ragged-dot fusion ``--xla_gpu_experimental_use_ragged_dot_fusion``, hipBLASLt grouped
+      GEMM on MI300, or JAX's ``jax_ragged_dot_use_gpu_pallas_triton_lowering``); whoever
+      sets one should also pass ``--moe-backend ragged``.
+    - any other platform: ``dense``, the reference that runs everywhere.
     """
-    hit = topk_ids[:, :, None] == expert_ids[None, None, :]  # [T, k, E']
-    w = topk_weights.astype(jnp.float32)[:, :, None]
-    return jnp.sum(jnp.where(hit, w, 0.0), axis=1)
+    if name == "auto":
+        return _AUTO.get(platform.lower(), "dense")
+    if name in MOE_BACKENDS:
+        return name
+    raise ValueError(
+        f"unknown MoE backend {name!r}; valid choices: {', '.join(MOE_BACKEND_CHOICES)}"
+    )
 
 
-def experts_forward(
-    x: jax.Array,
-    w_gate: jax.Array,
-    w_up: jax.Array,
-    w_down: jax.Array,
-    weights: jax.Array,
-) -> jax.Array:
-    """x [T, H]; w_gate, w_up [E, H, I]; w_down [E, I, H]; weights [T, E] -> float32 [T, H].
-
-    The result is float32 whatever the weights' dtype, so that partial sums of several
-    devices are added at full precision; callers cast it back to the activation dtype.
-    """
-    gate = jnp.einsum("th,ehi->tei", x, w_gate)
-    up = jnp.einsum("th,ehi->tei", x, w_up)
-    act = jax.nn.silu(gate) * up * weights[:, :, None].astype(x.dtype)
-    return jnp.einsum("tei,eih->th", act, w_down, preferred_element_type=jnp.float32)
+def get_expert_compute(backend: str) -> ExpertCompute:
+    """The per-device compute of a resolved backend ("dense" or "ragged")."""
+    try:
+        return MOE_BACKENDS[backend]
+    except KeyError:
+        hint = " (resolve 'auto' with resolve_moe_backend first)" if backend == "auto" else ""
+        raise ValueError(
+            f"unknown MoE backend {backend!r}{hint}; valid: {', '.join(MOE_BACKENDS)}"
+        ) from None

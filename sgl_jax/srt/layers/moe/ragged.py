@@ -1,0 +1,77 @@
+"""The ``ragged`` expert backend: dropless sparse compute with ``jax.lax.ragged_dot``.
+
+Each of the ``M = T * k`` token-expert assignments is computed once, by its own expert:
+
+1. the assignments are flattened and stably sorted by expert row, so each expert's tokens are
+   one contiguous group; assignments of experts this device does not hold carry the sentinel
+   row ``E_l`` (see ``ep_moe.local_row_table``), sort after every real group and are counted in
+   no group;
+2. the token rows are gathered in that order (``[M, H]``) and the gate, up and down
+   projections are three grouped matmuls (``ragged_dot`` with the per-expert group sizes),
+   accumulated in float32;
+3. each row is scaled by its routing weight, the rows are put back in ``[T, k]`` order (a
+   gather through the inverse permutation) and the k contributions of a token are summed.
+
+FLOPs: ``2 * 3 * M * H * I`` for a grouped-matmul implementation (TPU), i.e. ``E / k`` times
+fewer than the dense backend. Shapes are static (``M`` rows whatever the routing), so no token
+is ever dropped and nothing recompiles when the routing changes.
+
+Rows past ``sum(group_sizes)`` belong to no group. What ``ragged_dot`` writes there is not
+part of its contract: JAX 0.10.2's CPU lowering (a group-masked dense dot) writes zeros, a TPU
+grouped-matmul kernel may leave them unwritten. They are therefore masked with a select (not a
+multiply: 0 * NaN is NaN) before anything is summed, so the result is correct either way.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def group_assignments(local_ids: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
+    """[T, k] expert rows (``num_rows`` = sentinel: not on this device) -> (order, group_sizes).
+
+    ``order`` [T*k] sorts the flattened assignments by row (stable: within a group, token
+    order), sentinel last. ``group_sizes`` [num_rows] int32 counts each row's assignments;
+    the sentinel is not counted, so ``sum(group_sizes)`` is the number of local assignments.
+    """
+    flat = local_ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    rows = jnp.arange(num_rows, dtype=flat.dtype)
+    group_sizes = jnp.sum(flat[:, None] == rows[None, :], axis=0, dtype=jnp.int32)
+    return order, group_sizes
+
+
+def ragged_experts(
+    x: jax.Array,
+    local_ids: jax.Array,
+    topk_weights: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+) -> jax.Array:
+    """The backend entry point (signature: ``experts.ExpertCompute``) -> float32 [T, H].
+
+    x [T, H]; local_ids / topk_weights [T, k] (rows of this device's stacked weights, or
+    ``E_l`` for experts held elsewhere); w_gate, w_up [E_l, H, I]; w_down [E_l, I, H].
+    The routing weight is applied in float32 to the float32 down projection; the sum over
+    the k experts of a token is in a fixed order (deterministic, no scatter-add).
+    """
+    num_tokens, top_k = local_ids.shape
+    num_rows = w_gate.shape[0]
+    order, group_sizes = group_assignments(local_ids, num_rows)
+    xs = jnp.take(x, order // top_k, axis=0)  # [M, H]: token row of each sorted assignment
+
+    def grouped(lhs: jax.Array, w: jax.Array) -> jax.Array:
+        return jax.lax.ragged_dot(lhs, w, group_sizes, preferred_element_type=jnp.float32)
+
+    act = (jax.nn.silu(grouped(xs, w_gate)) * grouped(xs, w_up)).astype(x.dtype)
+    down = grouped(act, w_down)  # [M, H] float32
+    weight = jnp.take(topk_weights.reshape(-1).astype(jnp.float32), order)
+    local = jnp.arange(order.shape[0]) < jnp.sum(group_sizes)  # rows inside some group
+    rows = jnp.where(local[:, None], down * weight[:, None], 0.0)
+    # Back to [T, k] order through the inverse permutation, then the per-token sum.
+    inverse = jnp.zeros_like(order).at[order].set(
+        jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True
+    )
+    return jnp.take(rows, inverse, axis=0).reshape(num_tokens, top_k, -1).sum(axis=1)

@@ -69,12 +69,14 @@ def kv_cache_shape(
 
 
 def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
-    """Scatter new K/V rows ``[T, KVH, D]`` to their slots (padding tokens write slot 0)."""
-    pages, page_size, combined, head_dim = kv_cache.shape
+    """Scatter new K/V rows ``[T, KVH, D]`` to their slots (padding tokens write slot 0).
+
+    Indexed by (page, offset), not through a flattened view: a reshape of the donated cache
+    makes XLA copy the whole cache on every step instead of updating it in place.
+    """
+    _, page_size, combined, head_dim = kv_cache.shape
     rows = jnp.stack([k, v], axis=2).reshape(k.shape[0], combined, head_dim)
-    flat = kv_cache.reshape(pages * page_size, combined, head_dim)
-    flat = flat.at[slots].set(rows.astype(kv_cache.dtype))
-    return flat.reshape(kv_cache.shape)
+    return kv_cache.at[slots // page_size, slots % page_size].set(rows.astype(kv_cache.dtype))
 
 
 def update_page_table(

@@ -25,6 +25,7 @@ All arithmetic is float32.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ from sgl_jax.srt.layers.attention.base import MASKED, AttentionBackend, Attentio
 
 DEFAULT_KV_BLOCK = 128
 MAX_QUERY_BLOCK = 64
+GROUP_QUERIES = 256  # query positions processed together in an extend batch
 
 
 def query_block_size(num_tokens: int, num_rows: int, is_decode: bool) -> int:
@@ -85,7 +87,7 @@ class NativeAttention(AttentionBackend):
         self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float
     ) -> jax.Array:
         num_tokens, num_heads, head_dim = q.shape
-        num_pages, page_size, combined, _ = kv_cache.shape
+        _, page_size, combined, _ = kv_cache.shape
         num_kv_heads = combined // 2
         group = num_heads // num_kv_heads
         batch_size = meta.extend_lens.shape[0]
@@ -94,60 +96,80 @@ class NativeAttention(AttentionBackend):
         kv_block = -(-max(self.kv_block, page_size) // page_size) * page_size
         pages_per_block = kv_block // page_size
         blocks = make_query_blocks(meta, num_tokens, q_block)
-        num_blocks = blocks.row.shape[0]
+        # Blocks are processed GROUP at a time (a decode batch: all rows at once), looping only
+        # over the groups that hold real blocks and, per group, only over the KV its blocks
+        # need: padding rows cost nothing and the causal half of a long prompt is mostly skipped.
+        per_group = blocks.row.shape[0] if meta.is_decode else max(1, GROUP_QUERIES // q_block)
+        num_groups_max = -(-blocks.row.shape[0] // per_group)
+        padded = num_groups_max * per_group
 
-        # Queries of each block: [NB, KVH, G * qb, D]; every contraction keeps its batch
-        # dimensions leading (XLA:CPU runs them an order of magnitude faster).
+        def pad(x: jax.Array) -> jax.Array:
+            return jnp.pad(x, (0, padded - x.shape[0]))
+
+        row, first, count, first_pos = map(
+            pad, (blocks.row, blocks.first, blocks.count, blocks.first_pos)
+        )
+        context = jnp.where(count > 0, first_pos + count, 0)  # KV positions each block reads
+        num_groups = (jnp.sum(count > 0) + per_group - 1) // per_group
+        q32 = q.astype(jnp.float32) * scale
         offs = jnp.arange(q_block, dtype=jnp.int32)
-        token = jnp.clip(blocks.first[:, None] + offs[None, :], 0, num_tokens - 1)
-        qb = q.astype(jnp.float32)[token] * scale  # [NB, qb, H, D]
-        qb = qb.reshape(num_blocks, q_block, num_kv_heads, group, head_dim)
-        qb = qb.transpose(0, 2, 3, 1, 4).reshape(num_blocks, num_kv_heads, group * q_block, head_dim)
-        q_pos = jnp.tile(blocks.first_pos[:, None] + offs[None, :], (1, group))  # [NB, G*qb]
-        context = jnp.where(blocks.count > 0, blocks.first_pos + blocks.count, 0)
-        num_kv_iters = (jnp.max(context) + kv_block - 1) // kv_block
-
-        pages = meta.page_indices[blocks.row]  # [NB, max_pages]
-        flat = kv_cache.reshape(num_pages * page_size, combined, head_dim)
         in_page = jnp.arange(page_size, dtype=jnp.int32)
 
-        def kv_step(i: jax.Array, carry: tuple) -> tuple:
-            m, denom, acc = carry
-            cols = i * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32)
-            page = jnp.take(pages, cols, axis=1, mode="fill", fill_value=0)
-            slots = (page[:, :, None] * page_size + in_page).reshape(num_blocks, kv_block)
-            kv = flat[slots].astype(jnp.float32)  # [NB, kvb, 2*KVH, D]
-            k = kv[:, :, 0::2].transpose(0, 2, 1, 3)  # [NB, KVH, kvb, D]
-            v = kv[:, :, 1::2].transpose(0, 2, 1, 3)
-            s = jnp.einsum("nkxd,nkbd->nkxb", qb, k)
-            kv_pos = i * kv_block + jnp.arange(kv_block, dtype=jnp.int32)
-            # Causal within the request; the block reads only its own request's pages.
-            visible = kv_pos[None, None, :] <= q_pos[:, :, None]  # [NB, G*qb, kvb]
-            s = jnp.where(visible[:, None], s, MASKED)
-            m_new = jnp.maximum(m, s.max(axis=-1))
-            correction = jnp.exp(m - m_new)
-            p = jnp.exp(s - m_new[..., None])
-            denom = denom * correction + p.sum(axis=-1)
-            acc = acc * correction[..., None] + jnp.einsum("nkxb,nkbd->nkxd", p, v)
-            return m_new, denom, acc
+        def one_group(g: jax.Array, out: jax.Array) -> jax.Array:
+            sl = partial(jax.lax.dynamic_slice_in_dim, start_index=g * per_group,
+                         slice_size=per_group)
+            g_row, g_first, g_pos, g_context = sl(row), sl(first), sl(first_pos), sl(context)
+            # Queries of the group: [GB, KVH, G * qb, D]; every contraction keeps its batch
+            # dimensions leading (XLA:CPU runs them an order of magnitude faster).
+            token = jnp.clip(g_first[:, None] + offs[None, :], 0, num_tokens - 1)
+            qg = q32[token].reshape(per_group, q_block, num_kv_heads, group, head_dim)
+            qg = qg.transpose(0, 2, 3, 1, 4).reshape(
+                per_group, num_kv_heads, group * q_block, head_dim
+            )
+            q_pos = jnp.tile(g_pos[:, None] + offs[None, :], (1, group))  # [GB, G*qb]
+            pages = meta.page_indices[g_row]  # [GB, max_pages]
 
-        shape = (num_blocks, num_kv_heads, group * q_block)
-        init = (
-            jnp.full(shape, MASKED, jnp.float32),
-            jnp.zeros(shape, jnp.float32),
-            jnp.zeros((*shape, head_dim), jnp.float32),
-        )
-        _, denom, acc = jax.lax.fori_loop(0, num_kv_iters, kv_step, init)
-        out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
-        out = out.reshape(num_blocks, num_kv_heads, group, q_block, head_dim)
-        out = out.transpose(0, 3, 1, 2, 4).reshape(num_blocks * q_block, num_heads, head_dim)
+            def kv_step(i: jax.Array, carry: tuple) -> tuple:
+                m, denom, acc = carry
+                cols = i * pages_per_block + jnp.arange(pages_per_block, dtype=jnp.int32)
+                page = jnp.take(pages, cols, axis=1, mode="fill", fill_value=0)  # [GB, ppb]
+                kv = kv_cache[page[:, :, None], in_page[None, None, :]]  # [GB, ppb, P, C, D]
+                kv = kv.reshape(per_group, kv_block, combined, head_dim).astype(jnp.float32)
+                k = kv[:, :, 0::2].transpose(0, 2, 1, 3)  # [GB, KVH, kvb, D]
+                v = kv[:, :, 1::2].transpose(0, 2, 1, 3)
+                s = jnp.einsum("nkxd,nkbd->nkxb", qg, k)
+                kv_pos = i * kv_block + jnp.arange(kv_block, dtype=jnp.int32)
+                # Causal within the request; a block reads only its own request's pages.
+                visible = kv_pos[None, None, :] <= q_pos[:, :, None]  # [GB, G*qb, kvb]
+                s = jnp.where(visible[:, None], s, MASKED)
+                m_new = jnp.maximum(m, s.max(axis=-1))
+                correction = jnp.exp(m - m_new)
+                p = jnp.exp(s - m_new[..., None])
+                denom = denom * correction + p.sum(axis=-1)
+                acc = acc * correction[..., None] + jnp.einsum("nkxb,nkbd->nkxd", p, v)
+                return m_new, denom, acc
+
+            shape = (per_group, num_kv_heads, group * q_block)
+            init = (
+                jnp.full(shape, MASKED, jnp.float32),
+                jnp.zeros(shape, jnp.float32),
+                jnp.zeros((*shape, head_dim), jnp.float32),
+            )
+            num_kv_iters = (jnp.max(g_context) + kv_block - 1) // kv_block
+            _, denom, acc = jax.lax.fori_loop(0, num_kv_iters, kv_step, init)
+            res = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+            res = res.reshape(per_group, num_kv_heads, group, q_block, head_dim)
+            res = res.transpose(0, 3, 1, 2, 4).reshape(per_group * q_block, num_heads, head_dim)
+            return jax.lax.dynamic_update_slice_in_dim(out, res, g * per_group * q_block, axis=0)
+
+        out = jnp.zeros((padded * q_block, num_heads, head_dim), jnp.float32)
+        out = jax.lax.fori_loop(0, num_groups, one_group, out)
 
         # Back to token order: token t is query (local % qb) of block (first block of its
         # row + local // qb), local being its index among its row's new tokens.
-        row = meta.token_to_req
-        real = row < batch_size
-        row_c = jnp.minimum(row, batch_size - 1)
+        row_of = meta.token_to_req
+        real = row_of < batch_size
+        row_c = jnp.minimum(row_of, batch_size - 1)
         local = meta.positions - meta.prefix_lens[row_c]
         where = (blocks.block_of_row[row_c] + local // q_block) * q_block + local % q_block
-        out = out[jnp.where(real, where, 0)]
-        return out.astype(q.dtype)
+        return out[jnp.where(real, where, 0)].astype(q.dtype)

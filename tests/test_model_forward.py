@@ -7,6 +7,7 @@ batches and different padding buckets, with scattered KV slots.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -157,3 +158,31 @@ def test_no_recompile_inside_buckets(driver, runner):
     for s in seqs:
         driver.release(s)
     assert runner.num_compiles == compiled >= before
+
+
+def test_decode_sends_no_page_rows(driver, runner):
+    """A decode step's host-to-device bytes depend on the batch, not on its context: the page
+    table lives on the device, and a request's page row is sent only when it starts on a
+    cached prefix."""
+    sent = {}
+    for length in (5, 200):
+        seqs = [driver.new_seq() for _ in range(2)]
+        driver.step(ForwardMode.EXTEND, seqs, [prompt(length, length), prompt(length + 1, 3)])
+        driver.step(ForwardMode.DECODE, seqs, [[1], [2]])
+        sent[length] = runner.last_step_host_bytes
+        for s in seqs:
+            driver.release(s)
+    assert sent[5] == sent[200] > 0
+    a, b = driver.new_seq(), driver.new_seq()
+    driver.step(ForwardMode.EXTEND, [a], [prompt(3, 40)])
+    assert runner.last_step_host_bytes == batch_bytes(driver.last_batch)
+    driver.share_prefix(b, a, 32)
+    driver.step(ForwardMode.EXTEND, [b], [prompt(4, 8)])  # starts on a's first 32 tokens
+    row_bytes = runner.req_to_page.shape[1] * 4
+    assert runner.last_step_host_bytes == batch_bytes(driver.last_batch) + row_bytes
+    for s in (b, a):
+        driver.release(s)
+
+
+def batch_bytes(batch) -> int:
+    return sum(np.asarray(x).nbytes for x in jax.tree.leaves(batch))

@@ -200,6 +200,7 @@ class ModelRunner:
         self._check_capture_capacity()
 
         self.num_compiles = 0
+        self.last_step_host_bytes = 0
         self.compile_seconds: dict[tuple[int, int, int], float] = {}
         self._step = jax.jit(
             partial(self._step_impl, self.graphdef, self.param_treedef),
@@ -312,15 +313,19 @@ class ModelRunner:
         else:
             tokens = self.padded_extend_tokens(mwb.num_tokens)
             rows = self.extend_rows(tokens)
-        self._sync_prefix_pages(mwb)
+        synced = self._sync_prefix_pages(mwb)
         batch = build_forward_batch(
             mwb, tokens, rows, self.model_config.vocab_size, self.no_req_slot
         )
+        # What this step copied from host to device (numpy leaves plus page rows sent).
+        self.last_step_host_bytes = synced + sum(x.nbytes for x in jax.tree.leaves(batch))
         return batch, self.forward(batch)
 
-    def _sync_prefix_pages(self, mwb: ModelWorkerBatch) -> None:
+    def _sync_prefix_pages(self, mwb: ModelWorkerBatch) -> int:
         """Sends the page row of each request that starts on a cached prefix the device page
-        table does not hold yet (once per admission; the step records every other page)."""
+        table does not hold yet (once per admission; the step records every other page).
+        Returns the bytes sent."""
+        sent = 0
         pool = self.req_to_token_pool
         for idx, prefix, extend in zip(
             mwb.req_pool_indices, mwb.prefix_lens, mwb.extend_lens, strict=True
@@ -332,7 +337,9 @@ class ModelRunner:
                     self.req_to_page = self._set_page_row(
                         self.req_to_page, np.int32(idx), pages.astype(np.int32)
                     )
+                sent += pages.nbytes
             pool.device_len[idx] = prefix + extend
+        return sent
 
     # -- padding buckets ------------------------------------------------------------------------
     def padded_decode_bs(self, bs: int) -> int:

@@ -29,8 +29,13 @@ from bench_utils import machine_description, markdown_table, median, random_prom
 
 from sgl_jax import Engine  # noqa: E402
 from sgl_jax.srt.configs.model_config import ModelConfig  # noqa: E402
-from sgl_jax.srt.forward_batch_info import ForwardMode, ModelWorkerBatch  # noqa: E402
+from sgl_jax.srt.model_executor import model_runner  # noqa: E402
 from sgl_jax.srt.model_executor.model_runner import ModelRunner  # noqa: E402
+
+try:
+    from sgl_jax.srt.forward_batch_info import ForwardMode, ModelWorkerBatch
+except ImportError:  # trees before M8, for bench_ab_commits.py
+    from sgl_jax.srt.model_executor.forward_batch import ForwardMode, ModelWorkerBatch
 from sgl_jax.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sgl_jax.srt.server_args import ServerArgs  # noqa: E402
 
@@ -92,7 +97,10 @@ def ceiling_run(args: argparse.Namespace, server_kwargs: dict, repeats: int) -> 
         times = []
         for _ in range(repeats + 2):
             t0 = time.perf_counter()
-            _, step = runner.run_worker_batch(mwb)
+            if hasattr(runner, "run_worker_batch"):
+                _, step = runner.run_worker_batch(mwb)
+            else:  # trees before M8
+                _, step = model_runner.forward_worker_batch(runner, mwb)
             np.asarray(step.next_token_ids)
             if step.routed_rows is not None and mwb.return_routed_experts:
                 np.asarray(step.routed_rows)

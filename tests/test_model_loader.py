@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ def ckpt(tmp_path_factory) -> str:
 
 
 def load(path: str, dtype=jnp.float32):
-    return load_model(ModelConfig.from_hf(path), make_mesh(1, 1), dtype)
+    return load_model(ModelConfig.from_hf(path), make_mesh(jax.devices(), 1, 1), dtype)
 
 
 def test_round_trip_every_tensor_equal(ckpt):

@@ -310,10 +310,14 @@ def extend_tokens(server: ServerProcess) -> int:
 
 
 def test_disconnect_while_queued_and_during_chunked_prefill(idle_after):
-    """A 4,000-token prompt is prefilled 256 tokens per step (~2 s here); a short request
-    queued behind it (the chunks take the whole prefill budget) loses its client, then the
-    long one does, mid-prefill."""
+    """A 4,000-token prompt is prefilled 256 tokens per step; a short request queued behind it
+    (the chunks take the whole prefill budget) loses its client, then the long one does,
+    mid-prefill. The clients' timeouts are fractions of the measured prefill time of such a
+    prompt, so the test holds on a fast machine as on a slow one."""
     server = idle_after
+    t0 = time.perf_counter()
+    server.post(GEN, json={"input_ids": fresh_ids(4000), "sampling_params": {"max_new_tokens": 1}})
+    prefill_seconds = time.perf_counter() - t0
     start = info_of(server)
     timed_out: dict[str, bool] = {}
 
@@ -331,12 +335,12 @@ def test_disconnect_while_queued_and_during_chunked_prefill(idle_after):
         thread.start()
         return thread
 
-    a = post("chunked", 4000, 0.8)
+    a = post("chunked", 4000, max(0.6 * prefill_seconds, 0.25))
     base = start["step_stats"]["extend"]["tokens"]
-    assert wait_until(lambda: extend_tokens(server) - base >= 256, timeout=10, interval=0.01)
-    b = post("queued", 6, 0.3)
+    assert wait_until(lambda: extend_tokens(server) - base >= 256, timeout=10, interval=0.005)
+    b = post("queued", 6, max(0.3 * prefill_seconds, 0.1))
     assert wait_until(lambda: info_of(server)["num_waiting_reqs"] == 1, timeout=5,
-                      interval=0.01)
+                      interval=0.005)
     b.join(5)
     assert wait_until(lambda: info_of(server)["num_waiting_reqs"] == 0, timeout=1,
                       interval=0.01)

@@ -30,10 +30,14 @@ UNIT = [
     "tests/test_moe_backends.py",
     "tests/test_backends.py",
     "tests/test_parallel.py",
+    "tests/test_aot_report.py",
+    "tests/test_routed_experts_codec.py",
+    "tests/test_request_options.py",
 ]
 E2E = [
     "tests/test_engine.py",
     "tests/test_routed_experts.py",
+    "tests/test_scheduler_abort.py",
     "tests/test_paged_engine.py",
     "tests/test_http_server.py",
     "tests/test_openai_api.py",

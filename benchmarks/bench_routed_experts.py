@@ -7,6 +7,14 @@ routed-experts host/device cache sizes.
 
     python benchmarks/bench_routed_experts.py                      # bundled model
     python benchmarks/bench_routed_experts.py --preset qwen3-30b-a3b-routing
+    python benchmarks/bench_routed_experts.py --preset qwen3-30b-a3b-routing --step --batch 16
+
+``--step`` times the runner's step alone (no scheduler, no processes): a decode batch of
+``--batch`` requests at ``--context`` positions, on two runners (capture off / on, every step
+copying its rows), interleaved ABAB, medians. "jit" waits for the step's outputs; "+host"
+also copies the rows to the host table (what the scheduler does per step). It uses only
+``ModelRunner.run_worker_batch`` and the capturer's ``on_forward_launch/on_forward_end``, so
+it runs unchanged against an older tree (``PYTHONPATH=<tree> python benchmarks/...``).
 """
 
 from __future__ import annotations
@@ -44,6 +52,72 @@ def run_round(engine: Engine, prompts: list[list[int]], out_len: int, want: bool
     return sum(o["meta_info"]["completion_tokens"] for o in outs)
 
 
+def step_bench(args: argparse.Namespace) -> None:
+    import time
+
+    import jax
+    import numpy as np
+
+    from sgl_jax.srt.forward_batch_info import ForwardMode, ModelWorkerBatch
+    from sgl_jax.srt.model_executor.model_runner import ModelRunner
+    from sgl_jax.srt.sampling.sampling_params import SamplingParams
+    from sgl_jax.srt.server_args import ServerArgs
+    from sgl_jax.testing import engine_args
+
+    path = model_path_for(args.preset)
+    cfg = ModelConfig.from_hf(path)
+    bs, ctx = args.batch, args.context
+    common = engine_args(model_path=path, precompile_bs_paddings=[bs], max_running_requests=bs,
+                         precompile_token_paddings=[64], chunked_prefill_size=64,
+                         disable_precompile=True, max_total_tokens=bs * (ctx + 64))
+    runners, batches = {}, {}
+    for name in ("off", "on"):
+        runner = ModelRunner(ServerArgs(**common, enable_return_routed_experts=name == "on"), cfg)
+        pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
+        idx = [pool.alloc() for _ in range(bs)]
+        for i in idx:  # a context of ``ctx`` positions (contents do not matter for timing)
+            pool.write(i, 0, alloc.alloc(ctx))
+        loc = alloc.alloc(bs).astype(np.int32)
+        batches[name] = ModelWorkerBatch(
+            forward_mode=ForwardMode.DECODE, req_pool_indices=np.array(idx, np.int32),
+            prefix_lens=np.full(bs, ctx, np.int32), extend_lens=np.ones(bs, np.int32),
+            input_ids=np.arange(bs, dtype=np.int32) % cfg.vocab_size, out_cache_loc=loc,
+            sampling_params=[SamplingParams(temperature=0.0).normalize() for _ in range(bs)], seeds=[0] * bs, steps=[0] * bs,
+            return_routed_experts=name == "on",
+        )
+        runners[name] = runner
+
+    def one(name: str, host: bool) -> float:
+        runner, mwb = runners[name], batches[name]
+        t0 = time.perf_counter()
+        runner.capturer.on_forward_launch(mwb.out_cache_loc, mwb.return_routed_experts)
+        _, out = runner.run_worker_batch(mwb)
+        if host:
+            runner.capturer.on_forward_end(out.routed_rows, mwb.out_cache_loc, bs,
+                                           copy=mwb.return_routed_experts)
+        jax.block_until_ready((out.next_token_ids, out.logits, out.routed_rows))
+        return time.perf_counter() - t0
+
+    for name in runners:  # compile and warm up
+        for _ in range(3):
+            one(name, True)
+    results = []
+    for host in (False, True):
+        times: dict[str, list[float]] = {"off": [], "on": []}
+        for i in range(args.repeats):
+            for name in ("off", "on") if i % 2 == 0 else ("on", "off"):
+                times[name].append(one(name, host))
+        off, on = median(times["off"]) * 1e3, median(times["on"]) * 1e3
+        paired = median([a / b for a, b in zip(times["off"], times["on"], strict=True)])
+        label = "jit + host copy" if host else "jit"
+        results.append([label, f"{off:.2f}", f"{on:.2f}", f"{off / on:.3f}", f"{paired:.3f}"])
+        print(f"{label}: off {off:.2f} ms, on {on:.2f} ms, on/off speed {off / on:.3f} "
+              f"(paired {paired:.3f})", flush=True)
+    print(f"\n### Step on/off: {args.preset or 'bundled'}, decode bs {bs} at {ctx} positions\n")
+    print(f"`{' '.join(['python', *sys.argv])}` — {machine_description()}\n")
+    print(markdown_table(["step", "off ms", "on ms", "on/off (speed)", "paired"], results))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default=None, help="make_random_model preset (default: bundled)")
@@ -55,7 +129,13 @@ def main() -> None:
     p.add_argument("--ep-size", type=int, default=1)
     p.add_argument("--fake-devices", type=int, default=0,
                    help="run on N fake CPU devices (sets XLA_FLAGS for the engine processes)")
+    p.add_argument("--step", action="store_true", help="time the runner's step alone")
+    p.add_argument("--batch", type=int, default=16, help="--step: decode batch size")
+    p.add_argument("--context", type=int, default=512, help="--step: positions per request")
     args = p.parse_args()
+    if args.step:
+        step_bench(args)
+        return
     if args.fake_devices:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.fake_devices}")

@@ -17,6 +17,8 @@ stage reports its median over the repeats and ``total`` is the median of the per
 
     python benchmarks/bench_serialization.py [--tokens 1024 8192 32768] [--layers 48]
         [--topk 8] [--repeats N] [--out docs/perf_serialization.md]
+    python benchmarks/bench_serialization.py --finish [--long-tokens 32768] [--burst 64]
+        [--burst-tokens 8192] [--repeats 5]    # finish-time path through the real server
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from sgl_jax.srt.layers.moe.routed_experts_capturer import (
+from sgl_jax.srt.routed_experts_codec import (
     encode_routed_experts,
     extract_routed_experts_from_meta_info,
 )
@@ -354,7 +356,17 @@ def main(argv: list[str] | None = None) -> int:
         help="stdlib json column only up to this many tokens (it is slow; orjson is the server's)",
     )
     p.add_argument("--out", default=None, help="write a markdown results page here")
-    args = p.parse_args(argv)
+    p.add_argument("--finish", action="store_true",
+                   help="run the finish-time benchmark instead (real server processes and HTTP; "
+                        "bench_finish_time.py, whose options follow)")
+    args, rest = p.parse_known_args(argv)
+    if args.finish:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import bench_finish_time
+
+        return bench_finish_time.main(rest)
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
 
     start = time.perf_counter()
     all_results: dict[int, dict[tuple[str, str], Series]] = {}

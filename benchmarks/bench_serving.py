@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
 import sys
 import time
 
@@ -23,21 +22,20 @@ import orjson
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import bench_utils  # noqa: E402
 from bench_routed_experts import model_path_for  # noqa: E402
 from bench_utils import machine_description, markdown_table, random_prompts  # noqa: E402
 
+from sgl_jax.testing import ServerProcess, server_flags  # noqa: E402
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+
+def start_server(args: argparse.Namespace) -> ServerProcess:
+    # Serving-sized buckets (not the tests' fast settings): these are what is measured.
     bs = sorted({1, 8, 32, 64, *args.concurrency})
-    flags = ["--enable-return-routed-experts", "--log-level", "warning",
-             "--max-running-requests", str(max(bs)), "--precompile-bs-paddings", *map(str, bs),
-             "--precompile-token-paddings", "64", "256", "1024", "--chunked-prefill-size", "1024"]
-    path = model_path_for(args.preset)
-    if path:
-        flags += ["--model-path", path]
-    proc, url, _ = bench_utils.start_server(flags, "bench_serving_")
-    return proc, url
+    flags = server_flags(enable_return_routed_experts=True, log_level="warning",
+                         max_running_requests=max(bs), precompile_bs_paddings=bs,
+                         precompile_token_paddings=[64, 256, 1024], chunked_prefill_size=1024,
+                         model_path=model_path_for(args.preset))
+    return ServerProcess(flags, startup_timeout=900, log_prefix="bench_serving_")
 
 
 async def one_request(client: httpx.AsyncClient, url: str, ids: list[int], out_len: int,
@@ -97,10 +95,11 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     args = p.parse_args()
 
-    proc = None
+    server = None
     url = args.base_url
     if url is None:
-        proc, url = start_server(args)
+        server = start_server(args)
+        url = server.url
     info = httpx.get(f"{url}/get_model_info").json()
     rows = []
     try:
@@ -114,9 +113,8 @@ def main() -> None:
                              r["ttft_p99"], r["itl_p50"], r["itl_p99"]])
                 print(f"concurrency {c} routed {'on' if routed else 'off'}: {r}", flush=True)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(30)
+        if server is not None:
+            server.stop(timeout=30)
     print(f"\n### HTTP serving: {args.preset or 'bundled tiny-qwen3-moe'}, input "
           f"{args.input_len}, output {args.output_len}, {args.requests_per_worker} requests per "
           f"worker, streaming /generate\n")

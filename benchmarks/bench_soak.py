@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import os
 import shlex
-import subprocess
 import sys
 import time
 import uuid
@@ -44,8 +43,9 @@ import pybase64
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import bench_utils  # noqa: E402
 from bench_utils import machine_description, markdown_table  # noqa: E402
+
+from sgl_jax.testing import ServerProcess, server_flags  # noqa: E402
 
 # The bundled model's vocabulary ends with special tokens; stay below them.
 PROMPT_VOCAB = 500
@@ -100,6 +100,7 @@ class Outcome:
     meta: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     pieces: int = 0  # bodies or stream chunks received
+    routed: bytes | None = None  # routed-experts bytes so far (a stream's chunks carry runs)
 
 
 @dataclass
@@ -192,8 +193,12 @@ def _absorb(out: Outcome, piece: dict[str, Any]) -> None:
         choice = piece["choices"][0]
         out.text += choice["text"]
         meta = choice.get("meta_info") or {}
+    if meta.get("routed_experts") is not None:
+        out.routed = (out.routed or b"") + pybase64.b64decode(meta["routed_experts"])
     if meta.get("finish_reason") is not None:
-        out.meta = meta
+        out.meta = dict(meta)
+        if out.routed is not None:  # every chunk's rows, in order: the whole request's
+            out.meta["routed_experts"] = pybase64.b64encode(out.routed).decode("ascii")
 
 
 async def _send(client: httpx.AsyncClient, url: str, out: Outcome, pair: Pair) -> Outcome:
@@ -448,12 +453,12 @@ def format_report(r: Report) -> str:
 
 
 # -- running it -----------------------------------------------------------------------------------
-def start_server(concurrency: int, extra: list[str]) -> tuple[subprocess.Popen, str, str]:
-    bs = sorted({1, 4, 16, concurrency})
-    flags = ["--enable-return-routed-experts", "--log-level", "warning",
-             "--max-running-requests", str(concurrency), "--precompile-bs-paddings", *map(str, bs),
-             "--precompile-token-paddings", "64", "256", "--chunked-prefill-size", "256", *extra]
-    return bench_utils.start_server(flags, "bench_soak_", timeout=600)
+def start_server(concurrency: int, extra: list[str]) -> ServerProcess:
+    """The tests' fast settings, with room for ``concurrency`` requests."""
+    flags = server_flags(enable_return_routed_experts=True, log_level="warning",
+                         max_running_requests=concurrency,
+                         precompile_bs_paddings=sorted({1, 4, 16, concurrency}))
+    return ServerProcess([*flags, *extra], startup_timeout=600, log_prefix="bench_soak_")
 
 
 def main() -> int:
@@ -479,18 +484,16 @@ def main() -> int:
                      cancel_fraction=args.cancel_fraction, cancel_delay=tuple(args.cancel_delay),
                      reference_sample=args.reference_sample, rss_bound_mib=args.rss_bound_mib,
                      seed=args.seed)
-    proc, url = None, args.base_url
+    server, url = None, args.base_url
     if url is None:
-        proc, url, log_path = start_server(cfg.concurrency, args.server_args.split())
-        print(f"server log: {log_path}", flush=True)
+        server = start_server(cfg.concurrency, args.server_args.split())
+        url = server.url
+        print(f"server log: {server.log_path}", flush=True)
     try:
         report = soak(url, cfg, log=lambda s: print(s, flush=True))
         alive = httpx.get(url + "/health_generate", timeout=60).status_code == 200
     finally:
-        code = None
-        if proc is not None:
-            proc.terminate()
-            code = proc.wait(30)
+        code = None if server is None else server.stop(timeout=30)
     if not alive:
         report.failures.append("the server failed /health_generate after the soak")
     if code not in (None, 0):

@@ -53,32 +53,3 @@ def machine_description() -> str:
     return (f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, "
             f"jax {jax.__version__} on {jax.default_backend()}, commit {rev or '?'}, "
             f"{time.strftime('%Y-%m-%d')}")
-
-
-def start_server(flags: list[str], log_prefix: str, timeout: float = 900) -> tuple[Any, str, str]:
-    """Starts `python -m sgl_jax.launch_server` on a free loopback port with ``flags``; waits
-    for /health. Returns (process, base URL, log file path)."""
-    import sys
-    import tempfile
-
-    import httpx
-
-    from sgl_jax.srt.utils import free_port
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "sgl_jax.launch_server", "--port", str(port), *flags]
-    log = tempfile.NamedTemporaryFile(prefix=log_prefix, suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}; log: {log.name}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url, log.name
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise SystemExit(f"the server was not ready in time; log: {log.name}")

@@ -7,15 +7,8 @@ import functools
 import numpy as np
 
 from sgl_jax.srt.configs.model_config import BUNDLED_MODEL_PATH
-from sgl_jax.srt.layers.moe.routed_experts_capturer import extract_routed_experts_from_meta_info
+from sgl_jax.srt.routed_experts_codec import extract_routed_experts_from_meta_info
 from sgl_jax.tools.reference_forward import ReferenceModel, routed_experts_rows
-
-# Small buckets keep start-up short; the persistent compilation cache makes restarts cheap.
-FAST_ENGINE_ARGS = dict(
-    precompile_token_paddings=[64, 256],
-    chunked_prefill_size=256,
-    log_level="warning",
-)
 
 
 @functools.lru_cache(maxsize=4)

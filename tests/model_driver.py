@@ -12,14 +12,7 @@ import numpy as np
 
 from sgl_jax.srt.forward_batch_info import ForwardMode, ModelWorkerBatch
 from sgl_jax.srt.model_executor.model_runner import ModelRunner
-
-
-@dataclass
-class Greedy:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
+from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
 
 @dataclass
@@ -96,7 +89,7 @@ class ModelDriver:
             extend_lens=np.array([len(t) for t in new_tokens], np.int32),
             input_ids=np.concatenate([np.asarray(t, np.int32) for t in new_tokens]),
             out_cache_loc=np.concatenate(locs).astype(np.int32),
-            sampling_params=[Greedy() for _ in seqs],
+            sampling_params=[SamplingParams(temperature=0.0).normalize() for _ in seqs],
             seeds=[0] * len(seqs),
             steps=[0] * len(seqs),
             return_routed_experts=True,
@@ -106,8 +99,8 @@ class ModelDriver:
         self.runner.capturer.on_forward_end(
             out.routed_rows, mwb.out_cache_loc, mwb.num_tokens, copy=True
         )
-        host = self.runner.capturer.host_cache.buffer
-        rows = [host[loc].copy() for loc in locs]
+        host = self.runner.capturer.host_cache
+        rows = [host.gather(loc) for loc in locs]
         for seq, loc in zip(seqs, locs, strict=True):
             seq.slots.extend(loc.tolist())
             seq.length += len(loc)

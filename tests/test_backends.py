@@ -76,3 +76,18 @@ def test_pallas_rejects_small_head_dim():
     args = ServerArgs(attention_backend="pallas")
     with pytest.raises(ValueError, match="head_dim to be a multiple of 128"):
         ModelRunner(args, ModelConfig.from_hf(None))
+
+
+def test_dtype_auto_and_backend_auto_by_platform():
+    import jax.numpy as jnp
+
+    from sgl_jax.srt.layers.moe.experts import resolve_moe_backend
+    from sgl_jax.srt.model_executor.model_runner import resolve_dtype
+
+    assert resolve_dtype("auto", "cpu") == jnp.float32
+    assert resolve_dtype("auto", "tpu") == jnp.bfloat16
+    assert resolve_dtype("auto", "gpu") == jnp.bfloat16
+    assert resolve_dtype("float32", "tpu") == jnp.float32
+    assert resolve_moe_backend("auto", "tpu") == "ragged"
+    assert resolve_moe_backend("auto", "cpu") == "dense"
+    assert resolve_moe_backend("ragged", "cpu") == "ragged"

@@ -11,7 +11,8 @@ import psutil
 import pytest
 
 from sgl_jax import Engine
-from tests.engine_utils import FAST_ENGINE_ARGS, assert_no_leak, prompt_ids, reference_greedy
+from sgl_jax.testing import engine_args
+from tests.engine_utils import assert_no_leak, prompt_ids, reference_greedy
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -20,8 +21,8 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 def engine():
     # A small KV pool and chunk so that chunking, prefix hits and retraction all happen.
     eng = Engine(
-        **{**FAST_ENGINE_ARGS, "precompile_token_paddings": [16, 64], "chunked_prefill_size": 64},
-        precompile_bs_paddings=[1, 4, 16],
+        **engine_args(precompile_token_paddings=[16, 64], chunked_prefill_size=64,
+                      precompile_bs_paddings=[1, 4, 16]),
         max_total_tokens=640,
         schedule_conservativeness=0.0,  # admit greedily: decode must retract
     )
@@ -169,7 +170,7 @@ def test_async_streaming(engine):
 
 
 def test_killed_scheduler_fails_fast_and_shutdown_leaves_no_children():
-    eng = Engine(**FAST_ENGINE_ARGS, precompile_bs_paddings=[1])
+    eng = Engine(**engine_args(precompile_bs_paddings=[1]))
     pids = eng.child_pids()
     assert eng.generate(prompt="hi", max_new_tokens=2)["meta_info"]["completion_tokens"] <= 2
     os.kill(pids["scheduler"], signal.SIGKILL)
@@ -184,7 +185,7 @@ def test_killed_scheduler_fails_fast_and_shutdown_leaves_no_children():
 
 
 def test_context_manager_shutdown():
-    with Engine(**FAST_ENGINE_ARGS, precompile_bs_paddings=[1]) as eng:
+    with Engine(**engine_args(precompile_bs_paddings=[1])) as eng:
         pids = eng.child_pids()
     time.sleep(0.2)
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids.values())
@@ -197,7 +198,7 @@ def test_overlap_schedule_gives_identical_results(engine):
          "ignore_eos": True}
         for i in range(6)
     ]
-    with Engine(**FAST_ENGINE_ARGS, precompile_bs_paddings=[1, 4, 16],
+    with Engine(**engine_args(precompile_bs_paddings=[1, 4, 16]),
                 disable_overlap_schedule=True) as sequential:
         expected = sequential.generate(input_ids=prompts, sampling_params=params)
     got = engine.generate(input_ids=prompts, sampling_params=params)

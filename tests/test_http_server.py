@@ -20,18 +20,19 @@ import psutil
 import pytest
 import requests
 
-from sgl_jax.srt.layers.moe.routed_experts_capturer import extract_routed_experts_from_meta_info
+from sgl_jax.srt.routed_experts_codec import (
+    extract_routed_expert_weights_from_meta_info,
+    extract_routed_experts_from_meta_info,
+)
 from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.tokenizer import Tokenizer
+from sgl_jax.srt.utils import free_port
+from sgl_jax.testing import ServerProcess, server_flags, wait_until
+from sgl_jax.tools.make_random_model import write_random_model
 from sgl_jax.tools.reference_forward import ReferenceModel, routed_experts_rows
-from tests.server_utils import (
-    FAST_ARGS,
-    ServerProcess,
-    free_port,
-    server_fixture,
-    sse_events,
-    wait_until,
-)
+from tests.server_utils import server_fixture, sse_events, start_server
+
+ARGS = server_flags(enable_return_routed_experts=True, enable_return_routed_expert_weights=True)
 
 API_KEY = "test-key"
 LONG = {"max_new_tokens": 3000, "ignore_eos": True}  # ~10 s of decoding: must be aborted
@@ -39,7 +40,7 @@ LONG = {"max_new_tokens": 3000, "ignore_eos": True}  # ~10 s of decoding: must b
 
 @pytest.fixture(scope="module")
 def server(request):
-    yield from server_fixture(request, [*FAST_ARGS, "--enable-return-routed-experts"],
+    yield from server_fixture(request, ARGS,
                               api_key=API_KEY)
 
 
@@ -108,8 +109,63 @@ def test_generate_batch_of_ids_and_stream_agree(server, model_info):
         assert "".join(e["text"] for e in mine) == expected["text"]
         assert all(e["meta_info"]["finish_reason"] is None for e in mine[:-1])
         final = mine[-1]["meta_info"]
-        rows = rows_of(mine[-1], model_info)
+        # Each chunk carries the rows completed since the previous one, none twice.
+        starts = [e["meta_info"]["routed_experts_start"] for e in mine]
+        parts = [rows_of(e, model_info) for e in mine]
+        assert starts == [sum(len(p) for p in parts[:j]) for j in range(len(parts))]
+        rows = np.concatenate(parts)
         assert rows.shape[0] == final["prompt_tokens"] + final["completion_tokens"] - 1
+
+
+def test_generate_stream_rows_equal_the_whole_and_the_reference(server, model_info, reference):
+    """/generate over real HTTP: streamed chunks of int16 rows join to the non-streamed rows,
+    which equal the float64 reference; dtype and shape describe every chunk."""
+    ids = [11, 12, 13, 14, 15, 16, 17]
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+            "return_routed_experts": True, "routed_experts_dtype": "int16",
+            "routed_experts_start_len": 3}
+    res = server.post("/generate", json=body)
+    assert res.status_code == 200, res.text
+    whole = res.json()
+    meta = whole["meta_info"]
+    L, k = model_info["num_hidden_layers"], model_info["num_experts_per_tok"]
+    assert meta["routed_experts_dtype"] == "int16"
+    assert meta["routed_experts_shape"] == [len(ids) + 6 - 1 - 3, L, k]
+    rows = extract_routed_experts_from_meta_info(whole)
+    assert rows.dtype == np.int16 and rows.shape == tuple(meta["routed_experts_shape"])
+    np.testing.assert_array_equal(
+        rows, routed_experts_rows(reference, ids, whole["output_ids"], start_len=3))
+    res = server.post("/generate", stream=True, json={**body, "stream": True})
+    events = sse_events(res)[:-1]
+    assert len(events) == 6
+    assert [e["meta_info"]["routed_experts_start"] for e in events] == [3, 7, 8, 9, 10, 11]
+    parts = [extract_routed_experts_from_meta_info(e) for e in events]
+    assert all(p.dtype == np.int16 for p in parts)
+    np.testing.assert_array_equal(np.concatenate(parts), rows)
+
+
+def test_generate_routing_weights_streamed_and_whole(server, model_info, reference):
+    """return_routed_expert_weights over real HTTP: the float64 reference's top-k weights
+    (float32 on the wire), and float16 chunks that join to the same rows."""
+    ids = [21, 22, 23, 24, 25]
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+            "return_routed_experts": True, "return_routed_expert_weights": True}
+    res = server.post("/generate", json=body)
+    assert res.status_code == 200, res.text
+    whole = res.json()
+    meta = whole["meta_info"]
+    weights = extract_routed_expert_weights_from_meta_info(whole)
+    assert weights.dtype == np.float32
+    assert meta["routed_expert_weights_shape"] == meta["routed_experts_shape"] == list(
+        weights.shape)
+    want = reference.forward(ids + whole["output_ids"][:-1]).topk_weights
+    np.testing.assert_allclose(weights, want, rtol=1e-5, atol=1e-6)
+    res = server.post("/generate", stream=True, json={
+        **body, "stream": True, "routed_expert_weights_dtype": "float16"})
+    events = sse_events(res)[:-1]
+    parts = [extract_routed_expert_weights_from_meta_info(e) for e in events]
+    assert all(p.dtype == np.float16 for p in parts) and len(parts) == 4
+    np.testing.assert_array_equal(np.concatenate(parts), weights.astype(np.float16))
 
 
 # -- errors -------------------------------------------------------------------------------------
@@ -133,6 +189,10 @@ ERROR_CASES = [
     ("start-len-out-of-range", "/generate",
      {"text": "a", "return_routed_experts": True, "routed_experts_start_len": 99}, 400),
     ("start-len-without-flag", "/generate", {"text": "a", "routed_experts_start_len": 0}, 400),
+    ("unknown-routed-dtype", "/generate",
+     {"text": "a", "return_routed_experts": True, "routed_experts_dtype": "int8"}, 400),
+    ("routed-dtype-not-a-string", "/v1/completions",
+     {"prompt": "a", "return_routed_experts": True, "routed_experts_dtype": 8}, 400),
     ("duplicate-rids", "/generate", {"text": ["a", "b"], "rid": ["x", "x"]}, 400),
     ("non-utf8", "/generate", b'{"text": "\xff\xfe"}', 400),
     ("too-large", "/generate", b"x" * (33 * 1024 * 1024), 413),
@@ -198,12 +258,14 @@ def test_model_and_server_info(server, model_info):
     assert model_info["moe_layers"] == [0, 1, 2, 3]
     assert model_info["enable_return_routed_experts"] is True
     assert model_info["routed_experts_dtype"] == "int32"
+    assert model_info["enable_return_routed_expert_weights"] is True
     for key in ("model_path", "served_model_name", "architecture", "num_experts", "vocab_size",
                 "context_length"):
         assert key in model_info
     info = server.get("/get_server_info").json()
     assert set(info["pids"]) == {"scheduler", "detokenizer"}
-    assert info["server_args"]["api_key"] != API_KEY
+    assert info["server_args"]["api_key"] == "<redacted>"  # as Engine.get_server_info()
+    assert info["served_model_name"] == model_info["served_model_name"] and info["pid"] > 0
     assert set(info["server_args"]) == {f.name for f in dataclasses.fields(ServerArgs)}
     models = server.get("/v1/models").json()
     assert models["data"][0]["id"] == model_info["served_model_name"]
@@ -264,7 +326,7 @@ def gone(pid: int) -> bool:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_aborts_requests_and_stops_children(sig):
-    server = ServerProcess([*FAST_ARGS, "--enable-return-routed-experts"])
+    server = start_server(ARGS)
     try:
         pids = server.get("/get_server_info").json()["pids"]
         res = server.post("/generate", json={"text": "x", "stream": True, "sampling_params": LONG},
@@ -285,7 +347,7 @@ def test_signal_aborts_requests_and_stops_children(sig):
 
 
 def test_child_death_gives_503_and_nonzero_exit():
-    server = ServerProcess([*FAST_ARGS, "--enable-return-routed-experts"])
+    server = start_server(ARGS)
     try:
         pids = server.get("/get_server_info").json()["pids"]
         result = {}
@@ -306,7 +368,8 @@ def test_child_death_gives_503_and_nonzero_exit():
 
 
 def test_signal_during_start_up_exits_cleanly():
-    cmd = [sys.executable, "-m", "sgl_jax.launch_server", "--port", str(free_port()), *FAST_ARGS]
+    cmd = [sys.executable, "-m", "sgl_jax.launch_server", "--port", str(free_port()),
+           *server_flags()]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert wait_until(lambda: len(psutil.Process(proc.pid).children()) == 2, timeout=10)
@@ -320,6 +383,49 @@ def test_signal_during_start_up_exits_cleanly():
     assert "Interrupted by SIGTERM" in out
     # The children notice that their parent is gone and exit on their own.
     assert wait_until(lambda: all(gone(pid) for pid in children), timeout=5)
+
+
+def test_dtype_too_narrow_for_the_model_is_a_400(tmp_path):
+    """300 experts: uint8 (the server's default here) cannot hold them, so a request that asks
+    for routed experts gets a 400 naming the limit on every route, never a 500; int16 works,
+    with ids above 255 and the same rows as int32."""
+    path = str(tmp_path / "wide")
+    write_random_model(path, "tiny", {"num_experts": 300}, seed=7)
+    server = start_server(server_flags(model_path=path, enable_return_routed_experts=True,
+                                       routed_experts_dtype="uint8",
+                                       precompile_bs_paddings=[1]))
+    try:
+        body = {"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 3,
+                                                              "temperature": 0},
+                "return_routed_experts": True}
+        for route, req in (("/generate", body),
+                           ("/generate", {**body, "routed_experts_dtype": "uint8"}),
+                           ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2,
+                                                "return_routed_experts": True}),
+                           ("/v1/chat/completions", {
+                               "messages": [{"role": "user", "content": "hi"}],
+                               "max_tokens": 2, "return_routed_experts": True})):
+            res = server.post(route, json=req)
+            assert res.status_code == 400, (route, res.text)
+            error = res.json()["error"]
+            assert "holds at most 255 expert ids" in error["message"]
+            assert "300 experts" in error["message"] and "int16" in error["message"]
+            assert error["param"] == "routed_experts_dtype"
+        plain = server.post("/generate", json={**body, "return_routed_experts": False})
+        assert plain.status_code == 200, plain.text  # a request that does not ask is served
+        wide = {}
+        for dtype in ("int16", "int32"):
+            res = server.post("/generate", json={**body, "routed_experts_dtype": dtype})
+            assert res.status_code == 200, res.text
+            wide[dtype] = extract_routed_experts_from_meta_info(res.json())
+            assert wide[dtype].dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(wide["int16"], wide["int32"])
+        assert (wide["int32"] > 255).any()
+        ref = ReferenceModel(path)
+        out = res.json()["output_ids"]
+        np.testing.assert_array_equal(wide["int32"], routed_experts_rows(ref, [1, 2, 3, 4], out))
+    finally:
+        server.stop()
 
 
 def test_port_in_use_fails_fast():

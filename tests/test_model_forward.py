@@ -186,3 +186,20 @@ def test_decode_sends_no_page_rows(driver, runner):
 
 def batch_bytes(batch) -> int:
     return sum(np.asarray(x).nbytes for x in jax.tree.leaves(batch))
+
+
+def test_each_runner_traces_with_its_own_capturer():
+    """A runner built later in the same process (here with capture off) must not take over the
+    capture of an earlier one: each traces its forward with its own capturer."""
+    from tests.backend_scenario import assert_matches, reference_scenario, run_scenario
+
+    common = dict(max_running_requests=4, chunked_prefill_size=32,
+                  precompile_token_paddings=[32], precompile_bs_paddings=[4],
+                  max_total_tokens=512, attention_block_size=16, context_length=256)
+    cfg = ModelConfig.from_hf(None, 256)
+    first = ModelRunner(ServerArgs(**common, enable_return_routed_experts=True), cfg)
+    second = ModelRunner(ServerArgs(**common), cfg)
+    assert second.capturer.host_cache is None
+    # first's step is traced only now, after second exists.
+    assert_matches(run_scenario(first), reference_scenario(BUNDLED_MODEL_PATH), REL_TOL)
+

@@ -14,9 +14,14 @@ import pybase64
 import pytest
 import requests
 
+from sgl_jax.srt.routed_experts_codec import (
+    extract_routed_expert_weights_from_meta_info,
+    extract_routed_experts_from_meta_info,
+)
 from sgl_jax.srt.tokenizer import Tokenizer
+from sgl_jax.testing import server_flags
 from sgl_jax.tools.reference_forward import ReferenceModel, routed_experts_rows
-from tests.server_utils import FAST_ARGS, server_fixture
+from tests.server_utils import server_fixture
 
 MODEL = "Qwen/Qwen3-30B-A3B"
 ROUTED = {"return_routed_experts": True}
@@ -28,7 +33,8 @@ MESSAGES = [{"role": "system", "content": "Be brief."},
 @pytest.fixture(scope="module")
 def server(request):
     yield from server_fixture(
-        request, [*FAST_ARGS, "--enable-return-routed-experts", "--served-model-name", MODEL])
+        request, server_flags(enable_return_routed_experts=True, served_model_name=MODEL,
+                              enable_return_routed_expert_weights=True))
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +62,26 @@ def decode_rows(meta: dict, info: dict) -> np.ndarray:
     raw = pybase64.b64decode(meta["routed_experts"].encode("utf-8"))
     flat = np.frombuffer(raw, dtype=np.int32)
     return flat.reshape(-1, info["num_hidden_layers"], info["num_experts_per_tok"])
+
+
+def joined_meta(choices: list) -> dict:
+    """The final ``meta_info`` of a streamed choice (its chunks' choices, ``openai`` objects)
+    with the routed-experts rows of every chunk joined: each chunk carries the rows completed
+    since the previous one, starting at ``routed_experts_start``, none twice."""
+    parts, pos = [], 0
+    for c in choices:
+        meta = getattr(c, "meta_info", None)
+        if meta is None or "routed_experts" not in meta:
+            continue
+        assert meta["routed_experts_start"] == pos
+        part = extract_routed_experts_from_meta_info(c)
+        assert list(part.shape) == meta["routed_experts_shape"]
+        pos += part.shape[0]
+        parts.append(part)
+    final = dict(choices[-1].meta_info)
+    rows = np.concatenate(parts).astype("<i4")
+    final["routed_experts"] = pybase64.b64encode(rows.tobytes()).decode()
+    return final
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
@@ -103,13 +129,47 @@ def test_completion_stream_with_usage(server, client, info, tokenizer, reference
     usage = chunks[-1]
     assert usage.choices == [] and usage.usage.completion_tokens > 0
     body = chunks[:-1]
-    assert all(getattr(c.choices[0], "meta_info", None) is None for c in body[:-1])
+    # Chunks before the last carry only the routed-experts keys of their new rows.
+    assert all(set(c.choices[0].meta_info) == {
+        "routed_experts", "routed_experts_start", "routed_experts_dtype", "routed_experts_shape"}
+        for c in body[:-1])
     final = body[-1].choices[0]
     assert final.finish_reason in ("stop", "length")
     text = "".join(c.choices[0].text for c in body)
     assert usage.usage.prompt_tokens == final.meta_info["prompt_tokens"]
-    check_rows(server, reference, info, final.meta_info, text, tokenizer.encode(prompt),
-               {"max_new_tokens": 7, "temperature": 0})
+    check_rows(server, reference, info, joined_meta([c.choices[0] for c in body]), text,
+               tokenizer.encode(prompt), {"max_new_tokens": 7, "temperature": 0})
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_streamed_rows_in_a_narrow_dtype_equal_the_whole(server, client, info, route):
+    """Both OpenAI routes: streamed chunks of uint8 rows (and their float16 routing weights)
+    concatenate to the non-streamed ones."""
+    extra = {**ROUTED, "routed_experts_dtype": "uint8", "routed_experts_start_len": 2,
+             "return_routed_expert_weights": True, "routed_expert_weights_dtype": "float16"}
+    if route == "chat":
+        create = client.chat.completions.create
+        kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+                      extra_body=extra)
+    else:
+        create = client.completions.create
+        kwargs = dict(model=MODEL, prompt="Rows in chunks", max_tokens=6, temperature=0,
+                      extra_body=extra)
+    whole = create(**kwargs).choices[0]
+    rows = extract_routed_experts_from_meta_info(whole)
+    assert rows.dtype == np.uint8 and whole.meta_info["routed_experts_dtype"] == "uint8"
+    assert whole.meta_info["routed_experts_start"] == 2
+    chunks = [c.choices[0] for c in create(stream=True, **kwargs) if c.choices]
+    assert all(getattr(c, "meta_info", None) for c in chunks)  # every chunk brings rows
+    parts = [extract_routed_experts_from_meta_info(c) for c in chunks]
+    assert [c.meta_info["routed_experts_start"] for c in chunks] == list(
+        2 + np.cumsum([0] + [p.shape[0] for p in parts[:-1]]))
+    np.testing.assert_array_equal(np.concatenate(parts), rows)
+    weights = extract_routed_expert_weights_from_meta_info(whole)
+    assert weights.dtype == np.float16 and weights.shape == rows.shape
+    np.testing.assert_array_equal(
+        np.concatenate([extract_routed_expert_weights_from_meta_info(c) for c in chunks]),
+        weights)
 
 
 def test_completion_token_prompts_and_model_path(server, client, info):
@@ -129,7 +189,7 @@ def test_chat_routed_experts_match_reference(server, client, info, tokenizer, re
         chunks = list(client.chat.completions.create(stream=True, **kwargs))
         assert chunks[0].choices[0].delta.role == "assistant"
         text = "".join(c.choices[0].delta.content or "" for c in chunks)
-        meta = chunks[-1].choices[0].meta_info
+        meta = joined_meta([c.choices[0] for c in chunks])
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     else:
         out = client.chat.completions.create(**kwargs)
@@ -146,13 +206,12 @@ def test_chat_n2_with_seed_gives_two_complete_choices(server, client, info, toke
     kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=1.0, seed=seed, n=2,
                   extra_body=ROUTED)
     if stream:
-        texts, metas = {0: "", 1: ""}, {}
+        texts, parts = {0: "", 1: ""}, {0: [], 1: []}
         for chunk in client.chat.completions.create(stream=True, **kwargs):
             for c in chunk.choices:
                 texts[c.index] += c.delta.content or ""
-                if getattr(c, "meta_info", None) is not None:
-                    metas[c.index] = c.meta_info
-        choices = [(texts[i], metas[i]) for i in (0, 1)]
+                parts[c.index].append(c)
+        choices = [(texts[i], joined_meta(parts[i])) for i in (0, 1)]
     else:
         out = client.chat.completions.create(**kwargs)
         assert [c.index for c in out.choices] == [0, 1]
@@ -162,6 +221,57 @@ def test_chat_n2_with_seed_gives_two_complete_choices(server, client, info, toke
     for i, (text, meta) in enumerate(choices):
         params = {"max_new_tokens": 6, "temperature": 1.0, "seed": seed + i}
         check_rows(server, reference, info, meta, text, ids, params)
+
+
+def test_extract_takes_the_openai_clients_objects(server, client, info, tokenizer, reference):
+    """extract_routed_experts_from_meta_info takes the client's response, choice and stream
+    chunk as they come (no model_dump()), and gives the same rows as the raw meta_info."""
+    shape = (-1, info["num_hidden_layers"], info["num_experts_per_tok"])
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, extra_body=ROUTED)
+    out = client.chat.completions.create(**kwargs)
+    choice = out.choices[0]
+    want = decode_rows(choice.meta_info, info)
+    for data in (out, choice, choice.model_dump(), out.model_dump(), choice.meta_info):
+        np.testing.assert_array_equal(extract_routed_experts_from_meta_info(data).reshape(shape),
+                                      want)
+    check_rows(server, reference, info, choice.meta_info, choice.message.content,
+               chat_prompt_ids(tokenizer, MESSAGES), {"max_new_tokens": 5, "temperature": 0})
+    last = list(client.chat.completions.create(stream=True, **kwargs))[-1]
+    start = last.choices[0].meta_info["routed_experts_start"]
+    np.testing.assert_array_equal(extract_routed_experts_from_meta_info(last).reshape(shape),
+                                  want[start:])
+    completion = client.completions.create(model=MODEL, prompt="abc", max_tokens=2,
+                                           extra_body=ROUTED)
+    assert extract_routed_experts_from_meta_info(completion).reshape(shape).shape[0] == (
+        completion.usage.prompt_tokens + completion.usage.completion_tokens - 1)
+    plain = client.completions.create(model=MODEL, prompt="abc", max_tokens=2)
+    assert extract_routed_experts_from_meta_info(plain) is None
+    two = client.completions.create(model=MODEL, prompt="abc", max_tokens=2, n=2,
+                                    extra_body=ROUTED)
+    with pytest.raises(ValueError, match="2 choices"):
+        extract_routed_experts_from_meta_info(two)
+    assert extract_routed_experts_from_meta_info(two.choices[1]) is not None
+
+
+@pytest.mark.parametrize("messages,status", [
+    ([{"role": "user"}], 400),
+    ([{"role": "user", "content": None}], 400),
+    ([{"role": "system"}, {"role": "user", "content": "hi"}], 400),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant"}], 400),
+    ([{"role": "user", "content": "What is 2+2?"},
+      {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+          "name": "add", "arguments": "{\"a\": 2, \"b\": 2}"}}]},
+      {"role": "tool", "tool_call_id": "call_1", "content": "4"}], 200),
+], ids=["user-no-content", "user-null-content", "system-no-content", "assistant-no-content",
+        "assistant-tool-calls-no-content"])
+def test_chat_message_content_is_required_as_with_openai(server, messages, status):
+    res = server.post("/v1/chat/completions",
+                      json={"model": MODEL, "messages": messages, "max_tokens": 2})
+    assert res.status_code == status, res.text
+    if status == 400:
+        error = res.json()["error"]
+        assert error["type"] == "invalid_request_error" and "content" in error["message"]
+        assert error["param"] == "messages"
 
 
 def test_user_story_program(server, info):

@@ -12,8 +12,8 @@ import pytest
 
 from sgl_jax import Engine
 from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.testing import engine_args
 from tests.engine_utils import (
-    FAST_ENGINE_ARGS,
     assert_no_leak,
     decoded_rows,
     expected_rows,
@@ -29,8 +29,8 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 @pytest.fixture(scope="module", params=[4, 16], ids=lambda p: f"page{p}")
 def engine(request):
     eng = Engine(
-        **{**FAST_ENGINE_ARGS, "precompile_token_paddings": [16, 64], "chunked_prefill_size": 64},
-        precompile_bs_paddings=[4],
+        **engine_args(precompile_token_paddings=[16, 64], chunked_prefill_size=64,
+                      precompile_bs_paddings=[4]),
         page_size=request.param,
         max_total_tokens=256,  # 64 pages of 4, 16 pages of 16: decode must retract
         schedule_conservativeness=0.0,

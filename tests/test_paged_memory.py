@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.srt.layers.moe.routed_experts_capturer import RoutedExpertsCapturer
 from sgl_jax.srt.managers.req_memory import ReqMemory
+from sgl_jax.srt.managers.request_options import RequestOptions
 from sgl_jax.srt.managers.schedule_batch import Req
 from sgl_jax.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
+from sgl_jax.srt.mem_cache.routed_experts_host_cache import RoutedExpertsHostCache
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from tests.test_radix_cache import assert_paged, check_invariants, drain, run_request
 
@@ -228,16 +229,16 @@ def test_eviction_frees_whole_pages_and_respects_locks(cache: RadixCache) -> Non
 
 def _memory(page: int, size: int = 64, capture: bool = False) -> ReqMemory:
     alloc = TokenToKVPoolAllocator(size, page_size=page)
-    capturer = RoutedExpertsCapturer.create(
-        capture, ModelConfig.from_hf(None), 0, alloc.num_slots, 4
-    )
-    return ReqMemory(ReqToTokenPool(4, 64), alloc, RadixCache(alloc, page_size=page), capturer)
+    cfg = ModelConfig.from_hf(None)
+    rows = RoutedExpertsHostCache(alloc.num_slots, cfg.num_hidden_layers,
+                                  cfg.num_experts_per_tok, cfg.num_experts) if capture else None
+    return ReqMemory(ReqToTokenPool(4, 64), alloc, RadixCache(alloc, page_size=page), rows)
 
 
 def _req(ids: list[int], capture: bool = False) -> Req:
     return Req(rid=str(ids[:3]), origin_input_ids=list(ids),
                sampling_params=SamplingParams(max_new_tokens=8), seed=0,
-               return_routed_experts=capture)
+               options=RequestOptions(return_routed_experts=capture))
 
 
 def _prefill(mem: ReqMemory, req: Req, chunk: int) -> None:
@@ -303,7 +304,7 @@ def test_routed_experts_validity_rounds_down_to_whole_pages() -> None:
     prompt = list(range(300, 313))
     a = _req(prompt)
     _prefill(mem, a, chunk=64)
-    host = mem.capturer.host_cache
+    host = mem.routed_rows
     row = _row(mem, a)
     host.set_valid(row, True)
     host.set_valid(row[6:7], False)  # position 6: its row is unknown
@@ -328,4 +329,63 @@ def test_page_size_one_admission_and_release_unchanged() -> None:
     b = _req(prompt)
     assert mem.admit(b) and b.prefix_len == 10  # one token left to compute
     mem.release(b)
+    _leak_free(mem)
+
+
+# -- routed experts: a prefix cached without rows is replaced by a copy with rows -----------------
+
+
+def _prefill_capturing(mem: ReqMemory, req: Req) -> None:
+    """Prefills ``req`` in one step that captures rows, as a step in which a request asked."""
+    _prefill(mem, req, chunk=64)
+    mem.routed_rows.set_valid(_row(mem, req)[req.prefix_len :], True)
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_recomputed_prefix_with_rows_replaces_the_cached_one_without(page: int) -> None:
+    mem = _memory(page, capture=True)
+    prompt = list(range(400, 413))
+    a = _req(prompt)  # did not ask: its KV's rows are unknown (invalid)
+    _prefill(mem, a, chunk=64)
+    old = _row(mem, a).copy()
+    mem.release(a)
+    b = _req(prompt, capture=True)  # asks: cannot reuse a's KV, recomputes it
+    _prefill_capturing(mem, b)
+    assert b.cached_tokens == 0
+    new = _row(mem, b).copy()
+    mem.release(b)
+    aligned = (len(prompt) // page) * page
+    cached, node = mem.tree.match_prefix(prompt)
+    np.testing.assert_array_equal(cached, new[:aligned])  # the tree now holds b's copies
+    assert not set(old[:aligned].tolist()) & set(cached.tolist())
+    c = _req(prompt, capture=True)  # asks: reuses the whole usable prefix, rows and all
+    assert mem.admit(c)
+    assert c.cached_tokens == ((len(prompt) - 1) // page) * page > 0
+    mem.release(c)
+    _leak_free(mem)
+    mem.flush()
+    assert mem.allocator.available_size() == 64
+
+
+def test_a_prefix_in_use_is_not_replaced() -> None:
+    mem = _memory(1, capture=True)
+    prompt = list(range(500, 510))
+    a = _req(prompt)
+    _prefill(mem, a, chunk=64)
+    old = _row(mem, a).copy()
+    mem.release(a)
+    reader = _req(prompt)  # does not ask: reads a's cached KV, locking it
+    assert mem.admit(reader) and reader.prefix_len == 9
+    b = _req(prompt, capture=True)
+    _prefill_capturing(mem, b)
+    mem.release(b)  # a's first 9 slots are being read: the tree keeps them, frees b's copies
+    np.testing.assert_array_equal(mem.tree.match_prefix(prompt)[0][:9], old[:9])
+    mem.release(reader, cache=False)
+    b2 = _req(prompt, capture=True)  # unlocked now: this time its copies replace a's
+    _prefill_capturing(mem, b2)
+    new = _row(mem, b2).copy()
+    mem.release(b2)
+    cached = mem.tree.match_prefix(prompt)[0]
+    np.testing.assert_array_equal(cached[:9], new[:9])  # position 9 already had b's (rows)
+    assert mem.routed_rows.all_valid(cached)
     _leak_free(mem)

@@ -35,6 +35,7 @@ REVERSED = [[15, 11, 7, 3], [14, 10, 6, 2], [13, 9, 5, 1], [12, 8, 4, 0]]
 # ep4: a non-contiguous mapping for every layer, and a different one for layer 2.
 EP4_MAPPING = json.dumps({"default": STRIDED, "2": REVERSED})
 WIDE = "wide"  # a random checkpoint with 8 KV heads, so that tp can reach 4
+HEAD128 = "head128"  # head_dim 128: the Pallas attention kernel's minimum
 
 RAGGED = {"moe_backend": "ragged"}
 # name -> (devices of the worker process that runs it, model, tp, ep, mapping, other server
@@ -54,8 +55,20 @@ CONFIGS: dict[str, tuple[int, str, int, int, str | None, dict[str, Any]]] = {
     "tp2_ep2_ragged": (4, BUNDLED_MODEL_PATH, 2, 2, None, RAGGED),
     "ep4_mapped_ragged": (4, BUNDLED_MODEL_PATH, 1, 4, EP4_MAPPING, RAGGED),
     "wide_tp4_ep2_ragged": (8, WIDE, 4, 2, None, RAGGED),
+    # Pages of 16, and the Pallas kernel (interpret mode) per device under shard_map.
+    "tp2_ep2_ragged_p16": (4, BUNDLED_MODEL_PATH, 2, 2, None, {**RAGGED, "page_size": 16}),
+    "head128_tp2_pallas_p16": (
+        2, HEAD128, 2, 1, None, {"attention_backend": "pallas", "page_size": 16}),
+    "head128_tp2_ep2_pallas_ragged": (
+        4, HEAD128, 2, 2, None, {**RAGGED, "attention_backend": "pallas"}),
 }
-WIDE_OVERRIDES = {"num_attention_heads": 8, "num_key_value_heads": 8}
+# Random checkpoints of the tiny shape: name -> (overrides, seed).
+RANDOM_MODELS = {
+    WIDE: ({"num_attention_heads": 8, "num_key_value_heads": 8}, 11),
+    HEAD128: ({"head_dim": 128}, 5),
+}
+HEAD_DIM = {WIDE: 16, HEAD128: 128, BUNDLED_MODEL_PATH: 16}
+HEADS = {WIDE: (8, 8), HEAD128: (4, 2), BUNDLED_MODEL_PATH: (4, 2)}
 
 
 def _layout(runner: Any, mapping_spec: str | None) -> dict[str, Any]:
@@ -111,10 +124,9 @@ def _worker(job: dict[str, Any]) -> None:
     # The engine's persistent compilation cache (as in the engine tests): reruns skip XLA.
     enable_compilation_cache(ServerArgs())
     results: dict[str, Any] = {}
-    wide = os.path.join(job["out"], WIDE)
     for name in job["configs"]:
         _, model, tp, ep, mapping, extra = CONFIGS[name]
-        model_path = wide if model == WIDE else model
+        model_path = os.path.join(job["out"], model) if model in RANDOM_MODELS else model
         args = ServerArgs(
             model_path=model_path, tp_size=tp, ep_size=ep, ep_expert_mapping=mapping,
             max_running_requests=4, chunked_prefill_size=32, precompile_token_paddings=[32],
@@ -142,7 +154,8 @@ def results() -> dict[str, Any]:
     from sgl_jax.tools.make_random_model import write_random_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        write_random_model(os.path.join(tmp, WIDE), "tiny", WIDE_OVERRIDES, seed=11)
+        for name, (overrides, seed) in RANDOM_MODELS.items():
+            write_random_model(os.path.join(tmp, name), "tiny", overrides, seed=seed)
         by_devices: dict[int, list[str]] = {}
         for name, (devices, *_) in CONFIGS.items():
             by_devices.setdefault(devices, []).append(name)
@@ -153,7 +166,7 @@ def results() -> dict[str, Any]:
                    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
             return subprocess.run(
                 [sys.executable, "-m", "tests.test_parallel", json.dumps(job)],
-                cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+                cwd=REPO, env=env, capture_output=True, text=True, timeout=1200,
             )
 
         with ThreadPoolExecutor(len(by_devices)) as pool:
@@ -169,7 +182,9 @@ def results() -> dict[str, Any]:
                 out["arrays"][name] = dict(z)
         # Every layout is checked against the independent float64 reference forward.
         out["reference"] = {
-            model: reference_scenario(os.path.join(tmp, WIDE) if model == WIDE else model)
+            model: reference_scenario(
+                os.path.join(tmp, model) if model in RANDOM_MODELS else model
+            )
             for model in {CONFIGS[name][1] for name in CONFIGS}
         }
         return out
@@ -198,20 +213,22 @@ def test_parameters_really_sharded(results, name):
     lay = _layout_of(results, name)
     assert lay["num_devices_used"] == tp * ep
     assert lay["expert_placement_ok"]
-    heads, kv_heads = (8, 8) if CONFIGS[name][1] == WIDE else (4, 2)
+    model = CONFIGS[name][1]
+    heads, kv_heads = HEADS[model]
+    head_dim = HEAD_DIM[model]
     assert lay["q_proj"]["spec"] == [None, "tensor"]
     assert lay["o_proj"]["spec"] == ["tensor", None]
     assert lay["w_gate"]["spec"] == ["expert", None, "tensor"]
     assert lay["w_down"]["spec"] == ["expert", "tensor", None]
-    # What each device really holds (head_dim 16, hidden 64, 16 experts of width 32):
-    assert lay["q_proj"]["shard_shape"] == [64, heads * 16 // tp]
-    assert lay["o_proj"]["shard_shape"] == [heads * 16 // tp, 64]
+    # What each device really holds (hidden 64, 16 experts of width 32):
+    assert lay["q_proj"]["shard_shape"] == [64, heads * head_dim // tp]
+    assert lay["o_proj"]["shard_shape"] == [heads * head_dim // tp, 64]
     assert lay["w_gate"]["shard_shape"] == [16 // ep, 64, 32 // tp]
     assert lay["w_down"]["shard_shape"] == [16 // ep, 32 // tp, 64]
     assert lay["w_gate"]["num_shards"] == tp * ep
     # the KV cache [pages, page_size, 2 * kv_heads, head_dim], after the steps that donated
     # and returned it: split by KV head (each device holds the K and V of its heads)
-    assert lay["kv_cache"]["shard_shape"][2:] == [2 * kv_heads // tp, 16]
+    assert lay["kv_cache"]["shard_shape"][2:] == [2 * kv_heads // tp, head_dim]
     assert lay["kv_cache"]["num_shards"] == tp
     # two shapes (one extend bucket, one decode bucket): sharding never forced a recompile
     assert lay["num_compiles"] == 2

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -29,8 +31,9 @@ import requests
 
 from sgl_jax import Engine
 from sgl_jax.srt.entrypoints.http_transport import MAX_BODY_BYTES
+from sgl_jax.testing import ServerProcess, engine_args, server_flags, wait_until
 from tests.engine_utils import assert_no_leak
-from tests.server_utils import ServerProcess, server_fixture, sse_events, wait_until
+from tests.server_utils import server_fixture, sse_events, start_server
 
 _spec = importlib.util.spec_from_file_location(
     "bench_soak", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_soak.py")
@@ -45,9 +48,8 @@ ROUTE_NAMES = {GEN: "generate", CMPL: "completions", CHAT: "chat"}
 # requests of 340 tokens: load retracts. Same flags for every server here, so the persistent
 # compilation cache serves them all.
 KV_SLOTS = 4200
-ARGS = ["--enable-return-routed-experts", "--precompile-bs-paddings", "1", "4", "16",
-        "--precompile-token-paddings", "64", "256", "--chunked-prefill-size", "256",
-        "--max-total-tokens", str(KV_SLOTS)]
+ARGS = server_flags(enable_return_routed_experts=True, precompile_bs_paddings=[1, 4, 16],
+                    max_total_tokens=KV_SLOTS)
 LONG = 3000  # new tokens: several seconds of decoding, so a request still runs when aborted
 
 
@@ -212,8 +214,8 @@ def test_body_over_the_limit_without_content_length(idle_after):
 # -- 1b. bad input to the Engine ----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine():
-    eng = Engine(enable_return_routed_experts=True, precompile_bs_paddings=[1],
-                 precompile_token_paddings=[64], chunked_prefill_size=64, log_level="warning")
+    eng = Engine(**engine_args(enable_return_routed_experts=True, precompile_bs_paddings=[1],
+                               precompile_token_paddings=[64], chunked_prefill_size=64))
     yield eng
     eng.shutdown()
 
@@ -309,45 +311,39 @@ def extend_tokens(server: ServerProcess) -> int:
     return info_of(server)["step_stats"]["extend"]["tokens"]
 
 
+def open_generate(server: ServerProcess, body: dict[str, Any]) -> socket.socket:
+    """Sends a /generate request on a raw connection and returns it unread: closing it is a
+    client disconnect at exactly the moment the test chooses."""
+    payload = json.dumps(body).encode()
+    conn = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    conn.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Type: application/json\r\n"
+                 + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return conn
+
+
 def test_disconnect_while_queued_and_during_chunked_prefill(idle_after):
     """A 4,000-token prompt is prefilled 256 tokens per step; a short request queued behind it
     (the chunks take the whole prefill budget) loses its client, then the long one does,
-    mid-prefill. The clients' timeouts are fractions of the measured prefill time of such a
-    prompt, so the test holds on a fast machine as on a slow one."""
+    mid-prefill. Each disconnect follows an observed state (a chunk done, a request waiting),
+    not a timer, so the test holds on a fast machine as on a slow one."""
     server = idle_after
-    t0 = time.perf_counter()
-    server.post(GEN, json={"input_ids": fresh_ids(4000), "sampling_params": {"max_new_tokens": 1}})
-    prefill_seconds = time.perf_counter() - t0
     start = info_of(server)
-    timed_out: dict[str, bool] = {}
-
-    def post(name: str, n: int, read_timeout: float) -> threading.Thread:
-        def run() -> None:
-            try:
-                server.post(GEN, json={"input_ids": fresh_ids(n),
-                                       "sampling_params": {"max_new_tokens": 4}},
-                            timeout=(5, read_timeout))
-                timed_out[name] = False
-            except requests.exceptions.ReadTimeout:
-                timed_out[name] = True
-
-        thread = threading.Thread(target=run)
-        thread.start()
-        return thread
-
-    a = post("chunked", 4000, max(0.6 * prefill_seconds, 0.25))
     base = start["step_stats"]["extend"]["tokens"]
-    assert wait_until(lambda: extend_tokens(server) - base >= 256, timeout=10, interval=0.005)
-    b = post("queued", 6, max(0.3 * prefill_seconds, 0.1))
-    assert wait_until(lambda: info_of(server)["num_waiting_reqs"] == 1, timeout=5,
-                      interval=0.005)
-    b.join(5)
-    assert wait_until(lambda: info_of(server)["num_waiting_reqs"] == 0, timeout=1,
-                      interval=0.01)
-    a.join(5)
-    assert timed_out == {"queued": True, "chunked": True}
+    chunked = open_generate(server, {"input_ids": fresh_ids(4000),
+                                     "sampling_params": {"max_new_tokens": 4}})
+    try:
+        assert wait_until(lambda: extend_tokens(server) - base >= 256, timeout=30,
+                          interval=0.002)
+        with open_generate(server, {"input_ids": fresh_ids(6),
+                                    "sampling_params": {"max_new_tokens": 4}}):
+            assert wait_until(lambda: info_of(server)["num_waiting_reqs"] == 1, timeout=5,
+                              interval=0.002)
+    finally:
+        chunked.close()
     assert bench_soak.wait_idle(server.url, 1.0) == []
-    assert extend_tokens(server) - base < 4000  # the prefill was cut short
+    assert info_of(server)["num_waiting_reqs"] == 0
+    assert extend_tokens(server) - base < 4000  # the prefill was cut short; the queued never ran
     assert info_of(server)["num_generated_tokens"] == start["num_generated_tokens"]
 
 
@@ -533,7 +529,7 @@ def start_load(server: ServerProcess, n: int) -> tuple[list[threading.Thread], d
 
 
 def test_detokenizer_death_under_load_gives_503_and_nonzero_exit():
-    server = ServerProcess(ARGS)
+    server = start_server(ARGS)
     try:
         pids = info_of(server)["pids"]
         threads, outcomes = start_load(server, 12)

@@ -16,13 +16,19 @@ import pytest
 
 from sgl_jax import Engine
 from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.routed_experts_codec import (
+    encode_routed_experts,
+    extract_routed_expert_weights_from_meta_info,
+    extract_routed_experts_from_meta_info,
+)
+from sgl_jax.testing import engine_args
 from sgl_jax.tools.make_random_model import write_random_model
 from tests.engine_utils import (
-    FAST_ENGINE_ARGS,
     assert_no_leak,
     decoded_rows,
     expected_rows,
     prompt_ids,
+    reference,
 )
 
 CFG = ModelConfig.from_hf(None)
@@ -41,6 +47,21 @@ def check_rows(ids: list[int], out: dict, start: int = 0, path: str | None = Non
     return rows
 
 
+def joined(chunks: list[dict]) -> dict:
+    """A streamed request's chunks as one result: output ids and routed-experts rows joined
+    (each chunk carries the rows completed since the previous one, consecutively)."""
+    parts, pos = [], chunks[0]["meta_info"].get("routed_experts_start", 0)
+    for c in chunks:
+        meta = c["meta_info"]
+        assert meta["routed_experts_start"] == pos
+        part = extract_routed_experts_from_meta_info(c)
+        pos += part.shape[0]
+        parts.append(part)
+    meta = {**chunks[-1]["meta_info"], "routed_experts": encode_routed_experts(np.concatenate(parts))}
+    meta.pop("routed_experts_shape")
+    return {"output_ids": sum((c["output_ids"] for c in chunks), []), "meta_info": meta}
+
+
 def run_concurrent(engine: Engine, prompts: list[list[int]], max_new: list[int], want: list[bool]):
     return engine.generate(
         input_ids=prompts,
@@ -51,7 +72,8 @@ def run_concurrent(engine: Engine, prompts: list[list[int]], max_new: list[int],
 
 @pytest.fixture(scope="module")
 def engine_bs1():
-    eng = Engine(**FAST_ENGINE_ARGS, precompile_bs_paddings=[1], enable_return_routed_experts=True)
+    eng = Engine(**engine_args(precompile_bs_paddings=[1], enable_return_routed_experts=True,
+                               enable_return_routed_expert_weights=True))
     yield eng
     eng.shutdown()
 
@@ -59,8 +81,8 @@ def engine_bs1():
 @pytest.fixture(scope="module")
 def engine():
     eng = Engine(
-        **{**FAST_ENGINE_ARGS, "precompile_token_paddings": [16, 64], "chunked_prefill_size": 64},
-        precompile_bs_paddings=[4],
+        **engine_args(precompile_token_paddings=[16, 64], chunked_prefill_size=64,
+                      precompile_bs_paddings=[4]),
         max_total_tokens=400,
         schedule_conservativeness=0.0,  # admit greedily: decode must retract
         enable_return_routed_experts=True,
@@ -130,10 +152,18 @@ def test_prefix_cache_hits(engine):
 
 def test_prefix_computed_without_capture_is_recomputed_for_capture(engine):
     ids = prompt_ids(65, 30)
-    engine.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 3})
-    out = engine.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 3},
-                          return_routed_experts=True)
+    params = {**GREEDY, "max_new_tokens": 3}
+    plain = engine.generate(input_ids=ids, sampling_params=params)
+    shared = plain["meta_info"]["cached_tokens"]  # with earlier tests' prompts, by chance
+    assert shared < 5
+    out = engine.generate(input_ids=ids, sampling_params=params, return_routed_experts=True)
+    assert out["meta_info"]["cached_tokens"] <= shared  # plain's KV has no rows: recomputed
     check_rows(ids, out)
+    # The recomputed copy, with rows, replaced the cached one: the next request that asks
+    # reuses the prefix (not poisoned forever), rows and all.
+    again = engine.generate(input_ids=ids, sampling_params=params, return_routed_experts=True)
+    assert again["meta_info"]["cached_tokens"] == len(ids) - 1
+    check_rows(ids, again)
 
 
 def test_chunked_prefill_longer_than_chunk(engine):
@@ -147,6 +177,27 @@ def test_retraction_under_small_kv_pool(engine):
     before = engine.get_server_info()["num_retractions"]
     prompts = [prompt_ids(80 + i, 30 + 5 * i) for i in range(4)]
     outs = run_concurrent(engine, prompts, [90, 80, 85, 75], [True] * 4)
+    assert engine.get_server_info()["num_retractions"] > before
+    for ids, out in zip(prompts, outs, strict=True):
+        check_rows(ids, out)
+
+
+def test_streamed_rows_survive_retraction(engine):
+    """Streams whose requests are retracted and resumed: every chunk's rows continue where
+    the previous ended, and together they equal the reference."""
+    before = engine.get_server_info()["num_retractions"]
+    prompts = [prompt_ids(180 + i, 30 + 5 * i) for i in range(4)]
+
+    async def run():
+        async def one(ids, n):
+            agen = await engine.async_generate(
+                input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": n},
+                return_routed_experts=True, routed_experts_dtype="uint8", stream=True)
+            return joined([c async for c in agen])
+        return await asyncio.gather(*(one(ids, n) for ids, n in
+                                      zip(prompts, [90, 80, 85, 75], strict=True)))
+
+    outs = asyncio.run(run())
     assert engine.get_server_info()["num_retractions"] > before
     for ids, out in zip(prompts, outs, strict=True):
         check_rows(ids, out)
@@ -185,9 +236,11 @@ def test_feature_changes_no_token_and_streaming_mix(engine):
                         input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 9},
                         return_routed_experts=want, stream=True)
                     chunks = [c async for c in agen]
-                    assert all("routed_experts" not in c["meta_info"] for c in chunks[:-1])
-                    return {"output_ids": sum((c["output_ids"] for c in chunks), []),
-                            "meta_info": chunks[-1]["meta_info"]}
+                    if not want:
+                        assert all("routed_experts" not in c["meta_info"] for c in chunks)
+                        return {"output_ids": sum((c["output_ids"] for c in chunks), []),
+                                "meta_info": chunks[-1]["meta_info"]}
+                    return joined(chunks)
                 tasks.append(stream())
         return await asyncio.gather(*tasks)
 
@@ -201,16 +254,137 @@ def test_feature_changes_no_token_and_streaming_mix(engine):
             assert "routed_experts" not in out["meta_info"]
 
 
-def test_dense_layers_hold_minus_one(tmp_path):
+def test_aborted_request_returns_the_rows_of_its_tokens(engine):
+    """Through the real processes: an abort mid-decode returns the rows of every token that
+    went through a forward (seq_len - 1 of what it generated so far), all correct."""
+    ids = prompt_ids(95, 20)
+
+    async def run():
+        agen = await engine.async_generate(
+            input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 300},
+            return_routed_experts=True, stream=True, rid="abort-me")
+        chunks = []
+        async for chunk in agen:
+            chunks.append(chunk)
+            if len(chunks) == 3:
+                engine.abort_request("abort-me")
+        return chunks
+
+    chunks = asyncio.run(run())
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    out = joined(chunks)
+    assert 3 <= len(out["output_ids"]) < 300
+    check_rows(ids, out)
+
+
+def test_dense_layers_and_wire_dtypes_with_300_experts(tmp_path):
+    """Layers without a router hold -1 (signed dtypes) or the dtype's maximum (unsigned);
+    every dtype carries the same ids; a dtype too narrow for 300 experts is a ValueError
+    naming the limit; the server default applies to requests that give no dtype."""
     path = str(tmp_path / "dense")
-    write_random_model(path, "tiny", {"mlp_only_layers": [1, 3]}, seed=5)
-    with Engine(**FAST_ENGINE_ARGS, model_path=path, precompile_bs_paddings=[1],
-                enable_return_routed_experts=True) as eng:
+    write_random_model(path, "tiny", {"mlp_only_layers": [1, 3], "num_experts": 300}, seed=5)
+    with Engine(**engine_args(model_path=path, precompile_bs_paddings=[1],
+                            enable_return_routed_experts=True,
+                            routed_experts_dtype="int16")) as eng:
         ids = prompt_ids(3, 15)
-        out = eng.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 6},
-                           return_routed_experts=True)
+        params = {**GREEDY, "max_new_tokens": 6}
+        out = eng.generate(input_ids=ids, sampling_params=params, return_routed_experts=True,
+                           routed_experts_dtype="int32")
         rows = check_rows(ids, out, path=path)
         assert (rows[:, [1, 3]] == -1).all() and (rows[:, [0, 2]] >= 0).all()
+        assert (rows > 255).any()  # ids that uint8 could not hold
+        for dtype, marker in ((None, -1), ("uint16", 65535)):
+            got = eng.generate(input_ids=ids, sampling_params=params,
+                               return_routed_experts=True, routed_experts_dtype=dtype)
+            meta = got["meta_info"]
+            name = dtype or "int16"  # the server's default
+            assert meta["routed_experts_dtype"] == name
+            assert meta["routed_experts_shape"] == [len(ids) + 6 - 1, 4, K]
+            assert meta["routed_experts_start"] == 0
+            typed = extract_routed_experts_from_meta_info(got)
+            assert typed.dtype == np.dtype(name) and typed.shape == rows.shape
+            np.testing.assert_array_equal(typed.astype(np.int64),
+                                          np.where(rows < 0, marker, rows))
+        with pytest.raises(ValueError, match="uint8 holds at most 255 expert ids.*300 experts"):
+            eng.generate(input_ids=ids, sampling_params=params, return_routed_experts=True,
+                         routed_experts_dtype="uint8")
+
+
+def test_streamed_chunks_concatenate_to_the_whole():
+    """Each chunk carries the rows completed since the previous one (routed_experts_start is
+    its first row's position); together they equal the non-streamed rows and the reference."""
+    interval = 2
+    with Engine(**engine_args(precompile_bs_paddings=[1], stream_interval=interval,
+                            enable_return_routed_experts=True)) as eng:
+        for start, dtype in ((0, "int32"), (5, "uint8")):
+            ids = prompt_ids(7 + start, 21)
+            kwargs = dict(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 10},
+                          return_routed_experts=True, routed_experts_start_len=start,
+                          routed_experts_dtype=dtype)
+            whole = eng.generate(**kwargs)
+            chunks = list(eng.generate(stream=True, **kwargs))
+            assert len(chunks) == 10 // interval
+            pos, parts = start, []
+            for c in chunks:
+                meta = c["meta_info"]
+                assert meta["routed_experts_start"] == pos
+                assert meta["routed_experts_dtype"] == dtype
+                part = extract_routed_experts_from_meta_info(c)
+                assert part.dtype == np.dtype(dtype)
+                assert list(part.shape) == meta["routed_experts_shape"]
+                pos += part.shape[0]
+                parts.append(part)
+            # The first chunk: the prompt's rows and those of the tokens fed since; then one
+            # row per token fed.
+            assert parts[0].shape[0] == len(ids) + interval - 1 - start
+            assert all(p.shape[0] == interval for p in parts[1:])
+            streamed = np.concatenate(parts)
+            assert streamed.shape[0] == len(ids) + 10 - 1 - start
+            np.testing.assert_array_equal(streamed, extract_routed_experts_from_meta_info(whole))
+            assert sum((c["output_ids"] for c in chunks), []) == whole["output_ids"]
+            want = expected_rows(ids, whole["output_ids"])[start:]
+            np.testing.assert_array_equal(streamed.astype(np.int64), want)
+
+
+def test_routing_weights_match_the_reference_streamed_or_not(engine_bs1):
+    """return_routed_expert_weights: the router's top-k weights of every row (float32 by
+    default, float16 on request), beside the ids and by the same rules, streaming included;
+    they equal the float64 reference's (softmax, top-k, norm_topk_prob) within float32
+    rounding."""
+    ids = prompt_ids(31, 17)
+    kwargs = dict(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 7},
+                  return_routed_experts=True, return_routed_expert_weights=True,
+                  routed_experts_start_len=2)
+    whole = engine_bs1.generate(**kwargs)
+    meta = whole["meta_info"]
+    check_rows(ids, whole, start=2)
+    weights = extract_routed_expert_weights_from_meta_info(whole)
+    assert weights.dtype == np.float32 and meta["routed_expert_weights_dtype"] == "float32"
+    assert list(weights.shape) == meta["routed_expert_weights_shape"] == meta["routed_experts_shape"]
+    ref = reference().forward(ids + whole["output_ids"][:-1])
+    np.testing.assert_allclose(weights, ref.topk_weights[2:], rtol=1e-5, atol=1e-6)
+    assert (np.diff(weights, axis=-1) <= 0).all()  # the router's order: descending weight
+
+    chunks = list(engine_bs1.generate(stream=True, routed_expert_weights_dtype="float16",
+                                      **kwargs))
+    assert len(chunks) == 7
+    parts = [extract_routed_expert_weights_from_meta_info(c) for c in chunks]
+    assert all(p.dtype == np.float16 for p in parts)
+    assert [len(p) for p in parts] == [c["meta_info"]["routed_experts_shape"][0] for c in chunks]
+    np.testing.assert_array_equal(np.concatenate(parts), weights.astype(np.float16))
+    assert joined(chunks)["output_ids"] == whole["output_ids"]
+    # Not asked: no weights keys.
+    plain = engine_bs1.generate(input_ids=ids, max_new_tokens=2, return_routed_experts=True)
+    assert not any(k.startswith("routed_expert_weights") for k in plain["meta_info"])
+    with pytest.raises(ValueError, match="needs return_routed_experts"):
+        engine_bs1.generate(input_ids=ids, max_new_tokens=2, return_routed_expert_weights=True)
+
+
+def test_routing_weights_need_their_server_flag(engine):
+    with pytest.raises(ValueError, match="--enable-return-routed-expert-weights"):
+        engine.generate(input_ids=prompt_ids(3, 5), max_new_tokens=2, return_routed_experts=True,
+                        return_routed_expert_weights=True)
+    assert "routed_experts_host_cache" in engine.get_server_info()["memory_bytes"]
 
 
 def test_seed_example_script_runs():

@@ -5,7 +5,7 @@ Run: python docs/examples/routed_experts_engine.py
 
 from sgl_jax import Engine
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.srt.layers.moe.routed_experts_capturer import extract_routed_experts_from_meta_info
+from sgl_jax.srt.routed_experts_codec import extract_routed_experts_from_meta_info
 
 model_path = None  # the bundled tiny Qwen3-MoE; point at any local Qwen3-MoE checkpoint
 config = ModelConfig.from_hf(model_path)

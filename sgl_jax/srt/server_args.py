@@ -19,6 +19,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_BACKENDS = ("native", "pallas")
 MOE_BACKENDS = ("auto", "dense", "ragged")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+ROUTED_EXPERTS_DTYPES = ("int32", "int16", "uint16", "uint8")  # routed_experts_codec's names
 
 
 def _arg(default: Any, help: str, **kw: Any) -> Any:
@@ -109,6 +110,16 @@ class ServerArgs:
     enable_return_routed_experts: bool = _arg(
         False, "Capture the router's top-k expert ids so requests can ask for them with "
                "return_routed_experts.")
+    enable_return_routed_expert_weights: bool = _arg(
+        False, "Also capture the router's top-k weights, so requests can ask for them with "
+               "return_routed_expert_weights (needs --enable-return-routed-experts; 4 more "
+               "bytes per id in host memory and device-to-host copies).")
+    routed_experts_dtype: str = _arg(
+        "int32", "Wire dtype of routed experts for requests that give no routed_experts_dtype: "
+                 "int32, int16, uint16 or uint8 (little-endian; unsigned dtypes mark a layer "
+                 "without a router with their maximum, 65535 / 255). A dtype too narrow for "
+                 "the model's experts is a 400 for the requests that use it.",
+        choices=ROUTED_EXPERTS_DTYPES)
 
     # Operation
     log_level: str = _arg("info", "Logging level.", choices=LOG_LEVELS)
@@ -138,6 +149,11 @@ class ServerArgs:
         if self.attention_backend not in ATTENTION_BACKENDS:
             fail(f"attention_backend={self.attention_backend!r}; use one of "
                  f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.enable_return_routed_expert_weights and not self.enable_return_routed_experts:
+            fail("enable_return_routed_expert_weights needs enable_return_routed_experts")
+        if self.routed_experts_dtype not in ROUTED_EXPERTS_DTYPES:
+            fail(f"routed_experts_dtype={self.routed_experts_dtype!r}; use one of "
+                 f"{', '.join(ROUTED_EXPERTS_DTYPES)}")
         if self.moe_backend not in MOE_BACKENDS:
             fail(f"moe_backend={self.moe_backend!r}; use one of {', '.join(MOE_BACKENDS)}")
         if self.context_length is not None and self.context_length < 2:
@@ -166,6 +182,13 @@ class ServerArgs:
                     f"chunked_prefill_size={self.chunked_prefill_size} tokens; add a bucket >= "
                     f"{self.chunked_prefill_size} or lower chunked_prefill_size to {max(pads)}"
                 )
+
+    def redacted(self) -> dict[str, Any]:
+        """The fields as a dict, fit to show (``/get_server_info``): secrets replaced."""
+        out = dataclasses.asdict(self)
+        if out["api_key"]:
+            out["api_key"] = "<redacted>"
+        return out
 
     # -- buckets --------------------------------------------------------------------------------
     def bs_paddings(self) -> list[int]:

@@ -23,6 +23,7 @@ from typing import Any
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.managers.io_struct import GenerateReqInput
+from sgl_jax.srt.managers.request_options import RequestOptions
 from sgl_jax.srt.managers.tokenizer_manager import TokenizerManager
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
@@ -128,7 +129,7 @@ def launch_engine(server_args: ServerArgs) -> tuple[TokenizerManager, Subprocess
     port_args = PortArgs.new()
     t0 = time.perf_counter()
     procs = Subprocesses(server_args, port_args)
-    tm = TokenizerManager(server_args, port_args, model_config)
+    tm = TokenizerManager(server_args, port_args, model_config, child_pids=procs.pids)
     procs.watch(tm.set_dead)
     info = procs.info["scheduler"]
     logger.info(
@@ -158,17 +159,18 @@ class Engine:
         prompt: str | list[str] | None,
         sampling_params: dict | list[dict] | None,
         input_ids: list[int] | list[list[int]] | None,
-        return_routed_experts: bool | list[bool],
-        routed_experts_start_len: int | list[int] | None,
         stream: bool,
         rid: str | list[str] | None,
-        sampling_kwargs: dict[str, Any],
+        kwargs: dict[str, Any],
     ) -> GenerateReqInput:
+        """The one request object; keywords are request options or sampling parameters."""
+        options = RequestOptions.pick(kwargs)
+        sampling_kwargs = {k: v for k, v in kwargs.items() if k not in options}
         unknown = set(sampling_kwargs) - _SAMPLING_KEYS
         if unknown:
             raise TypeError(
-                f"generate() got unknown keyword(s) {sorted(unknown)}; sampling keywords are "
-                f"{sorted(_SAMPLING_KEYS)}"
+                f"generate() got unknown keyword(s) {sorted(unknown)}; request options are "
+                f"{sorted(RequestOptions.names())}, sampling keywords {sorted(_SAMPLING_KEYS)}"
             )
         if sampling_kwargs:
             if isinstance(sampling_params, list):
@@ -177,8 +179,7 @@ class Engine:
                 sampling_params = {**(sampling_params or {}), **sampling_kwargs}
         return GenerateReqInput(
             text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
-            stream=stream, return_routed_experts=return_routed_experts,
-            routed_experts_start_len=routed_experts_start_len,
+            stream=stream, options=options,
         )
 
     def generate(
@@ -190,18 +191,24 @@ class Engine:
         routed_experts_start_len: int | list[int] | None = None,
         stream: bool = False,
         rid: str | list[str] | None = None,
-        **sampling_kwargs: Any,
+        **kwargs: Any,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """A dict with ``text``, ``output_ids``, ``meta_info`` (a list for a batch; an
-        iterator of chunks when streaming). Sampling parameters may be given as a dict or as
-        keywords, e.g. ``generate("Hi", max_new_tokens=16, temperature=0)``."""
-        obj = self._make_request(prompt, sampling_params, input_ids, return_routed_experts,
-                                 routed_experts_start_len, stream, rid, sampling_kwargs)
+        iterator of chunks when streaming).
+
+        Keywords are request options (``RequestOptions``: ``return_routed_experts`` and
+        ``routed_experts_start_len`` are spelt out as in SGLang; also ``routed_experts_dtype``,
+        ``return_routed_expert_weights``, ``routed_expert_weights_dtype``) or sampling
+        parameters, e.g.
+        ``generate("Hi", max_new_tokens=16, temperature=0)``. Bad input raises ValueError.
+        """
+        kwargs.update(return_routed_experts=return_routed_experts,
+                      routed_experts_start_len=routed_experts_start_len)
+        obj = self._make_request(prompt, sampling_params, input_ids, stream, rid, kwargs)
         agen = self.tokenizer_manager.generate_request(obj)
         if stream:
             return self._iterate(agen)
-        results = self._run(_collect(agen))
-        return results[0] if obj.is_single else [r for r in sorted(results, key=_index)]
+        return obj.shape_results(self._run(_collect(agen)))
 
     def _iterate(self, agen: AsyncIterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         try:
@@ -222,21 +229,20 @@ class Engine:
         routed_experts_start_len: int | list[int] | None = None,
         stream: bool = False,
         rid: str | list[str] | None = None,
-        **sampling_kwargs: Any,
+        **kwargs: Any,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
-        obj = self._make_request(prompt, sampling_params, input_ids, return_routed_experts,
-                                 routed_experts_start_len, stream, rid, sampling_kwargs)
+        """``generate`` in the caller's event loop."""
+        kwargs.update(return_routed_experts=return_routed_experts,
+                      routed_experts_start_len=routed_experts_start_len)
+        obj = self._make_request(prompt, sampling_params, input_ids, stream, rid, kwargs)
         agen = self.tokenizer_manager.generate_request(obj)
         if stream:
             return agen
-        results = await _collect(agen)
-        return results[0] if obj.is_single else sorted(results, key=_index)
+        return obj.shape_results(await _collect(agen))
 
     # -- control --------------------------------------------------------------------------------
     def get_server_info(self) -> dict[str, Any]:
-        info = self._run(self.tokenizer_manager.get_server_info())
-        args = {**vars(self.server_args), "api_key": "***" if self.server_args.api_key else None}
-        return {**info, "pids": self._procs.pids(), "server_args": args}
+        return self._run(self.tokenizer_manager.get_server_info())
 
     def flush_cache(self) -> bool:
         return self._run(self.tokenizer_manager.flush_cache()).success
@@ -271,7 +277,3 @@ class Engine:
 
 async def _collect(agen: AsyncIterator[dict[str, Any]]) -> list[dict[str, Any]]:
     return [out async for out in agen]
-
-
-def _index(result: dict[str, Any]) -> int:
-    return result.get("index", 0)

@@ -11,14 +11,11 @@ SIGTERM / SIGINT into a clean stop (exit 0) and a dead child into exit code 1.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import os
 import signal
 import socket
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,14 +60,13 @@ DEAD_LINGER_SECONDS = 1.0
 class ServerContext:
     server_args: ServerArgs
     tm: TokenizerManager
-    child_pids: Callable[[], dict[str, int]]
     served_model_name: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     shutting_down: bool = False
 
     def __post_init__(self) -> None:
         model_path = self.tm.model_config.model_path
-        self.served_model_name = self.server_args.served_model_name or model_path
+        self.served_model_name = self.tm.served_model_name
         names = {model_path, self.served_model_name}
         if self.server_args.model_path:
             names.add(self.server_args.model_path)
@@ -98,8 +94,7 @@ class _NativePlan:
         return self.obj.stream
 
     def response(self, results: list[dict[str, Any]]) -> str:
-        body = results[0] if self.obj.is_single else sorted(results, key=lambda r: r["index"])
-        return orjson.dumps(body).decode()
+        return orjson.dumps(self.obj.shape_results(results)).decode()
 
     def chunks(self, out: dict[str, Any]) -> list[str]:
         return [orjson.dumps(out).decode()]
@@ -124,19 +119,9 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        req = await read_json(request, GenerateRequest)
-        obj = GenerateReqInput(**req.model_dump())
-        n = obj.batch_size
-        if not obj.is_single and n == 0:
-            raise OpenAIError(400, "the batch is empty", param="text")
+        obj = (await read_json(request, GenerateRequest)).to_input()
         # rids are fixed here, not by the manager, so a disconnect can abort them by id.
-        if obj.rid is None:
-            obj.rid = uuid.uuid4().hex if obj.is_single else [uuid.uuid4().hex for _ in range(n)]
-        if obj.is_single != isinstance(obj.rid, str):
-            raise OpenAIError(400, "'rid' must be a string for one prompt and a list of strings "
-                              "(one per prompt) for a batch", param="rid")
-        rids = [obj.rid] if obj.is_single else list(obj.rid)
-        return await run(request, _NativePlan(obj, rids))
+        return await run(request, _NativePlan(obj, obj.ensure_rids()))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -185,17 +170,14 @@ def create_app(ctx: ServerContext) -> FastAPI:
             "context_length": cfg.context_len,
             "is_generation": True,
             "enable_return_routed_experts": ctx.server_args.enable_return_routed_experts,
-            "routed_experts_dtype": "int32",
+            "enable_return_routed_expert_weights":
+                ctx.server_args.enable_return_routed_expert_weights,
+            "routed_experts_dtype": ctx.server_args.routed_experts_dtype,
         })
 
     @app.get("/get_server_info")
     async def get_server_info() -> Response:
-        args = dataclasses.asdict(ctx.server_args)
-        if args.get("api_key"):
-            args["api_key"] = "<redacted>"
-        info = await tm.get_server_info()
-        return JSONResponse({**info, "pid": os.getpid(), "pids": ctx.child_pids(),
-                             "served_model_name": ctx.served_model_name, "server_args": args})
+        return JSONResponse(await tm.get_server_info())
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:
@@ -286,7 +268,7 @@ def run_server(server_args: ServerArgs) -> int:
     except BaseException:
         sock.close()
         raise
-    ctx = ServerContext(server_args=server_args, tm=tm, child_pids=procs.pids)
+    ctx = ServerContext(server_args=server_args, tm=tm)
     config = uvicorn.Config(create_app(ctx), log_config=None, log_level=server_args.log_level,
                             timeout_graceful_shutdown=3, lifespan="off")
     server = _Server(config)

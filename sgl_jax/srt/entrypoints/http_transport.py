@@ -187,7 +187,7 @@ def _error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
     # The tokenizer manager, SamplingParams and the chat template report bad input as
     # ValueErrors with user-facing messages.
     if isinstance(exc, ValueError):
-        return 400, error_body(str(exc))
+        return 400, error_body(str(exc), param=getattr(exc, "param", None))
     if isinstance(exc, StarletteHTTPException):
         return exc.status_code, error_body(str(exc.detail))
     return 500, error_body("internal server error", "server_error")

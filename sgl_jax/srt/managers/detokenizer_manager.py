@@ -1,8 +1,14 @@
-"""The detokenizer process: output ids -> text, incrementally; routed experts -> base64.
+"""The detokenizer process: output ids -> text, incrementally; routed experts passed through.
+
+It never imports JAX (tested): it starts fast and holds no accelerator.
 
 It keeps one IncrementalDecoder per unfinished request (text is final only once no later token
 can change it, and a stop string is trimmed from the text) and forwards every other message
 from the scheduler to the tokenizer manager unchanged.
+
+Routed-experts rows pass through as they came: numpy arrays carried out of band in both
+directions (``transport.py``), never pickled into the message, base64-encoded or copied here;
+the tokenizer manager encodes them once, where it builds the response.
 """
 
 from __future__ import annotations
@@ -13,9 +19,9 @@ from typing import Any
 
 import zmq
 
-from sgl_jax.srt.layers.moe.routed_experts_capturer import encode_routed_experts
 from sgl_jax.srt.managers.incremental_detokenizer import IncrementalDecoder
 from sgl_jax.srt.managers.io_struct import BatchStrOut, BatchTokenIDOut
+from sgl_jax.srt.managers.transport import recv_obj, send_obj
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
 from sgl_jax.srt.tokenizer import Tokenizer
 from sgl_jax.srt.utils import configure_logging, watch_parent
@@ -38,10 +44,10 @@ class DetokenizerManager:
 
     def event_loop(self) -> None:
         while True:
-            msg = self.recv_socket.recv_pyobj()
+            msg = recv_obj(self.recv_socket)
             if isinstance(msg, BatchTokenIDOut):
                 msg = self.handle_batch_token_id_out(msg)
-            self.send_socket.send_pyobj(msg)
+            send_obj(self.send_socket, msg)
 
     def handle_batch_token_id_out(self, out: BatchTokenIDOut) -> BatchStrOut:
         texts = []
@@ -59,7 +65,6 @@ class DetokenizerManager:
                     text += decoder.finish()
                 del self.decoders[rid]
             texts.append(text)
-        routed = out.output_routed_experts or [None] * len(out.rids)
         return BatchStrOut(
             rids=out.rids,
             output_strs=texts,
@@ -68,7 +73,8 @@ class DetokenizerManager:
             prompt_tokens=out.prompt_tokens,
             completion_tokens=out.completion_tokens,
             cached_tokens=out.cached_tokens,
-            output_routed_experts=[None if r is None else encode_routed_experts(r) for r in routed],
+            output_routed_experts=out.output_routed_experts or [None] * len(out.rids),
+            output_routed_expert_weights=out.output_routed_expert_weights,
         )
 
 

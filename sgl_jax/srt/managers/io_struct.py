@@ -3,36 +3,55 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from sgl_jax.srt.managers.request_options import InvalidRequestError, RequestOptions
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
 
 @dataclass
 class GenerateReqInput:
-    """A generate request as the user gives it: one prompt or a batch of them."""
+    """A generate request as the user gives it: one prompt or a batch of them.
+
+    ``options`` holds the ``RequestOptions`` fields the caller set, by name: a value, or for a
+    batch a list of one value per prompt. They are checked per prompt by
+    ``RequestOptions.validate`` when the tokenizer manager takes the request.
+    """
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict | list[dict] | None = None
     rid: str | list[str] | None = None
     stream: bool = False
-    return_routed_experts: bool | list[bool] = False
-    routed_experts_start_len: int | list[int | None] | None = None
+    options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if (self.text is None) == (self.input_ids is None):
-            raise ValueError("give exactly one of 'text' (a prompt) and 'input_ids'")
+            raise InvalidRequestError("give exactly one of 'text' (a prompt) and 'input_ids'")
         if self.text is not None and not (
             isinstance(self.text, str)
             or (isinstance(self.text, list) and all(isinstance(t, str) for t in self.text))
         ):
-            raise ValueError("'text' (the prompt) must be a string or a list of strings")
+            raise InvalidRequestError(
+                "'text' (the prompt) must be a string or a list of strings", "text"
+            )
         if self.input_ids is not None and not isinstance(self.input_ids, list):
-            raise ValueError("'input_ids' must be a list of token ids or a list of such lists")
+            raise InvalidRequestError(
+                "'input_ids' must be a list of token ids or a list of such lists", "input_ids"
+            )
+        if not self.is_single and self.batch_size == 0:
+            raise InvalidRequestError(
+                "the batch is empty", "text" if self.text is not None else "input_ids"
+            )
+        unknown = set(self.options) - set(RequestOptions.names())
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown request option(s) {sorted(unknown)}; the options are "
+                f"{list(RequestOptions.names())}"
+            )
 
     @property
     def is_single(self) -> bool:
@@ -44,16 +63,39 @@ class GenerateReqInput:
     def batch_size(self) -> int:
         return 1 if self.is_single else len(self.text if self.text is not None else self.input_ids)
 
-    def split(self) -> list[GenerateReqInput]:
-        """One single-prompt request per prompt; per-request fields may be lists or scalars."""
+    def ensure_rids(self) -> list[str]:
+        """Request ids in prompt order, made up (uuid4) where the caller gave none.
+
+        Fixed before the request is sent, so that whoever sent it can abort it by id.
+        """
+        n = self.batch_size
+        if self.rid is None:
+            self.rid = uuid.uuid4().hex if self.is_single else [uuid.uuid4().hex for _ in range(n)]
         if self.is_single:
-            return [replace(self, rid=self.rid or uuid.uuid4().hex)]
+            if not isinstance(self.rid, str):
+                raise InvalidRequestError("'rid' must be a string for one prompt", "rid")
+            return [self.rid]
+        if not (isinstance(self.rid, list) and all(isinstance(r, str) for r in self.rid)):
+            raise InvalidRequestError(
+                "'rid' must be a list of strings (one per prompt) for a batch", "rid"
+            )
+        if len(self.rid) != n:
+            raise InvalidRequestError(f"'rid' has {len(self.rid)} entries for {n} prompts", "rid")
+        return list(self.rid)
+
+    def split(self) -> list[GenerateReqInput]:
+        """One single-prompt request per prompt; per-prompt fields may be lists or scalars."""
+        rids = self.ensure_rids()
+        if self.is_single:
+            return [self]
         n = self.batch_size
 
-        def pick(value: Any, i: int, name: str, list_type: type = list) -> Any:
-            if isinstance(value, list_type):
+        def pick(value: Any, i: int, name: str) -> Any:
+            if isinstance(value, list):
                 if len(value) != n:
-                    raise ValueError(f"'{name}' has {len(value)} entries for {n} prompts")
+                    raise InvalidRequestError(
+                        f"'{name}' has {len(value)} entries for {n} prompts", name
+                    )
                 return value[i]
             return value
 
@@ -62,15 +104,24 @@ class GenerateReqInput:
                 text=self.text[i] if self.text is not None else None,
                 input_ids=self.input_ids[i] if self.input_ids is not None else None,
                 sampling_params=pick(self.sampling_params, i, "sampling_params"),
-                rid=pick(self.rid, i, "rid") if self.rid is not None else uuid.uuid4().hex,
+                rid=rids[i],
                 stream=self.stream,
-                return_routed_experts=pick(self.return_routed_experts, i, "return_routed_experts"),
-                routed_experts_start_len=pick(
-                    self.routed_experts_start_len, i, "routed_experts_start_len"
-                ),
+                options={k: pick(v, i, k) for k, v in self.options.items()},
             )
             for i in range(n)
         ]
+
+    def shape_results(self, results: list[dict[str, Any]]) -> dict[str, Any] | list[dict[str, Any]]:
+        """The final results as the caller gets them: the dict of a single prompt, or a list
+        in prompt order (results of a batch carry their prompt's ``index``)."""
+        if self.is_single:
+            return results[0]
+        return order_results(results)
+
+
+def order_results(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Results of a batch, which finish in any order, in prompt order (by ``index``)."""
+    return sorted(results, key=lambda r: r.get("index", 0))
 
 
 @dataclass
@@ -79,8 +130,7 @@ class TokenizedGenerateReqInput:
     input_ids: list[int]
     sampling_params: SamplingParams
     stream: bool = False
-    return_routed_experts: bool = False
-    routed_experts_start_len: int = 0
+    options: RequestOptions = field(default_factory=RequestOptions)  # validated
 
 
 @dataclass
@@ -122,6 +172,8 @@ class BatchTokenIDOut:
     stop_strs: list[list[str]]
     skip_special_tokens: list[bool]
     output_routed_experts: list[np.ndarray | None] = field(default_factory=list)
+    # The same rows' routing weights (float32 or float16), for requests that asked.
+    output_routed_expert_weights: list[np.ndarray | None] = field(default_factory=list)
 
 
 @dataclass
@@ -135,4 +187,6 @@ class BatchStrOut:
     prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]
-    output_routed_experts: list[str | None] = field(default_factory=list)
+    # Rows as the scheduler sent them (out of band; base64 only in the response).
+    output_routed_experts: list[np.ndarray | None] = field(default_factory=list)
+    output_routed_expert_weights: list[np.ndarray | None] = field(default_factory=list)

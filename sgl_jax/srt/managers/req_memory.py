@@ -12,16 +12,21 @@ cached prefix is whole pages, so a request's own slots start on a page boundary 
 filled last page is its own; on release the tree takes whole pages and the unaligned tail goes
 back to the pool. Capacity is counted in tokens of whole pages: growing a request of ``kv_len``
 positions by ``n`` takes ``allocator.tokens_needed(kv_len, n)``.
+
+Routed experts (``routed_rows``, the host table of rows by slot, when enabled): a request that
+asks reuses only the cached prefix whose rows are known, and recomputes the rest. When it is
+released, its recomputed copies replace the tree's copies that lack rows (where no request is
+reading them), so the next request that asks finds the prefix cached with its rows.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from sgl_jax.srt.layers.moe.routed_experts_capturer import RoutedExpertsCapturer
 from sgl_jax.srt.managers.schedule_batch import Req
 from sgl_jax.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
+from sgl_jax.srt.mem_cache.routed_experts_host_cache import RoutedExpertsHostCache
 
 
 class ReqMemory:
@@ -30,12 +35,12 @@ class ReqMemory:
         req_to_token_pool: ReqToTokenPool,
         allocator: TokenToKVPoolAllocator,
         tree: RadixCache,
-        capturer: RoutedExpertsCapturer,
+        routed_rows: RoutedExpertsHostCache | None = None,
     ) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.tree = tree
-        self.capturer = capturer
+        self.routed_rows = routed_rows
         self.page_size = allocator.page_size
 
     # -- admission ------------------------------------------------------------------------------
@@ -56,9 +61,9 @@ class ReqMemory:
         # At least one token must be computed: its logits sample the next token.
         usable = req.fill_ids[: req.seq_len - 1]
         slots, node = self.tree.match_prefix(usable)  # whole pages
-        if req.return_routed_experts:
+        if req.options.return_routed_experts and self.routed_rows is not None:
             # Reuse only KV whose routed-experts rows were captured when it was computed.
-            valid = self.capturer.valid_prefix_len(slots)
+            valid = self.routed_rows.valid_prefix_len(slots)
             valid -= valid % self.page_size
             if valid < len(slots):
                 slots, node = self.tree.match_prefix(usable[:valid])
@@ -106,6 +111,26 @@ class ReqMemory:
         """Records the slots of ``req``'s next ``len(slots)`` positions (not yet computed)."""
         self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots)
 
+    # -- routed experts -------------------------------------------------------------------------
+    def routed_rows_of(
+        self, req: Req, start: int | None = None, weights: bool = False, raw: bool = False
+    ) -> np.ndarray:
+        """``req``'s routed-experts rows ``[start, n)`` (``start``: its ``start_len`` unless
+        given), n = the tokens whose routing has been computed for it (those with KV, at most
+        ``seq_len - 1``); read before release. With ``weights``: their routing weights; with
+        ``raw``: the ids in the host table's storage dtype (``gather(raw=True)``).
+
+        The steps that computed them must all have been processed (their rows written): the
+        scheduler settles a request's in-flight step before ending it out of turn (abort).
+        """
+        table = self.routed_rows
+        assert table is not None, "routed experts are not enabled"
+        end = 0 if req.req_pool_idx is None else min(req.kv_len, req.seq_len - 1)
+        start = min(req.options.start_len if start is None else start, end)
+        slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, start:end] if end else []
+        slots = np.asarray(slots, dtype=np.int64)
+        return table.gather_weights(slots) if weights else table.gather(slots, raw=raw)
+
     # -- release --------------------------------------------------------------------------------
     def release(self, req: Req, cache: bool = True) -> None:
         """Frees everything ``req`` holds; with ``cache``, its computed KV joins the tree."""
@@ -116,7 +141,15 @@ class ReqMemory:
             # The tree takes whole pages; the duplicates and the unaligned tail come back.
             aligned = req.kv_len - req.kv_len % self.page_size
             already = self.tree.insert(req.fill_ids[:aligned], slots[:aligned])
-            self.allocator.free(slots[req.prefix_len : already])
+            duplicates = slots[req.prefix_len : already]
+            if len(duplicates) and self.routed_rows is not None:
+                # Our copies of positions the tree already held: where the tree's lack rows
+                # and ours have them, the tree keeps ours and we free its old ones instead.
+                duplicates = self.tree.offer_duplicates(
+                    req.fill_ids[:already], slots[:already], req.prefix_len,
+                    prefer=self._has_rows_where_old_lacks,
+                )
+            self.allocator.free(duplicates)
             self.allocator.free(slots[aligned:])
         else:
             self.allocator.free(slots[req.prefix_len :])
@@ -126,6 +159,11 @@ class ReqMemory:
         req.req_pool_idx = None
         req.last_node = None
         req.kv_len = req.prefix_len = 0
+
+    def _has_rows_where_old_lacks(self, old: np.ndarray, new: np.ndarray) -> bool:
+        rows = self.routed_rows
+        assert rows is not None
+        return not rows.all_valid(old) and rows.all_valid(new)
 
     # -- accounting -----------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from sgl_jax.srt.forward_batch_info import ForwardMode, ModelWorkerBatch
+from sgl_jax.srt.managers.request_options import RequestOptions
 from sgl_jax.srt.mem_cache.radix_cache import TreeNode
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
@@ -39,8 +40,7 @@ class Req:
     sampling_params: SamplingParams
     seed: int
     stream: bool = False
-    return_routed_experts: bool = False
-    routed_experts_start_len: int = 0
+    options: RequestOptions = field(default_factory=RequestOptions)  # validated
 
     output_ids: list[int] = field(default_factory=list)
     finished_reason: dict[str, Any] | None = None
@@ -52,7 +52,11 @@ class Req:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     inflight: int = 0  # launched steps whose sampled token the host has not processed yet
     admitted: bool = False
+    # Its rows [start_len, n) once it ends (n: tokens whose routing was computed); set
+    # earlier when it is retracted, in case it is aborted while it waits to resume.
     routed_experts: np.ndarray | None = None
+    routed_expert_weights: np.ndarray | None = None  # the same rows' weights, when asked
+    routed_sent: int = 0  # of its rows from start_len on, how many have been streamed out
     sent_len: int = 0  # output ids already handed to the detokenizer
     arrival_time: float = field(default_factory=time.monotonic)
 
@@ -114,5 +118,5 @@ class ScheduleBatch:
             sampling_params=[r.sampling_params for r in reqs],
             seeds=[r.seed for r in reqs],
             steps=[len(r.output_ids) + r.inflight for r in reqs],
-            return_routed_experts=any(r.return_routed_experts for r in reqs),
+            return_routed_experts=any(r.options.return_routed_experts for r in reqs),
         )

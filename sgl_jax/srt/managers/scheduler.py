@@ -23,24 +23,18 @@ import zmq
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch_info import ForwardMode
+from sgl_jax.srt.managers.finish_checker import FinishChecker
 from sgl_jax.srt.managers.io_struct import (
     AbortReq,
-    BatchTokenIDOut,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetServerInfoReq,
     GetServerInfoReqOutput,
     TokenizedGenerateReqInput,
 )
+from sgl_jax.srt.managers.output_sender import OutputSender
 from sgl_jax.srt.managers.req_memory import ReqMemory
-from sgl_jax.srt.managers.schedule_batch import (
-    Req,
-    ScheduleBatch,
-    finish_abort,
-    finish_length,
-    finish_matched_str,
-    finish_matched_token,
-)
+from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch, finish_abort, finish_length
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, StepOutput
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
@@ -75,7 +69,6 @@ class Scheduler:
         self.tokenizer = Tokenizer.from_pretrained(
             server_args.tokenizer_path or self.model_config.model_path
         )
-        self.eos_ids = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
         self.runner = ModelRunner(server_args, self.model_config)
         if not server_args.disable_precompile:
             self.runner.precompile()
@@ -85,11 +78,15 @@ class Scheduler:
         )
         self.memory = ReqMemory(
             self.runner.req_to_token_pool, self.runner.token_to_kv_pool_allocator, tree,
-            self.runner.capturer,
+            self.runner.capturer.host_cache,
         )
         self.chunk_budget = server_args.chunked_prefill_size
         self.max_running = self.runner.max_running_requests
         self.context_len = self.model_config.context_len
+        self.finish_checker = FinishChecker(
+            set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids),
+            self.context_len, self.tokenizer,
+        )
         self.seed_rng = np.random.default_rng(server_args.random_seed)
 
         self.waiting: deque[Req] = deque()
@@ -106,38 +103,49 @@ class Scheduler:
         self.recv_socket.bind(port_args.scheduler_ipc)
         self.send_socket = ctx.socket(zmq.PUSH)
         self.send_socket.connect(port_args.detokenizer_ipc)
+        self.outputs = OutputSender(self.send_socket, server_args.stream_interval,
+                                    routed_rows_of=self.memory.routed_rows_of)
+        self._step_started = time.perf_counter()
 
     # -- loop -----------------------------------------------------------------------------------
     def event_loop(self) -> None:
-        """recv -> schedule -> launch -> process.
+        while True:
+            self.run_step()
+
+    def run_step(self) -> ScheduleBatch | None:
+        """recv -> schedule -> launch -> process; returns the batch launched, if any.
 
         With overlap (the default) a step's results are processed after the next step has been
         launched, so the host's bookkeeping runs while the device computes: a decode step
         reads its input tokens from the device (the last-token buffer), not from the host.
+        So at most one step is in flight (``pending``) between two calls.
         """
-        last = time.perf_counter()
-        while True:
-            for msg in self.recv_requests():
-                self.process_input(msg)
-            batch = self.prefill() or self.decode()
-            launched = (batch, self.launch_batch(batch)) if batch is not None else None
-            if self.pending is not None:
-                self.process_batch_result(*self.pending)
-            self.pending = launched
-            if not self.overlap:
-                self.drain()
-            if batch is not None:
-                now = time.perf_counter()
-                self.step_stats.record(batch, now - last)
-                last = now
-            else:
-                last = time.perf_counter()
+        for msg in self.recv_requests():
+            self.process_input(msg)
+        batch = self.prefill() or self.decode()
+        launched = (batch, self.launch_batch(batch)) if batch is not None else None
+        if self.pending is not None:
+            self.process_batch_result(*self.pending)
+        self.pending = launched
+        if not self.overlap:
+            self.drain()
+        now = time.perf_counter()
+        if batch is not None:
+            self.step_stats.record(batch, now - self._step_started)
+        self._step_started = now
+        return batch
 
     def drain(self) -> None:
         """Processes the launched step, if any (before retraction, and without overlap)."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
             self.process_batch_result(*pending)
+
+    def settle(self, req: Req) -> None:
+        """Processes the step in flight if it computes part of ``req``, so that ``req``'s
+        rows and tokens on the host are complete before it is ended out of turn (abort)."""
+        if self.pending is not None and any(r is req for r in self.pending[0].reqs):
+            self.drain()
 
     def recv_requests(self) -> list[Any]:
         idle = not (self.waiting or self.running or self.chunked or self.pending)
@@ -156,9 +164,9 @@ class Scheduler:
         elif isinstance(msg, AbortReq):
             self.abort(msg.rid)
         elif isinstance(msg, FlushCacheReq):
-            self.send_socket.send_pyobj(self.flush_cache())
+            self.outputs.send_control(self.flush_cache())
         elif isinstance(msg, GetServerInfoReq):
-            self.send_socket.send_pyobj(GetServerInfoReqOutput(info=self.server_info()))
+            self.outputs.send_control(GetServerInfoReqOutput(info=self.server_info()))
         else:
             logger.error("scheduler got an unknown message %r", type(msg))
 
@@ -167,8 +175,7 @@ class Scheduler:
         seed = params.seed if params.seed is not None else int(self.seed_rng.integers(2**63))
         req = Req(
             rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=params,
-            seed=seed, stream=msg.stream, return_routed_experts=msg.return_routed_experts,
-            routed_experts_start_len=msg.routed_experts_start_len,
+            seed=seed, stream=msg.stream, options=msg.options,
         )
         # The prompt plus the first generated token, in whole pages.
         need = self.memory.kv_needed(0, len(req.origin_input_ids) + 1)
@@ -177,7 +184,8 @@ class Scheduler:
                 f"the prompt needs {need} KV slots but the KV cache holds "
                 f"{self.runner.token_to_kv_pool_allocator.size}; raise --max-total-tokens"
             )
-            self.send_outputs([req])
+            self.finish(req)
+            self.outputs.send([req])
             return
         self.waiting.append(req)
 
@@ -257,17 +265,23 @@ class Scheduler:
         """A request that cannot grow even with the whole KV cache to itself ends here."""
         if req in self.waiting:
             self.waiting.remove(req)
+        self.settle(req)  # a chunked prompt's previous chunk may still be in flight
+        if req.finished:
+            return
         req.finished_reason = finish_abort(
             f"out of KV cache: the request reached {req.seq_len} tokens and the KV cache holds "
             f"{self.runner.max_total_tokens}; raise --max-total-tokens"
         )
         self.finish(req)
-        self.send_outputs([req])
+        self.outputs.send([req])
 
     def retract_one(self) -> None:
         """Frees the newest running request's memory and queues it to resume from the front."""
         req = max(self.running, key=lambda r: r.arrival_time)
         self.running.remove(req)
+        if req.options.return_routed_experts:
+            # Kept in case it is aborted before it resumes; replaced when it ends.
+            self._gather_routed(req)
         self.memory.release(req, cache=True)
         self.waiting.appendleft(req)
         self.num_retractions += 1
@@ -306,83 +320,54 @@ class Scheduler:
             else:
                 req.output_ids.append(token)
                 self.num_generated_tokens += 1
-                self.check_finished(req)
+                self.finish_checker.check(req)
             if req.finished:
                 self.finish(req)
             changed.append(req)
-        self.send_outputs(changed)
-
-    def check_finished(self, req: Req) -> None:
-        params = req.sampling_params
-        token = req.output_ids[-1]
-        if not params.ignore_eos and token in self.eos_ids:
-            req.finished_reason = finish_matched_token(token)
-        elif params.stop_token_ids and token in params.stop_token_ids:
-            req.finished_reason = finish_matched_token(token)
-        elif len(req.output_ids) >= params.max_new_tokens:
-            req.finished_reason = finish_length(params.max_new_tokens)
-        elif req.seq_len >= self.context_len:
-            req.finished_reason = finish_length(len(req.output_ids))
-        elif params.stop:
-            longest = max(len(s) for s in params.stop)
-            tail = self.tokenizer.decode(
-                req.output_ids[-(longest + 8) :], skip_special_tokens=params.skip_special_tokens
-            )
-            matched = next((s for s in params.stop if s in tail), None)
-            if matched is not None:
-                req.finished_reason = finish_matched_str(matched)
+        self.outputs.send(changed)
 
     def finish(self, req: Req) -> None:
-        """Collects the routed experts (before the KV goes) and releases the request."""
+        """Takes an ended request out of the schedule and releases its memory, its routed
+        experts gathered first (they are read through its KV slots).
+
+        Every step that computed part of it must have been processed (``settle``), except one
+        launched after the step that ended it: that one only computes the position of its
+        last token, which has no row.
+        """
         if req in self.running:
             self.running.remove(req)
         if self.chunked is req:
             self.chunked = None
-        if req.return_routed_experts and req.req_pool_idx is not None:
-            if req.kv_len >= req.seq_len - 1:
-                rows = self.runner.capturer.get_routed_experts(
-                    req.req_pool_idx, req.seq_len, self.runner.req_to_token_pool
-                )
-                req.routed_experts = rows[req.routed_experts_start_len :]
+        # A request that holds no memory has none to gather: a retracted one keeps the rows
+        # taken at retraction, one that never started has none (an empty array).
+        holds = req.req_pool_idx is not None
+        if req.options.return_routed_experts and (holds or req.routed_experts is None):
+            self._gather_routed(req)
         self.memory.release(req, cache=True)
 
-    def abort(self, rid: str) -> None:
-        for req in list(self.waiting):
-            if req.rid == rid:
-                self.waiting.remove(req)
-                self.memory.release(req, cache=False)
-                req.finished_reason = finish_abort()
-                self.send_outputs([req])
-                return
-        for req in self.running + ([self.chunked] if self.chunked else []):
-            if req.rid == rid:
-                req.finished_reason = finish_abort()
-                self.finish(req)
-                self.send_outputs([req])
-                return
+    def _gather_routed(self, req: Req) -> None:
+        """``req``'s rows [start_len, n) (and their routing weights, if asked), from the host."""
+        # In the table's narrow dtype: converted once, to the wire dtype, when sent.
+        req.routed_experts = self.memory.routed_rows_of(req, raw=True)
+        if req.options.return_routed_expert_weights:
+            req.routed_expert_weights = self.memory.routed_rows_of(req, weights=True)
 
-    def send_outputs(self, reqs: list[Req]) -> None:
-        interval = self.server_args.stream_interval
-        out = [
-            r for r in reqs
-            if r.finished or (r.stream and len(r.output_ids) - r.sent_len >= interval)
-        ]
-        if not out:
-            return
-        msg = BatchTokenIDOut(
-            rids=[r.rid for r in out],
-            new_output_ids=[r.output_ids[r.sent_len :] for r in out],
-            finished_reasons=[r.finished_reason for r in out],
-            prompt_tokens=[len(r.origin_input_ids) for r in out],
-            completion_tokens=[len(r.output_ids) for r in out],
-            cached_tokens=[r.cached_tokens for r in out],
-            stop_strs=[list(r.sampling_params.stop or []) for r in out],
-            skip_special_tokens=[r.sampling_params.skip_special_tokens for r in out],
-            output_routed_experts=[r.routed_experts for r in out],
-        )
-        for r in out:
-            r.sent_len = len(r.output_ids)
-        self.send_socket.send_pyobj(msg)
+    def abort(self, rid: str) -> None:
+        """Ends a request now. It returns its tokens so far and, if it asked, the rows of every
+        token whose routing was computed (docs/routed_experts.md: abort)."""
+        req = next((r for r in self.waiting if r.rid == rid), None)
+        if req is not None:
+            self.waiting.remove(req)
+        else:
+            req = next((r for r in self.running + [self.chunked] if r and r.rid == rid), None)
+            if req is None:
+                return  # unknown, or ended already
+            self.settle(req)
+            if req.finished:
+                return  # ended by the step just processed; its output went out there
+        req.finished_reason = finish_abort()
+        self.finish(req)
+        self.outputs.send([req])
 
     # -- control --------------------------------------------------------------------------------
     def flush_cache(self) -> FlushCacheReqOutput:

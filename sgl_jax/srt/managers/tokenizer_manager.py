@@ -13,14 +13,16 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import zmq
 
 from sgl_jax.srt.configs.model_config import ModelConfig
@@ -33,6 +35,12 @@ from sgl_jax.srt.managers.io_struct import (
     GetServerInfoReq,
     GetServerInfoReqOutput,
     TokenizedGenerateReqInput,
+)
+from sgl_jax.srt.managers.request_options import InvalidRequestError, RequestOptions
+from sgl_jax.srt.managers.transport import recv_obj
+from sgl_jax.srt.routed_experts_codec import (
+    encode_routed_expert_weights,
+    encode_routed_experts,
 )
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
@@ -56,14 +64,19 @@ class ReqState:
     output_ids: list[int] = field(default_factory=list)
     created: float = field(default_factory=time.monotonic)
     error: str | None = None
+    options: RequestOptions = field(default_factory=RequestOptions)  # validated
+    routed_rows_sent: int = 0  # routed-experts rows handed out so far (streaming)
 
 
 class TokenizerManager:
     def __init__(
-        self, server_args: ServerArgs, port_args: PortArgs, model_config: ModelConfig
+        self, server_args: ServerArgs, port_args: PortArgs, model_config: ModelConfig,
+        child_pids: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         self.server_args = server_args
         self.model_config = model_config
+        self.served_model_name = server_args.served_model_name or model_config.model_path
+        self._child_pids = child_pids or dict
         self.tokenizer = Tokenizer.from_pretrained(
             server_args.tokenizer_path or model_config.model_path
         )
@@ -126,28 +139,15 @@ class TokenizerManager:
                 f"tokens exceeds the context length {self.context_len}; lower max_new_tokens "
                 f"to at most {self.context_len - len(input_ids)}"
             )
-        want = obj.return_routed_experts
-        if not isinstance(want, bool):
-            raise ValueError("'return_routed_experts' must be true or false")
-        if want and not self.server_args.enable_return_routed_experts:
-            raise ValueError(
-                "return_routed_experts needs the server started with "
-                "--enable-return-routed-experts (Engine(enable_return_routed_experts=True))"
-            )
-        start = obj.routed_experts_start_len
-        if start is not None:
-            if not want:
-                raise ValueError("'routed_experts_start_len' needs return_routed_experts=true")
-            if isinstance(start, bool) or not isinstance(start, int):
-                raise ValueError("'routed_experts_start_len' must be an integer")
-            if not 0 <= start <= len(input_ids):
-                raise ValueError(
-                    f"routed_experts_start_len={start} is outside [0, {len(input_ids)}] "
-                    f"(0 to the prompt's token count)"
-                )
+        options = RequestOptions(**obj.options).validate(
+            len(input_ids), self.server_args.enable_return_routed_experts,
+            num_experts=self.model_config.num_experts,
+            default_dtype=self.server_args.routed_experts_dtype,
+            weights_enabled=self.server_args.enable_return_routed_expert_weights,
+        )
         return TokenizedGenerateReqInput(
             rid=obj.rid, input_ids=list(input_ids), sampling_params=params, stream=obj.stream,
-            return_routed_experts=want, routed_experts_start_len=start or 0,
+            options=options,
         )
 
     # -- generation -----------------------------------------------------------------------------
@@ -163,12 +163,14 @@ class TokenizerManager:
         if len({t.rid for t in tokenized}) != len(tokenized) or any(
             t.rid in self.states for t in tokenized
         ):
-            raise ValueError("request ids ('rid') must be unique among running requests")
+            raise InvalidRequestError(
+                "request ids ('rid') must be unique among running requests", "rid"
+            )
         loop = asyncio.get_running_loop()
         keys = []
         for t in tokenized:
             state = ReqState(rid=t.rid, key=f"{t.rid}#{next(self._keys)}", loop=loop,
-                             event=asyncio.Event())
+                             event=asyncio.Event(), options=t.options)
             self.states[t.rid] = self._by_key[state.key] = state
             keys.append(state.key)
             self._send_obj(dataclasses.replace(t, rid=state.key))
@@ -246,8 +248,16 @@ class TokenizerManager:
         return await self._control_call(FlushCacheReq(), FlushCacheReqOutput)
 
     async def get_server_info(self) -> dict[str, Any]:
+        """What ``Engine.get_server_info()`` and ``GET /get_server_info`` return: the
+        scheduler's state and counters, the processes, and the server args (API key redacted)."""
         out = await self._control_call(GetServerInfoReq(), GetServerInfoReqOutput)
-        return out.info
+        return {
+            **out.info,
+            "pid": os.getpid(),
+            "pids": self._child_pids(),
+            "served_model_name": self.served_model_name,
+            "server_args": self.server_args.redacted(),
+        }
 
     async def _control_call(self, msg: Any, reply_type: type, timeout: float = 30.0) -> Any:
         self._check_alive()
@@ -270,7 +280,7 @@ class TokenizerManager:
             try:
                 if not self._recv.poll(timeout=100):
                     continue
-                msg = self._recv.recv_pyobj()
+                msg = recv_obj(self._recv)
             except zmq.ZMQError:
                 return
             if isinstance(msg, BatchStrOut):
@@ -299,12 +309,40 @@ class TokenizerManager:
             }
             if out.finished_reasons[i] is not None:
                 meta["e2e_latency"] = time.monotonic() - state.created
-                if out.output_routed_experts and out.output_routed_experts[i] is not None:
-                    meta["routed_experts"] = out.output_routed_experts[i]
+            if out.output_routed_experts and out.output_routed_experts[i] is not None:
+                weights = out.output_routed_expert_weights
+                meta.update(self._routed_meta(
+                    state, out.output_routed_experts[i], weights[i] if weights else None))
             state.pending.append(
                 {"text": out.output_strs[i], "output_ids": out.new_output_ids[i], "meta_info": meta}
             )
             state.loop.call_soon_threadsafe(state.event.set)
+
+    def _routed_meta(
+        self, state: ReqState, rows: np.ndarray, weights: np.ndarray | None
+    ) -> dict[str, Any]:
+        """The routed-experts keys of a ``meta_info``: the rows (raw arrays out of band, in
+        the request's wire dtype; base64 once, here), their dtype, shape ``[rows, layers, k]``
+        and ``routed_experts_start``, the position of the first row (a stream's chunks carry
+        consecutive runs of rows); the routing weights likewise when asked for."""
+        layers, k = self.model_config.num_hidden_layers, self.model_config.num_experts_per_tok
+        n = len(rows)
+        start = state.options.start_len + state.routed_rows_sent
+        state.routed_rows_sent += n
+        meta = {
+            "routed_experts": encode_routed_experts(rows, state.options.dtype),
+            "routed_experts_start": start,
+            "routed_experts_dtype": state.options.dtype,
+            "routed_experts_shape": [n, layers, k],
+        }
+        if weights is not None:
+            dtype = state.options.weights_dtype
+            meta.update({
+                "routed_expert_weights": encode_routed_expert_weights(weights, dtype),
+                "routed_expert_weights_dtype": dtype,
+                "routed_expert_weights_shape": [n, layers, k],
+            })
+        return meta
 
     def set_dead(self, reason: str) -> None:
         """A child died: fail every waiting request now and every new one from now on."""

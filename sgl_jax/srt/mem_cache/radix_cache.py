@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -198,6 +198,44 @@ class RadixCache:
             child.last_access_time = now
             node, pos = child, pos + n
         return pos
+
+    def offer_duplicates(
+        self, token_ids: Sequence[int], kv_slots: np.ndarray, start: int,
+        prefer: Callable[[np.ndarray, np.ndarray], bool],
+    ) -> np.ndarray:
+        """Offers the tree ``kv_slots[start:]``, a caller's own copies of positions the tree
+        already caches; returns the slots the caller must free instead of those duplicates.
+
+        ``token_ids`` must be cached as a whole, with node boundaries at ``start`` and at its
+        end: right after ``n = insert(...)``, pass the inserted tokens up to ``n`` and the
+        caller's ``cached_len`` as ``start``. Every node of ``[start, len)`` that no request
+        locks (no one reads its slots) and for which ``prefer(node_slots, offered_slots)``
+        takes the offered slots, and the caller frees the node's old ones; elsewhere the caller
+        frees its offered slots as with a plain ``insert``. Either way each position keeps one
+        copy, so sizes and ownership stay as they were.
+        """
+        if self.disable:
+            return np.asarray(kv_slots[start:], dtype=np.int32)
+        key = np.asarray(token_ids, dtype=np.int32)
+        value = np.asarray(kv_slots, dtype=np.int32)
+        give_back: list[np.ndarray] = []
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(self.child_key(key, pos))
+            n = 0 if child is None else len(child.key)
+            if child is None or not np.array_equal(child.key, key[pos : pos + n]):
+                raise ValueError(f"positions [{pos}, {len(key)}) are not cached as whole nodes")
+            if pos >= start:
+                offered = value[pos : pos + n]
+                if child.lock_ref == 0 and prefer(child.value, offered):
+                    give_back.append(child.value)
+                    child.value = offered.copy()
+                else:
+                    give_back.append(offered)
+            elif pos + n > start:
+                raise ValueError(f"position {start} is inside a node")
+            node, pos = child, pos + n
+        return np.concatenate(give_back) if give_back else _EMPTY.copy()
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Split ``child`` after its first ``n`` tokens (0 < n < len, whole pages); return the

@@ -1,8 +1,9 @@
 """ModelRunner: owns the model, the KV cache and the memory pools; runs one jitted step.
 
 A step is the model forward plus sampling, jitted once per (mode, padded tokens, padded rows).
-The KV cache, the device page table, the last-token buffer and the routed-experts device buffer
-are donated into the step and replaced by its outputs, so they are updated in place. Every
+The KV cache, the device page table and the last-token buffer are donated into the step and
+replaced by its outputs, so they are updated in place (routed-experts rows are a fresh output
+of each step, their host copy started at dispatch when the batch asks for them). Every
 trace of the step is counted in ``num_compiles``: after precompilation, serving inside the
 buckets must leave it flat.
 
@@ -54,11 +55,7 @@ from sgl_jax.srt.layers.attention import (
 )
 from sgl_jax.srt.layers.moe.ep_moe import ExpertMapping
 from sgl_jax.srt.layers.moe.experts import resolve_moe_backend
-from sgl_jax.srt.layers.moe.routed_experts_capturer import (
-    RoutedExpertsCapturer,
-    get_global_experts_capturer,
-    set_global_experts_capturer,
-)
+from sgl_jax.srt.layers.moe.routed_experts_capturer import RoutedExpertsCapturer
 from sgl_jax.srt.layers.sampler import sample
 from sgl_jax.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from sgl_jax.srt.model_loader.loader import abstract_model, load_model
@@ -74,7 +71,8 @@ DEFAULT_KV_BUDGET_BYTES = 1 << 30
 class StepOutput:
     next_token_ids: jax.Array  # [B_pad] int32
     logits: jax.Array  # [B_pad, vocab] float32
-    routed_rows: jax.Array | None  # [T_pad, layers, k] int32, when the capturer is enabled
+    # [T_pad, layers, k] in the host table's dtype (no router = its maximum), when enabled
+    routed_rows: jax.Array | None
 
 
 def make_mesh(devices: Sequence[Any], tp_size: int, ep_size: int) -> Mesh:
@@ -122,13 +120,12 @@ class ModelRunner:
         self.mesh = make_mesh(devices, server_args.tp_size, server_args.ep_size)
         self.platform = devices[0].platform
         self.dtype = resolve_dtype(server_args.dtype, self.platform)
-        self.backends = ModelBackends(
-            attention=create_attention_backend(
-                server_args.attention_backend, self.platform, model_config.head_dim,
-                server_args.attention_block_size,
-            ),
-            moe=resolve_moe_backend(server_args.moe_backend, self.platform),
+        # Chosen (and checked) before loading; bundled with the capturer in self.backends.
+        attention = create_attention_backend(
+            server_args.attention_backend, self.platform, model_config.head_dim,
+            server_args.attention_block_size,
         )
+        moe_backend = resolve_moe_backend(server_args.moe_backend, self.platform)
         mapping = server_args.ep_expert_mapping
         self.expert_mapping = ExpertMapping.parse(mapping) if mapping else None
         self.max_running_requests = int(server_args.max_running_requests)
@@ -184,27 +181,17 @@ class ModelRunner:
             num_tokens=1 if abstract else num_slots,
             max_running_requests=self.max_running_requests,
             chunked_prefill_size=server_args.chunked_prefill_size,
+            weights=server_args.enable_return_routed_expert_weights,
         )
-        set_global_experts_capturer(capturer)
         self.capturer = capturer
-        if capturer.device_cache() is not None:
-            # Committed to the mesh like the step's own outputs, so that the first call and
-            # later calls see the same placement and share one compiled program.
-            cache = capturer.device_cache()
-            if abstract:
-                buf = cache.buffer
-                cache.buffer = jax.ShapeDtypeStruct(buf.shape, buf.dtype, sharding=replicated)
-                capturer.set_device_cache(cache)
-            else:
-                capturer.set_device_cache(jax.device_put(cache, replicated))
-        self._check_capture_capacity()
+        self.backends = ModelBackends(attention=attention, moe=moe_backend, capturer=capturer)
 
         self.num_compiles = 0
         self.last_step_host_bytes = 0
         self.compile_seconds: dict[tuple[int, int, int], float] = {}
         self._step = jax.jit(
             partial(self._step_impl, self.graphdef, self.param_treedef),
-            donate_argnums=(1, 2, 3, 4),
+            donate_argnums=(1, 2, 3),
         )
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -227,18 +214,6 @@ class ModelRunner:
             tokens = max(self.context_len, min(wanted, budget))
         return round_up(tokens, self.page_size)
 
-    def _check_capture_capacity(self) -> None:
-        limit = self.capturer.max_tokens()
-        if limit is None:
-            return
-        largest = max(max(self.token_paddings), max(self.bs_paddings))
-        if largest > limit:
-            raise ValueError(
-                f"a padded batch of {largest} tokens would not fit the routed-experts device "
-                f"buffer of max(chunked_prefill_size, max_running_requests) = {limit} rows; "
-                f"keep precompile_token_paddings and precompile_bs_paddings <= {limit}"
-            )
-
     def memory_report(self) -> dict[str, int]:
         return {
             "parameters": sum(_nbytes(x) for x in self.param_leaves),
@@ -250,7 +225,7 @@ class ModelRunner:
     # -- the jitted step ------------------------------------------------------------------------
     def _step_impl(
         self, graphdef: Any, param_treedef: Any, param_leaves: list, kv_caches: list,
-        req_to_page: jax.Array, last_tokens: jax.Array, routed_cache: Any, batch: ForwardBatch,
+        req_to_page: jax.Array, last_tokens: jax.Array, batch: ForwardBatch,
     ) -> tuple:
         self.num_compiles += 1  # runs only while tracing: one count per compiled shape
         model = nnx.merge(graphdef, jax.tree.unflatten(param_treedef, param_leaves))
@@ -263,28 +238,25 @@ class ModelRunner:
             req_to_page, req_slot, positions, batch.out_cache_loc, self.page_size
         )
         meta = AttentionMetadata.build(batch, token_to_req, positions, req_to_page, self.page_size)
-        capturer = get_global_experts_capturer()
-        capturer.begin_forward(routed_cache)
+        self.capturer.begin_forward(None)
         logits, kv_caches = model(batch, meta, kv_caches, self.backends)
-        routed_cache, routed_rows = capturer.end_forward(batch.num_tokens)
+        _, routed_rows = self.capturer.end_forward(batch.num_tokens)
         next_ids = sample(logits, batch.sampling)
         # Rows that only end a prompt chunk also write here; no step reads a slot's last token
         # before the step that samples the request's real next token has written it.
         last_tokens = last_tokens.at[batch.req_pool_indices].set(next_ids)
-        return next_ids, logits, kv_caches, req_to_page, last_tokens, routed_cache, routed_rows
+        return next_ids, logits, kv_caches, req_to_page, last_tokens, routed_rows
 
     def _step_args(self, batch: Any) -> tuple:
-        return (self.param_leaves, self.kv_caches, self.req_to_page, self.last_tokens,
-                self.capturer.device_cache(), batch)
+        return (self.param_leaves, self.kv_caches, self.req_to_page, self.last_tokens, batch)
 
     def forward(self, batch: ForwardBatch) -> StepOutput:
         """Dispatches one step (asynchronously: the outputs are futures until read)."""
         before = self.num_compiles
         t0 = time.perf_counter()
         with jax.set_mesh(self.mesh):  # the model's shard_map regions run on this mesh
-            (next_ids, logits, self.kv_caches, self.req_to_page, self.last_tokens, routed_cache,
+            (next_ids, logits, self.kv_caches, self.req_to_page, self.last_tokens,
              rows) = self._step(*self._step_args(batch))
-        self.capturer.set_device_cache(routed_cache)
         if self.num_compiles != before:
             next_ids.block_until_ready()
             key = shape_key(batch)
@@ -319,7 +291,10 @@ class ModelRunner:
         )
         # What this step copied from host to device (numpy leaves plus page rows sent).
         self.last_step_host_bytes = synced + sum(x.nbytes for x in jax.tree.leaves(batch))
-        return batch, self.forward(batch)
+        out = self.forward(batch)
+        if mwb.return_routed_experts:
+            self.capturer.start_copy(out.routed_rows)  # overlaps the step and the next one
+        return batch, out
 
     def _sync_prefix_pages(self, mwb: ModelWorkerBatch) -> int:
         """Sends the page row of each request that starts on a cached prefix the device page

@@ -1,13 +1,16 @@
-"""The compute backends a model's forward is traced with, chosen once at start-up."""
+"""What a model's forward is traced with besides its inputs, chosen once at start-up."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from sgl_jax.srt.layers.attention import AttentionBackend
+from sgl_jax.srt.layers.moe.routed_experts_capturer import RoutedExpertsCapturer
 
 
 @dataclass(frozen=True)
 class ModelBackends:
     attention: AttentionBackend  # --attention-backend
     moe: str  # --moe-backend, resolved: "dense" or "ragged"
+    # The runner's own capturer: MoE layers record their top-k ids with it while traced.
+    capturer: RoutedExpertsCapturer

@@ -17,7 +17,6 @@ from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch_info import ForwardBatch
 from sgl_jax.srt.layers.attention import AttentionMetadata, write_kv
 from sgl_jax.srt.layers.moe.ep_moe import W_DOWN_SPEC, W_GATE_UP_SPEC, ep_moe_forward
-from sgl_jax.srt.layers.moe.routed_experts_capturer import get_global_experts_capturer
 from sgl_jax.srt.layers.moe.topk import select_experts
 from sgl_jax.srt.layers.norm import RMSNorm
 from sgl_jax.srt.layers.rotary import apply_rotary
@@ -100,7 +99,7 @@ class Qwen3MoeSparseMoeBlock(nnx.Module):
         router_logits = x.astype(jnp.float32) @ self.gate[...]
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         # Logical ids, captured once, before any device-expert mapping is applied.
-        get_global_experts_capturer().capture(self.layer_id, topk_ids)
+        backends.capturer.capture(self.layer_id, topk_ids, topk_weights)
         return ep_moe_forward(
             x, topk_ids, topk_weights, self.w_gate[...], self.w_up[...], self.w_down[...],
             self.expert_order, backend=backends.moe,

@@ -12,7 +12,17 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    model_validator,
+)
+
+from sgl_jax.srt.managers.io_struct import GenerateReqInput
+from sgl_jax.srt.managers.request_options import RequestOptions, option_fields
 
 # n copies of every prompt are scheduled as independent requests; bound it so one request
 # cannot queue an unbounded amount of work.
@@ -94,7 +104,18 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class OpenAISamplingRequest(_Request):
+def _set_options(body: BaseModel) -> dict[str, Any]:
+    """The request options a body sets (checked later by ``RequestOptions.validate``)."""
+    return {name: getattr(body, name) for name in RequestOptions.names()
+            if name in body.model_fields_set}
+
+
+# The request options (sgl_jax extensions; the `openai` client sends them through extra_body),
+# declared by RequestOptions.
+_OpenAIOptions = create_model("OpenAIOptions", __base__=_Request, **option_fields())
+
+
+class OpenAISamplingRequest(_OpenAIOptions):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None  # None: the served model
@@ -115,9 +136,6 @@ class OpenAISamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # sgl_jax extensions (the `openai` client sends them through extra_body).
-    return_routed_experts: bool = False
-    routed_experts_start_len: int | None = None
 
     def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
         """SGLang sampling parameters; None values mean "engine default"."""
@@ -141,6 +159,9 @@ class OpenAISamplingRequest(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def options(self) -> dict[str, Any]:
+        return _set_options(self)
+
 
 class CompletionRequest(OpenAISamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -155,8 +176,21 @@ class ChatMessage(BaseModel):
     # Extra keys (name, tool_calls, ...) are kept: the chat template may use them.
     model_config = ConfigDict(extra="allow", strict=True)
     role: str
-    # A string, None, or OpenAI content parts; the tokenizer checks the parts (text only).
+    # A string or OpenAI content parts (the tokenizer checks the parts: text only). Only an
+    # assistant message that makes tool calls may go without, as with OpenAI.
     content: str | list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        if self.content is None:
+            extra = self.model_extra or {}
+            calls = extra.get("tool_calls") or extra.get("function_call")
+            if not (self.role == "assistant" and calls):
+                raise ValueError(
+                    f"a '{self.role}' message needs 'content' (only an assistant message with "
+                    f"'tool_calls' may omit it)"
+                )
+        return self
 
 
 class ChatCompletionRequest(OpenAISamplingRequest):
@@ -166,17 +200,24 @@ class ChatCompletionRequest(OpenAISamplingRequest):
     top_logprobs: int | None = None
 
 
-class GenerateRequest(BaseModel):
-    """The native /generate body (GenerateReqInput's fields)."""
-
+class _GenerateBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     rid: str | list[str] | None = None
     stream: bool = False
-    return_routed_experts: bool | list[bool] = False
-    routed_experts_start_len: int | list[int | None] | None = None
+
+    def to_input(self) -> GenerateReqInput:
+        return GenerateReqInput(
+            text=self.text, input_ids=self.input_ids, sampling_params=self.sampling_params,
+            rid=self.rid, stream=self.stream, options=_set_options(self),
+        )
+
+
+# The native /generate body: GenerateReqInput's fields, the request options flat beside them
+# (each a value, or a list of one value per prompt of a batch).
+GenerateRequest = create_model("GenerateRequest", __base__=_GenerateBody, **option_fields())
 
 
 class AbortRequest(BaseModel):

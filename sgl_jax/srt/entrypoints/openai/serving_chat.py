@@ -28,6 +28,7 @@ from sgl_jax.srt.entrypoints.openai.serving_completions import (
     OpenAIServing,
     finish_reason,
     matched_stop,
+    stream_meta,
 )
 
 
@@ -58,7 +59,7 @@ class ChatPlan(OpenAIPlan):
         )
         choice = ChatStreamChoice(
             index=index, delta=delta, finish_reason=finish_reason(meta),
-            matched_stop=matched_stop(meta), meta_info=meta if final else None,
+            matched_stop=matched_stop(meta), meta_info=stream_meta(meta, final),
         )
         return ChatCompletionStreamResponse(id=self.response_id, model=self.model,
                                             choices=[choice])

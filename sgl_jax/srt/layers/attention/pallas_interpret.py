@@ -23,7 +23,7 @@ i.e. a ``BitcastTransform``, which has the same problem.)
 
 Patch
 -----
-``tpu_interpret_mode()`` wraps the two module-level host callbacks ``get`` and
+``enable_tpu_interpret_mode()`` wraps the two module-level host callbacks ``get`` and
 ``swap`` of ``jax._src.pallas.mosaic.interpret.interpret_pallas_call``
 (the interpreter looks them up as module globals each time it traces a
 load/get/swap equation, so replacing the attribute is sufficient).  When the
@@ -50,18 +50,23 @@ propagate), write the (masked) value, and store the whole prefix region back
 with the original ``swap``.  Reads/stores without reshape/bitcast go straight
 to the original functions, so behaviour for every other kernel is unchanged.
 
-Everything is undone when the context manager exits.  Only use this in
-tests / CPU interpret mode.
+Under ``shard_map`` on several CPU devices a third problem appears: JAX's ``io_callback``
+implementation ``device_put``s the callback's arguments onto CPU device 0 and waits for them,
+while device 0 may itself be blocked in a callback of the same program (the interpreter
+synchronises devices with barriers): a deadlock. ``enable_tpu_interpret_mode`` therefore also
+hands the callbacks XLA's host (numpy) arguments directly.
+
+Only for tests / CPU interpret mode: it changes the process for good.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import types
 
 import jax
 import numpy as np
+from jax._src import callback as _jax_callback
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as _ipc
 from jax._src.pallas.mosaic.interpret import params as _ip_params
 from jax._src.pallas.mosaic.interpret import shared_memory as _shm
@@ -69,7 +74,7 @@ from jax._src.pallas.mosaic.interpret import vector_clock as _vc
 from jax._src.state import indexing as _indexing
 from jax._src.state import types as _state_types
 
-__all__ = ["tpu_interpret_mode"]
+__all__ = ["enable_tpu_interpret_mode"]
 
 
 # ----------------------------------------------------------------------------
@@ -240,28 +245,6 @@ def _make_swap_buffer_content(orig):
     return swap_buffer_content
 
 
-@contextlib.contextmanager
-def tpu_interpret_mode(params: _ip_params.InterpretParams | None = None):
-    """Force TPU interpret mode for pallas_calls traced inside this context and
-    teach it about reshaped / bitcast refs and masked stores.
-
-    Kernels must be *traced* (jit-compiled) inside the context.  The patched
-    callbacks are captured into the jaxpr at trace time, so an executable that
-    was compiled inside the context keeps working after it exits; a function
-    first traced outside the context is lowered for a real TPU as usual.
-    """
-    if params is None:
-        params = _ip_params.InterpretParams()
-    orig_get, orig_swap = _ipc.get, _ipc.swap
-    _ipc.get = _make_get(orig_get)
-    _ipc.swap = _make_swap(orig_get, orig_swap)
-    try:
-        with _ipc.force_tpu_interpret_mode(params):
-            yield
-    finally:
-        _ipc.get, _ipc.swap = orig_get, orig_swap
-
-
 _enabled = False
 
 
@@ -278,4 +261,18 @@ def enable_tpu_interpret_mode() -> None:
     _ipc.swap = _make_swap(_ipc.get, _ipc.swap)
     _ipc.get = _make_get(_ipc.get)
     _ipc.set_tpu_interpret_mode(_ip_params.InterpretParams())
+    _jax_callback.io_callback_impl = _host_io_callback_impl
     _enabled = True
+
+
+def _host_io_callback_impl(*args, result_avals, callback, sharding, ordered):
+    """``io_callback`` whose host function gets the numpy arrays XLA handed over.
+
+    JAX's own implementation first ``device_put``s them onto CPU device 0. Under ``shard_map``
+    on several (fake) CPU devices that transfer waits for device 0's stream, which is busy
+    running the very program whose other device is blocked in its own callback (or at the
+    interpreter's cross-device barrier): a deadlock. The interpreter's callbacks only read
+    their arguments with numpy, so no device array is needed.
+    """
+    del result_avals, sharding, ordered
+    return jax.tree.map(np.asarray, callback(*args))

@@ -1,0 +1,187 @@
+"""Finish-time cost of routed experts through the real processes and HTTP (M9 item 3).
+
+Run by ``bench_serialization.py --finish`` (or directly). A random checkpoint with Qwen3-30B-A3B's
+routing shape (48 layers, 128 experts, top-8) and tiny widths (``make_random_model``), served by
+a real server (``sgl_jax.launch_server``: HTTP process, scheduler, detokenizer) on CPU:
+
+- **long**: one request of ``--long-tokens`` prompt tokens (32k) with ``max_new_tokens`` 2;
+- **burst**: ``--burst`` concurrent requests of ``--burst-tokens`` prompt tokens (64 x 8k) that
+  finish in the same step.
+
+Each prompt is first sent once with routed experts, so its KV and rows are in the prefix cache:
+the measured requests compute one token each, and what differs between asking and not asking is
+the finish-time path alone (gather rows [start_len, seq_len-1), scheduler -> detokenizer ->
+tokenizer manager transport, base64, the JSON response, the client reading it). Variants
+("off": no routed experts; "int32" / "uint8": ``routed_experts_dtype``) are interleaved in
+rounds, order rotated; the figures are medians. "added" = variant minus off.
+
+Peak RSS: each server process's high-water mark is reset (``/proc/PID/clear_refs``) before a
+burst round and read (``VmHWM``) after it; reported as the rise over the resident size before
+the round, beside the payload (the rows of all requests in the round, in the wire dtype).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import requests
+
+from sgl_jax.testing import ServerProcess, server_flags
+
+LAYERS, TOP_K = 48, 8
+VARIANTS = {"off": None, "int32": "int32", "uint8": "uint8"}
+
+
+def make_model(context: int) -> str:
+    path = os.path.join(tempfile.gettempdir(), f"sgl_jax_bench_finish_{context}")
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        from sgl_jax.tools.make_random_model import write_random_model
+
+        write_random_model(path, "qwen3-30b-a3b-routing",
+                           {"max_position_embeddings": context}, seed=0, check_routing=False)
+    return path
+
+
+def _proc_tree(pid: int) -> dict[str, int]:
+    """{role: pid} of the server and its children."""
+    out = {"http": pid}
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except OSError:
+        children = []
+    for c in children:
+        try:
+            with open(f"/proc/{c}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        role = "scheduler" if "scheduler" in cmd else "detokenizer" if "detok" in cmd else str(c)
+        out[role] = c
+    return out
+
+
+def _status(pid: int, key: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak(pid: int) -> None:
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _payload(dtype: str | None, rows: int) -> int:
+    return 0 if dtype is None else rows * LAYERS * TOP_K * np.dtype(dtype).itemsize
+
+
+def _generate(url: str, ids: list[int], dtype: str | None) -> tuple[float, int]:
+    body: dict[str, Any] = {"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True}}
+    if dtype is not None:
+        body.update(return_routed_experts=True, routed_experts_dtype=dtype)
+    t0 = time.perf_counter()
+    r = requests.post(url + "/generate", json=body, timeout=600)
+    data = r.content
+    secs = time.perf_counter() - t0
+    assert r.status_code == 200, r.text[:500]
+    return secs, len(data)
+
+
+def _round(url: str, prompt: list[int], n: int, dtype: str | None) -> list[float]:
+    if n == 1:
+        return [_generate(url, prompt, dtype)[0]]
+    with cf.ThreadPoolExecutor(n) as pool:
+        return [s for s, _ in pool.map(lambda _: _generate(url, prompt, dtype), range(n))]
+
+
+def run(args: argparse.Namespace) -> list[str]:
+    context = args.long_tokens + 64
+    path = make_model(context)
+    vocab = 512
+    rng = np.random.default_rng(0)
+    long_prompt = rng.integers(10, vocab, args.long_tokens).tolist()
+    burst_prompt = rng.integers(10, vocab, args.burst_tokens).tolist()
+    flags = server_flags(
+        model_path=path, enable_return_routed_experts=True, context_length=context,
+        chunked_prefill_size=args.chunk, precompile_token_paddings=[64, args.chunk],
+        precompile_bs_paddings=[1, args.burst], max_running_requests=args.burst,
+        # Room for both prompts' cached KV and the burst's reservations, so that no round
+        # evicts a prompt (a 32k-token prefill takes minutes on a CPU).
+        max_total_tokens=context + args.burst_tokens + args.burst * 512 + 4096,
+        disable_precompile=True,
+        log_level="warning",
+    )
+    server = ServerProcess(flags, startup_timeout=600)
+    lines: list[str] = []
+    try:
+        procs = _proc_tree(server.proc.pid)
+        t0 = time.perf_counter()
+        for prompt in (long_prompt, burst_prompt):  # prefill once, rows into the prefix cache
+            _generate(server.url, prompt, "int32")
+        print(f"warm-up prefill {time.perf_counter() - t0:.0f} s", flush=True)
+        for prompt, n in ((long_prompt, 1), (burst_prompt, args.burst)):  # compile all shapes
+            for dtype in VARIANTS.values():
+                _round(server.url, prompt, n, dtype)
+
+        scenarios = [("long", long_prompt, 1), ("burst", burst_prompt, args.burst)]
+        for name, prompt, n in scenarios:
+            times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            peaks: dict[str, dict[str, list[int]]] = {v: {r: [] for r in procs} for v in VARIANTS}
+            order = list(VARIANTS)
+            for i in range(args.repeats):
+                for v in order[i % len(order):] + order[: i % len(order)]:
+                    before = {r: _status(p, "VmRSS") for r, p in procs.items()}
+                    for p in procs.values():
+                        _reset_peak(p)
+                    times[v] += _round(server.url, prompt, n, VARIANTS[v])
+                    for r, p in procs.items():
+                        peaks[v][r].append(_status(p, "VmHWM") - before[r])
+            rows = len(prompt) + 1  # seq_len - 1 with 2 new tokens
+            off = statistics.median(times["off"]) * 1e3
+            lines.append(f"\n**{name}**: {n} request(s) x {len(prompt)} prompt tokens, "
+                         f"{args.repeats} rounds\n")
+            lines.append("| variant | payload / request | latency p50 ms | max ms | added p50 ms | "
+                         + " | ".join(f"peak RSS rise {r} MiB" for r in procs) + " |")
+            lines.append("|---|---:|---:|---:|---:|" + "---:|" * len(procs))
+            for v, dtype in VARIANTS.items():
+                med = statistics.median(times[v]) * 1e3
+                peak = " | ".join(f"{max(peaks[v][r]) / 2**20:.0f}" for r in procs)
+                lines.append(f"| {v} | {_payload(dtype, rows) / 2**20:.1f} MiB | {med:.1f} | "
+                             f"{max(times[v]) * 1e3:.1f} | {med - off:+.1f} | {peak} |")
+            print("\n".join(lines[-(len(VARIANTS) + 3):]), flush=True)
+    finally:
+        server.stop()
+    return lines
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--long-tokens", type=int, default=32768)
+    p.add_argument("--burst", type=int, default=64)
+    p.add_argument("--burst-tokens", type=int, default=8192)
+    p.add_argument("--chunk", type=int, default=4096, help="chunked prefill size")
+    p.add_argument("--repeats", type=int, default=5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    print(f"`python {' '.join(sys.argv)}`")
+    print("\n".join(run(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

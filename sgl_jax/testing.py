@@ -1,0 +1,136 @@
+"""What tests and benchmarks share: the fast settings, and one launcher of a real server.
+
+``FAST_SETTINGS`` are the ServerArgs that keep a start-up short on a CPU (few, small compile
+buckets; the persistent compilation cache makes restarts cheap). ``engine_args`` gives them as
+``Engine(**kwargs)``, ``server_flags`` as command-line flags, both with overrides.
+
+``ServerProcess`` starts ``python -m sgl_jax.launch_server`` on a free loopback port, its log in
+a temp file, and waits until ``/health`` answers; a server that fails to start raises with the
+log's tail. Needs the ``test`` extra (``requests``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import requests
+
+from sgl_jax.srt.server_args import ServerArgs
+from sgl_jax.srt.utils import free_port
+
+FAST_SETTINGS: dict[str, Any] = {
+    "precompile_bs_paddings": [1, 4],  # max_running_requests follows: 4
+    "precompile_token_paddings": [64, 256],
+    "chunked_prefill_size": 256,
+}
+
+
+def engine_args(**overrides: Any) -> dict[str, Any]:
+    """``Engine(**engine_args(...))``: the fast settings, quiet logs, then ``overrides``."""
+    return {**FAST_SETTINGS, "log_level": "warning", **overrides}
+
+
+def server_flags(**overrides: Any) -> list[str]:
+    """The fast settings and ``overrides`` (ServerArgs fields) as launch_server flags."""
+    names = {f.name for f in dataclasses.fields(ServerArgs)}
+    flags: list[str] = []
+    for name, value in {**FAST_SETTINGS, **overrides}.items():
+        if name not in names:
+            raise TypeError(f"{name!r} is not a ServerArgs field")
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            if value:  # boolean flags are off unless given
+                flags.append(flag)
+        elif isinstance(value, list | tuple):
+            flags += [flag, *map(str, value)]
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0,
+               interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+class ServerProcess:
+    """A real server process on ``127.0.0.1:<free port>`` (``url``), ready when constructed."""
+
+    def __init__(self, args: list[str], api_key: str | None = None,
+                 startup_timeout: float = 180.0, env: dict[str, str] | None = None,
+                 log_prefix: str = "sgl_jax_server_") -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        fd, self.log_path = tempfile.mkstemp(prefix=log_prefix, suffix=".log")
+        self._log = os.fdopen(fd, "w")
+        cmd = [sys.executable, "-m", "sgl_jax.launch_server", "--host", "127.0.0.1",
+               "--port", str(self.port), *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        try:
+            self._wait_healthy(startup_timeout)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with code {self.proc.returncode} at "
+                                   f"start-up; log:\n{self.log()[-5000:]}")
+            try:
+                if requests.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"the server was not healthy within {timeout}s; log:\n"
+                           f"{self.log()[-5000:]}")
+
+    def get(self, path: str, **kw: Any) -> requests.Response:
+        return requests.get(self.url + path, headers=self.headers, timeout=60, **kw)
+
+    def post(self, path: str, **kw: Any) -> requests.Response:
+        kw.setdefault("timeout", 60)
+        return requests.post(self.url + path, headers={**self.headers, **kw.pop("headers", {})},
+                             **kw)
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        """Sends ``sig`` and returns the exit code (kills after ``timeout``)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)

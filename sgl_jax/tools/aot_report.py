@@ -1,0 +1,694 @@
+"""TPU ahead-of-time cost and memory report of the engine's step, on a machine without a TPU.
+
+    python -m sgl_jax.tools.aot_report --model-config qwen3-30b-a3b --topology v6e:2x2 \\
+        --tp-size 4 --decode-bs 64 256 --prefill-tokens 2048 --prefill-requests 8 \\
+        --context-len 4096 [--json]
+
+libtpu (``pip install "sgl_jax[tpu]"``) provides compile-only TPU devices for a named topology
+(``jax.experimental.topologies``); the CPU stays JAX's default backend. The model runner is
+built in abstract mode (no weights: parameters, KV cache and buffers are sharded
+``jax.ShapeDtypeStruct``), and for every bucket the very step the engine serves
+(``ModelRunner.lower_bucket``) is compiled by XLA:TPU. ``--model-config`` needs only a
+``config.json`` (a checkpoint directory, the file itself, or a bundled name:
+``qwen3-30b-a3b``, ``qwen3-235b-a22b``).
+
+Buckets: decode at each ``--decode-bs`` with every request at ``--context-len`` positions of
+context; prefill of ``--prefill-tokens`` tokens split evenly over ``--prefill-requests`` new
+requests (no cached prefix), compiled with the rows the engine uses for that token bucket.
+
+What is reported, per bucket (``--json``: one list, one object per bucket):
+
+- ``compiled_flops`` / ``bytes_accessed``: the compiled program's cost, summed over all devices
+  = ``xla_*`` + ``kernel_*``. ``xla_*`` is XLA's ``cost_analysis()``, which on JAX 0.10.2 /
+  libtpu is PER DEVICE (a matmul sharded 4 ways reports 1/4 of the FLOPs; checked), so it is
+  multiplied by the device count. XLA cannot see inside a Pallas kernel (it counts 0 FLOPs and
+  ~0 bytes for the ragged paged attention custom call), so ``kernel_*`` adds each kernel call's
+  work analytically: ``4 * (heads / tp) * head_dim * sum(q_len * kv_len)`` FLOPs and one read of
+  each sequence's K/V plus the queries and outputs (a lower bound: the kernel re-reads K/V per
+  query block in prefill). Two more properties of XLA's count: a ``while`` loop's body is
+  counted once whatever its trip count (the ``native`` attention backend's block loop is thus
+  nearly invisible), and a ``cond`` counts its most expensive branch (the sampler's
+  full-vocabulary sort fallback, which runs only when some row's top-k/top-p support is not
+  inside the 1024 most probable ids, is counted in every bucket; ``--sampler-breakdown``
+  compiles the sampler alone and reports its share and ``roofline_ms_without_sampler``). With
+  the ragged expert backend and ``ep_size > 1``, XLA counts every ``ragged_dot`` at its static
+  size, all ``T * k`` token-expert rows on every device of the "expert" axis, though only the
+  device's own share is in its groups: ``ragged_static_excess_flops`` is that excess
+  (``(ep - 1)`` times the ideal expert FLOPs) and ``flops_ratio_local_rows`` the ratio without it.
+- ``ideal_flops``: from the config, ``2 * active_params * tokens + 2 * hidden * vocab * requests
+  + attention``; active parameters per token and layer are the attention projections
+  (``hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden``) plus, in a MoE
+  layer, the router (``hidden * experts``) and the top-k experts' three matrices
+  (``k * 3 * hidden * moe_intermediate``), in a dense layer the MLP
+  (``3 * hidden * intermediate``); the LM head counts once per request (the sampled row);
+  attention over the actual context is ``4 * heads * head_dim * sum(q_len * kv_len)`` per layer
+  (decode: one query per request over ``context_len`` positions; prefill: causal,
+  ``n * (n + 1) / 2`` per request of ``n`` tokens). ``flops_ratio = compiled / ideal``: above 1
+  by work replicated over devices (attention, router and LM head on every device of the
+  "expert" axis; the sampler on all), padded rows, the sampler and the static ragged_dot count.
+- ``peak_hbm_bytes_per_device``: from ``memory_analysis()`` (per device): arguments (parameters
+  + KV cache + buffers) + outputs not aliased to donated arguments + temporaries + program code.
+  Parameters and KV cache per device are broken out from the shardings.
+- ``roofline_ms``: ``max(flops / peak FLOP/s, bytes / HBM bandwidth)`` per device, with the
+  chip's published bf16 peak and HBM bandwidth (communication over ICI is not modelled);
+  ``tokens_per_s = tokens / roofline``.
+
+A layout that cannot hold parameters + KV cache in HBM (per device) exits with code 2 and says
+what to change. ``--scale-from-layers A B`` compiles truncated models of A and B layers and
+extrapolates every compiled figure linearly to the model's depth (for deep models, whose full
+compile takes long); the per-device parameter and KV figures are always the full model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("aot_report")
+
+BUNDLED_CONFIGS = Path(__file__).resolve().parents[1] / "assets" / "configs"
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    name: str
+    bf16_flops: float  # peak bf16 FLOP/s per chip
+    hbm_bytes: float  # HBM capacity per chip
+    hbm_bandwidth: float  # HBM bytes/s per chip
+    cores_per_chip: int  # TensorCores per chip (a compile-only device may be one core)
+
+
+# Published per-chip figures, Google Cloud TPU documentation ("System architecture" tables):
+#   v4:  https://cloud.google.com/tpu/docs/v4   275 TFLOPs bf16, HBM2 32 GiB, 1200 GBps, 2 cores
+#   v5e: https://cloud.google.com/tpu/docs/v5e  197 TFLOPs bf16, HBM2 16 GB, 819 GBps
+#   v5p: https://cloud.google.com/tpu/docs/v5p  459 TFLOPs bf16, HBM2e 95 GB, 2765 GBps, 2 cores
+#   v6e: https://cloud.google.com/tpu/docs/v6e  918 TFLOPs bf16, HBM 32 GB, 1640 GBps
+# (GB/GBps taken as 1e9, GiB as 2**30, as printed. XLA:TPU itself lets a program use about
+# 15.7 GiB on v5e, 31.2 GiB on v6e, 95.7 GiB on v5p and 15.2 GiB per v4 core.)
+CHIPS = {
+    "v4": Chip("v4", 275e12, 32 * GiB, 1200e9, 2),
+    "v5e": Chip("v5e", 197e12, 16e9, 819e9, 1),
+    "v5p": Chip("v5p", 459e12, 95e9, 2765e9, 2),
+    "v6e": Chip("v6e", 918e12, 32e9, 1640e9, 1),
+}
+# jax.Device.device_kind -> chip
+DEVICE_KINDS = {
+    "TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
+    "TPU v6 lite": "v6e", "TPU v6e": "v6e",
+}
+# Names the Pallas ragged paged attention kernel carries in compiled HLO (op_name metadata).
+ATTENTION_KERNEL = "ragged_paged_attention"
+
+
+class DoesNotFit(Exception):
+    """The layout cannot hold the model: exit code 2."""
+
+
+class ReportError(Exception):
+    """A usage or environment error with a message for the user: exit code 1."""
+
+
+# -- environment ----------------------------------------------------------------------------
+def prepare_environment() -> None:
+    """Before JAX is imported: compile-only TPU devices next to a default CPU backend."""
+    if importlib.util.find_spec("libtpu") is None:
+        raise ReportError(
+            "compiling for TPU topologies needs libtpu, which is not installed. "
+            'Install it with: pip install "sgl_jax[tpu]"'
+        )
+    # The CPU stays the default backend (no TPU is attached; on a TPU VM this also leaves the
+    # chips free). Without TPU_WORKER_HOSTNAMES libtpu logs an error looking for TPU workers;
+    # TPU_SKIP_MDS_QUERY avoids asking a GCE metadata server about TPUs; libtpu's lockfile
+    # would otherwise allow one such process per machine (tests, two reports at once).
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def topology_devices(name: str) -> list[Any]:
+    from jax.experimental import topologies
+
+    try:
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+    except Exception as e:  # libtpu raises JaxRuntimeError / ValueError with its own text
+        raise ReportError(
+            f"cannot create the TPU topology {name!r} ({e}); use names like v5e:2x2, "
+            "v6e:2x4, v5p:2x2x1, v4:2x2x1"
+        ) from e
+
+
+def chip_of(device: Any, overrides: argparse.Namespace) -> tuple[Chip, float]:
+    """The chip and the fraction of it one compile-only device is (v4: one of two cores)."""
+    key = DEVICE_KINDS.get(device.device_kind)
+    chip = CHIPS.get(key) if key else None
+    if chip is None:
+        if None in (overrides.peak_tflops, overrides.hbm_gb, overrides.hbm_gbps):
+            raise ReportError(
+                f"no published figures for device kind {device.device_kind!r}; pass "
+                "--peak-tflops, --hbm-gb and --hbm-gbps"
+            )
+        chip = Chip(device.device_kind, 0.0, 0.0, 0.0, 1)
+    chip = dataclasses.replace(
+        chip,
+        bf16_flops=overrides.peak_tflops * 1e12 if overrides.peak_tflops else chip.bf16_flops,
+        hbm_bytes=overrides.hbm_gb * 1e9 if overrides.hbm_gb else chip.hbm_bytes,
+        hbm_bandwidth=overrides.hbm_gbps * 1e9 if overrides.hbm_gbps else chip.hbm_bandwidth,
+    )
+    cores = getattr(device, "num_cores", chip.cores_per_chip) or chip.cores_per_chip
+    return chip, min(1.0, cores / chip.cores_per_chip)
+
+
+@contextlib.contextmanager
+def kernel_tuning_for(device_kind: str) -> Iterator[None]:
+    """JAX's ragged paged attention picks its block sizes from a table keyed by
+    ``jax.devices()[0].device_kind``, the CPU here (it then refuses to run: "TPU version must
+    be 4 or higher"). While lowering, it is told the target chip instead, so the compiled
+    kernel is the one a real TPU of that kind would run."""
+    try:
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+            tuned_block_sizes as tuned,
+        )
+    except ImportError:
+        yield
+        return
+    kind = device_kind[: -len(" lite")] if device_kind.endswith(" lite") else device_kind
+    version = int(kind[-1]) if kind[-1:].isdigit() else -1
+    name = " ".join(device_kind.split()[:2])
+    saved = tuned.get_tpu_version, tuned.get_device_name
+    tuned.get_tpu_version = lambda: version
+    tuned.get_device_name = lambda num_devices=None: (
+        name if num_devices is None else f"{name}-{num_devices}"
+    )
+    try:
+        yield
+    finally:
+        tuned.get_tpu_version, tuned.get_device_name = saved
+
+
+# -- model ----------------------------------------------------------------------------------
+def resolve_config_path(spec: str) -> tuple[str, dict]:
+    """``--model-config`` -> (model directory, raw HF config)."""
+    path = Path(os.path.expanduser(spec))
+    if not path.exists() and (BUNDLED_CONFIGS / spec / "config.json").is_file():
+        path = BUNDLED_CONFIGS / spec
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        bundled = sorted(p.name for p in BUNDLED_CONFIGS.iterdir() if p.is_dir())
+        raise ReportError(
+            f"--model-config {spec!r}: no config.json there; give a checkpoint directory, a "
+            f"config.json file or a bundled config name ({', '.join(bundled)})"
+        )
+    with open(file, encoding="utf-8") as f:
+        return str(file.parent), json.load(f)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    mode: str  # "decode" | "prefill"
+    tokens: int  # real tokens of the step (= padded tokens here)
+    requests: int  # real requests (rows sampled)
+    rows: int  # padded rows the engine compiles this bucket with
+    q_len: int  # new tokens per request
+    prefix: int  # cached positions per request before the step
+
+    @property
+    def context_len(self) -> int:
+        """KV length of each request's last token."""
+        return self.prefix + self.q_len
+
+    @property
+    def q_kv_pairs(self) -> int:
+        """sum over query tokens of the positions each attends to (causal)."""
+        n, p = self.q_len, self.prefix
+        return self.requests * (n * p + n * (n + 1) // 2)
+
+
+def active_params_per_token(cfg: Any) -> tuple[int, int]:
+    """(per-token parameters of all decoder layers, LM head parameters)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    attn = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
+    attn += cfg.num_attention_heads * d * h
+    moe = h * cfg.num_experts + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size
+    dense = 3 * h * cfg.intermediate_size
+    layers = sum(attn + (moe if is_moe else dense) for is_moe in cfg.moe_layers)
+    return layers, h * cfg.vocab_size
+
+
+def ideal_flops(cfg: Any, b: Bucket) -> int:
+    layers, head = active_params_per_token(cfg)
+    attention = 4 * cfg.num_attention_heads * cfg.head_dim * b.q_kv_pairs * cfg.num_hidden_layers
+    return 2 * layers * b.tokens + 2 * head * b.requests + attention
+
+
+def kernel_cost_per_call(cfg: Any, b: Bucket, tp: int, itemsize: int) -> tuple[float, float]:
+    """Per device (FLOPs, bytes) of one ragged paged attention call (one layer)."""
+    heads, kv_heads = cfg.num_attention_heads / tp, cfg.num_key_value_heads / tp
+    flops = 4 * heads * cfg.head_dim * b.q_kv_pairs
+    kv = b.requests * b.context_len * 2 * kv_heads * cfg.head_dim * itemsize
+    q_out = 2 * b.tokens * heads * cfg.head_dim * itemsize
+    return flops, kv + q_out
+
+
+def shard_bytes(x: Any) -> int:
+    """Bytes of one device's shard of an abstract (sharded ShapeDtypeStruct) array."""
+    import numpy as np
+
+    shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) else x.shape
+    return math.prod(shape) * np.dtype(x.dtype).itemsize
+
+
+def with_layers(cfg: Any, n: int) -> Any:
+    """The config truncated to its first ``n`` decoder layers."""
+    return dataclasses.replace(cfg, num_hidden_layers=n, moe_layers=cfg.moe_layers[:n])
+
+
+# -- compile --------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Compiled:
+    """Per-device figures of one compiled bucket (floats: they may be extrapolated)."""
+
+    flops: float
+    bytes: float
+    arguments: float
+    outputs: float
+    aliased: float
+    temporaries: float
+    code: float
+    kernel_calls: float
+    seconds: float
+    sampler_flops: float = 0.0  # the sampler alone (--sampler-breakdown), not extrapolated
+    sampler_bytes: float = 0.0
+
+    @staticmethod
+    def extrapolate(a: Compiled, la: int, b: Compiled, lb: int, layers: int) -> Compiled:
+        def at(name: str) -> float:
+            va, vb = getattr(a, name), getattr(b, name)
+            if name == "code":  # program size grows sublinearly with depth: B's, a bound
+                return max(va, vb)
+            if name.startswith("sampler"):  # independent of depth
+                return vb
+            return vb + (vb - va) / (lb - la) * (layers - lb)
+
+        return Compiled(**{f.name: at(f.name) for f in dataclasses.fields(Compiled)})
+
+
+def compile_bucket(runner: Any, b: Bucket, device_kind: str) -> Compiled:
+    from sgl_jax.srt.forward_batch_info import ForwardMode
+
+    mode = ForwardMode.DECODE if b.mode == "decode" else ForwardMode.EXTEND
+    t0 = time.perf_counter()
+    with kernel_tuning_for(device_kind):
+        lowered = runner.lower_bucket(mode, b.tokens, b.rows)
+    try:
+        compiled = lowered.compile()
+    except Exception as e:
+        text = str(e)
+        if "RESOURCE_EXHAUSTED" in text and "memory space hbm" in text.lower():
+            raise DoesNotFit(
+                f"XLA:TPU could not fit the {b.mode} step of {b.tokens} tokens in HBM: "
+                f"{text.splitlines()[0][:400]}"
+            ) from e
+        if "RESOURCE_EXHAUSTED" in text and ("vmem" in text or "smem" in text):
+            raise ReportError(
+                f"XLA:TPU could not compile the {b.mode} step of {b.tokens} tokens: a Pallas "
+                "kernel's blocks exceed the chip's on-chip memory (the engine's kernel "
+                "configuration, not the model's size). The ragged paged attention kernel needs "
+                "fewer heads per device (a larger --tp-size) or, for SMEM (its page table), a "
+                f"larger --page-size. XLA: {' '.join(text.split())[:600]}"
+            ) from e
+        raise
+    seconds = time.perf_counter() - t0
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    mem = compiled.memory_analysis()
+    calls = sum(
+        1 for line in compiled.as_text().splitlines()
+        if "custom-call(" in line and ATTENTION_KERNEL in line
+    )
+    return Compiled(
+        flops=float(cost.get("flops", 0.0)),
+        bytes=float(cost.get("bytes accessed", 0.0)),
+        arguments=float(mem.argument_size_in_bytes),
+        outputs=float(mem.output_size_in_bytes),
+        aliased=float(mem.alias_size_in_bytes),
+        temporaries=float(mem.temp_size_in_bytes),
+        code=float(mem.generated_code_size_in_bytes),
+        kernel_calls=float(calls),
+        seconds=seconds,
+    )
+
+
+def compile_sampler(runner: Any, rows: int, vocab: int) -> tuple[float, float]:
+    """Per-device (FLOPs, bytes) of the engine's sampler alone on ``[rows, vocab]`` float32
+    logits split over the vocabulary like the LM head's (XLA counts its most expensive
+    branch: the full-vocabulary sort)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from sgl_jax.srt.layers.sampler import sample
+    from sgl_jax.srt.sampling.sampling_metadata import SamplingMetadata
+
+    replicated = NamedSharding(runner.mesh, P())
+    meta = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=replicated),
+        SamplingMetadata.from_params([], [], [], rows, vocab),
+    )
+    logits = jax.ShapeDtypeStruct(
+        (rows, vocab), jnp.float32, sharding=NamedSharding(runner.mesh, P(None, "tensor"))
+    )
+    with jax.set_mesh(runner.mesh):
+        cost = jax.jit(sample).lower(logits, meta).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+
+
+def build_runner(args: argparse.Namespace, model_dir: str, cfg: Any, devices: list) -> Any:
+    from sgl_jax.srt.model_executor.model_runner import ModelRunner
+    from sgl_jax.srt.server_args import ServerArgs
+
+    max_running = max(max(args.decode_bs), args.prefill_requests)
+    server_args = ServerArgs(
+        model_path=model_dir,
+        context_length=args.context_len,
+        max_running_requests=max_running,
+        # KV for every decode request at full context (and a whole prefill batch).
+        max_total_tokens=max(max_running * args.context_len, args.prefill_tokens),
+        chunked_prefill_size=args.prefill_tokens,
+        precompile_bs_paddings=sorted({*args.decode_bs, max_running}),
+        precompile_token_paddings=[args.prefill_tokens],
+        tp_size=args.tp_size,
+        ep_size=args.ep_size,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        moe_backend=args.moe_backend,
+        page_size=args.page_size,
+        enable_return_routed_experts=args.enable_return_routed_experts,
+        disable_precompile=True,
+    )
+    return ModelRunner(server_args, cfg, devices=devices, abstract=True)
+
+
+# -- report ---------------------------------------------------------------------------------
+def check_fit(params: int, kv: int, hbm: float, cfg: Any, args: argparse.Namespace,
+              kv_per_token: float) -> None:
+    if params + kv <= hbm:
+        return
+    free = hbm - params
+    if free > 0:
+        max_bs = int(free // (kv_per_token * args.context_len))
+        max_ctx = int(free // (kv_per_token * max(args.decode_bs)))
+        kv_hint = (
+            f"at --context-len {args.context_len} at most {max_bs} requests fit next to the "
+            f"parameters (or --decode-bs {max(args.decode_bs)} at --context-len <= {max_ctx})"
+        )
+    else:
+        kv_hint = "the parameters alone exceed a device's HBM"
+    raise DoesNotFit(
+        f"the model does not fit: parameters {params / GiB:.2f} GiB + KV cache {kv / GiB:.2f} "
+        f"GiB ({max(args.decode_bs)} requests x {args.context_len} tokens) = "
+        f"{(params + kv) / GiB:.2f} GiB per device > {hbm / GiB:.2f} GiB HBM per device "
+        f"({args.topology}, tp_size={args.tp_size}, ep_size={args.ep_size}); {kv_hint}. "
+        f"To fit: more devices (a larger --topology) with a larger --ep-size (experts are split "
+        f"over tp x ep devices) or --tp-size (attention, LM head and the KV cache are split "
+        f"over tp only, tp_size <= num_key_value_heads = {cfg.num_key_value_heads}), or a "
+        f"smaller --context-len / --decode-bs."
+    )
+
+
+def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_dev: int,
+                chip: Chip, share: float, params: int, kv: int, itemsize: int) -> dict:
+    k_flops, k_bytes = kernel_cost_per_call(cfg, b, args.tp_size, itemsize)
+    kernel_flops, kernel_bytes = c.kernel_calls * k_flops, c.kernel_calls * k_bytes
+    flops_pd, bytes_pd = c.flops + kernel_flops, c.bytes + kernel_bytes
+    ideal = ideal_flops(cfg, b)
+    peak_flops, bandwidth = chip.bf16_flops * share, chip.hbm_bandwidth * share
+    t_compute, t_memory = flops_pd / peak_flops, bytes_pd / bandwidth
+    roofline = max(t_compute, t_memory)
+    outputs = c.outputs - c.aliased
+    # XLA counts ragged_dot at its static size: all T*k assignments on every device of the
+    # "expert" axis, though each device's groups hold only its own experts' share (the rest
+    # sort past the last group, where the grouped-matmul kernel has no work).
+    excess = 0.0
+    if args.resolved_moe_backend == "ragged" and args.ep_size > 1:
+        expert = 2 * 3 * cfg.num_experts_per_tok * cfg.hidden_size * cfg.moe_intermediate_size
+        excess = expert * b.tokens * sum(cfg.moe_layers) * (args.ep_size - 1)
+    no_sampler = max((flops_pd - c.sampler_flops) / peak_flops,
+                     (bytes_pd - c.sampler_bytes) / bandwidth)
+    return {
+        "mode": b.mode,
+        "tokens": b.tokens,
+        "batch_size": b.requests,
+        "padded_rows": b.rows,
+        "context_len": b.context_len,
+        "topology": args.topology,
+        "chip": chip.name,
+        "devices": n_dev,
+        "tp_size": args.tp_size,
+        "ep_size": args.ep_size,
+        "compiled_layers": args.compiled_layers,
+        "compiled_flops": flops_pd * n_dev,
+        "xla_flops": c.flops * n_dev,
+        "kernel_flops": kernel_flops * n_dev,
+        "ideal_flops": ideal,
+        "flops_ratio": flops_pd * n_dev / ideal,
+        "ragged_static_excess_flops": excess,
+        "flops_ratio_local_rows": (flops_pd * n_dev - excess) / ideal,
+        "bytes_accessed": bytes_pd * n_dev,
+        "xla_bytes_accessed": c.bytes * n_dev,
+        "kernel_bytes_accessed": kernel_bytes * n_dev,
+        "flops_per_device": flops_pd,
+        "bytes_accessed_per_device": bytes_pd,
+        "parameters_bytes_per_device": params,
+        "kv_cache_bytes_per_device": kv,
+        "other_arguments_bytes_per_device": c.arguments - params - kv,
+        "temporaries_bytes_per_device": c.temporaries,
+        "outputs_bytes_per_device": outputs,
+        "code_bytes_per_device": c.code,
+        "peak_hbm_bytes_per_device": c.arguments + outputs + c.temporaries + c.code,
+        "hbm_bytes_per_device": chip.hbm_bytes * share,
+        "roofline_ms": roofline * 1e3,
+        "compute_ms": t_compute * 1e3,
+        "memory_ms": t_memory * 1e3,
+        "bound": "compute" if t_compute >= t_memory else "memory",
+        "tokens_per_s": b.tokens / roofline,
+        "sampler_flops": c.sampler_flops * n_dev,
+        "sampler_bytes_accessed": c.sampler_bytes * n_dev,
+        "roofline_ms_without_sampler": no_sampler * 1e3 if args.sampler_breakdown else None,
+        "compile_s": c.seconds,
+    }
+
+
+# (column, format, value) of the table output; sizes per device.
+COLUMNS = [
+    ("mode", "{}", lambda r: r["mode"]),
+    ("tokens", "{}", lambda r: r["tokens"]),
+    ("bs", "{}", lambda r: r["batch_size"]),
+    ("ctx", "{}", lambda r: r["context_len"]),
+    ("TFLOP", "{:.2f}", lambda r: r["compiled_flops"] / 1e12),
+    ("ideal", "{:.2f}", lambda r: r["ideal_flops"] / 1e12),
+    ("ratio", "{:.2f}", lambda r: r["flops_ratio"]),
+    ("GB/dev", "{:.1f}", lambda r: r["bytes_accessed_per_device"] / 1e9),
+    ("peak GiB/dev", "{:.2f}", lambda r: r["peak_hbm_bytes_per_device"] / GiB),
+    ("params", "{:.2f}", lambda r: r["parameters_bytes_per_device"] / GiB),
+    ("KV", "{:.2f}", lambda r: r["kv_cache_bytes_per_device"] / GiB),
+    ("temp", "{:.2f}", lambda r: r["temporaries_bytes_per_device"] / GiB),
+    ("roofline ms", "{:.2f}", lambda r: r["roofline_ms"]),
+    ("bound", "{}", lambda r: r["bound"]),
+    ("tok/s", "{:,.0f}", lambda r: r["tokens_per_s"]),
+]
+SAMPLER_COLUMN = ("ms w/o sampler", "{:.2f}", lambda r: r["roofline_ms_without_sampler"])
+
+
+def format_table(records: list[dict], header: str) -> str:
+    cols = list(COLUMNS)
+    if records and records[0]["roofline_ms_without_sampler"] is not None:
+        cols.insert(-2, SAMPLER_COLUMN)
+    lines = [header, "| " + " | ".join(name for name, _, _ in cols) + " |",
+             "|" + "|".join("---" for _ in cols) + "|"]
+    lines += ["| " + " | ".join(fmt.format(get(r)) for _, fmt, get in cols) + " |"
+              for r in records]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    prepare_environment()
+    import jax.numpy as jnp
+
+    from sgl_jax.srt.configs.model_config import ModelConfig
+
+    if args.prefill_tokens % args.prefill_requests:
+        raise ReportError("--prefill-tokens must be a multiple of --prefill-requests")
+    model_dir, hf = resolve_config_path(args.model_config)
+    cfg = ModelConfig.from_dict(hf, model_dir, args.context_len)
+    devices = topology_devices(args.topology)
+    need = args.tp_size * args.ep_size
+    if need > len(devices):
+        raise ReportError(
+            f"tp_size={args.tp_size} x ep_size={args.ep_size} needs {need} devices; "
+            f"{args.topology} has {len(devices)}"
+        )
+    devices = mesh_order(devices, args.ep_size, args.tp_size)
+    chip, share = chip_of(devices[0], args)
+    kind = devices[0].device_kind
+
+    full = build_runner(args, model_dir, cfg, devices)
+    params = sum(shard_bytes(x) for x in full.param_leaves)
+    kv = sum(shard_bytes(x) for x in full.kv_caches)
+    itemsize = jnp.dtype(full.dtype).itemsize
+    kv_per_token = full.kv_bytes_per_token() / args.tp_size
+    hbm = chip.hbm_bytes * share
+    logger.info(
+        "%s: %d x %s devices (%s), tp=%d ep=%d; per device: parameters %.2f GiB, KV cache "
+        "%.2f GiB, HBM %.2f GiB", args.topology, len(devices), kind, chip.name, args.tp_size,
+        args.ep_size, params / GiB, kv / GiB, hbm / GiB,
+    )
+    check_fit(params, kv, hbm, cfg, args, kv_per_token)
+    args.resolved_moe_backend = full.backends.moe
+
+    per_req = args.prefill_tokens // args.prefill_requests
+    buckets = [Bucket("decode", bs, bs, bs, 1, args.context_len - 1) for bs in args.decode_bs]
+    buckets.append(Bucket("prefill", args.prefill_tokens, args.prefill_requests,
+                          full.extend_rows(args.prefill_tokens), per_req, 0))
+
+    depths = args.scale_from_layers or [cfg.num_hidden_layers]
+    if depths[-1] > cfg.num_hidden_layers:
+        raise ReportError(f"--scale-from-layers {depths}: the model has only "
+                          f"{cfg.num_hidden_layers} layers")
+    if args.scale_from_layers and len(set(cfg.moe_layers)) > 1:
+        logger.warning("layers differ (dense and MoE); extrapolation assumes the compiled "
+                       "prefix is representative")
+    args.compiled_layers = depths
+    compiled: dict[int, list[Compiled]] = {}
+    samplers: dict[int, tuple[float, float]] = {}
+    for depth in depths:
+        runner = full if depth == cfg.num_hidden_layers else build_runner(
+            args, model_dir, with_layers(cfg, depth), devices)
+        compiled[depth] = []
+        for b in buckets:
+            logger.info("compiling %s: %d tokens, %d rows, %d layers ...", b.mode, b.tokens,
+                        b.rows, depth)
+            c = compile_bucket(runner, b, kind)
+            if args.sampler_breakdown:  # independent of depth: once per row count
+                if b.rows not in samplers:
+                    samplers[b.rows] = compile_sampler(runner, b.rows, cfg.vocab_size)
+                c.sampler_flops, c.sampler_bytes = samplers[b.rows]
+            logger.info("  %.0fs: %.3g FLOPs, %.3g bytes per device", c.seconds, c.flops,
+                        c.bytes)
+            compiled[depth].append(c)
+    if args.scale_from_layers:
+        la, lb = depths
+        results = [Compiled.extrapolate(a, la, b, lb, cfg.num_hidden_layers)
+                   for a, b in zip(compiled[la], compiled[lb], strict=True)]
+        for c, a, b in zip(results, compiled[la], compiled[lb], strict=True):
+            c.seconds = a.seconds + b.seconds
+    else:
+        results = compiled[depths[0]]
+    return [make_record(b, c, cfg, args, len(devices), chip, share, params, kv, itemsize)
+            for b, c in zip(buckets, results, strict=True)]
+
+
+def mesh_order(devices: list, ep: int, tp: int) -> list:
+    """The first ep x tp devices in an order where the "tensor" axis is physically close."""
+    need = ep * tp
+    if need == len(devices):
+        try:
+            from jax.experimental import mesh_utils
+
+            return list(mesh_utils.create_device_mesh((ep, tp), devices).reshape(-1))
+        except Exception:  # an unusual shape: keep the topology's own order
+            pass
+    return devices[:need]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m sgl_jax.tools.aot_report",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--model-config", required=True,
+                   help="checkpoint dir, config.json, or bundled name (qwen3-30b-a3b, ...)")
+    p.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:2x2, v6e:2x4")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--ep-size", type=int, default=1, help="expert-parallel size")
+    p.add_argument("--decode-bs", type=int, nargs="+", default=[64, 256],
+                   help="decode batch sizes (one bucket each)")
+    p.add_argument("--prefill-tokens", type=int, default=2048,
+                   help="tokens of the prefill bucket")
+    p.add_argument("--prefill-requests", type=int, default=8,
+                   help="requests the prefill tokens are split over")
+    p.add_argument("--context-len", type=int, default=4096,
+                   help="context of every decode request (sizes the KV cache)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="parameter, activation and KV dtype")
+    p.add_argument("--page-size", type=int, default=16, help="KV cache page size")
+    p.add_argument("--attention-backend", default="pallas", choices=("pallas", "native"),
+                   help="the engine's --attention-backend")
+    p.add_argument("--moe-backend", default="ragged", choices=("ragged", "dense", "auto"),
+                   help="the engine's --moe-backend")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="compile the step with routed-experts capture")
+    p.add_argument("--sampler-breakdown", action="store_true",
+                   help="also compile the sampler alone and report the roofline without it")
+    p.add_argument("--scale-from-layers", type=int, nargs=2, metavar=("A", "B"),
+                   help="compile A- and B-layer truncations and extrapolate linearly")
+    p.add_argument("--peak-tflops", type=float, help="override the chip's bf16 peak")
+    p.add_argument("--hbm-gb", type=float, help="override the chip's HBM capacity (1e9 B)")
+    p.add_argument("--hbm-gbps", type=float, help="override the chip's HBM bandwidth")
+    p.add_argument("--json", action="store_true", help="print one JSON list to stdout")
+    args = p.parse_args(argv)
+    if args.scale_from_layers:
+        a, b = args.scale_from_layers
+        if not 1 <= a < b:
+            p.error("--scale-from-layers A B needs 1 <= A < B")
+    if min(args.decode_bs) < 1 or args.prefill_requests < 1 or args.context_len < 2:
+        p.error("--decode-bs, --prefill-requests must be >= 1 and --context-len >= 2")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s aot_report: %(message)s", datefmt="%H:%M:%S")
+    try:
+        records = run(args)
+    except DoesNotFit as e:
+        print(f"aot_report: {e}", file=sys.stderr)
+        return 2
+    except (ReportError, ValueError) as e:
+        print(f"aot_report: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(records, indent=1))
+    else:
+        r = records[0]
+        depth = ("full depth" if not args.scale_from_layers else
+                 f"extrapolated from {args.scale_from_layers[0]} and "
+                 f"{args.scale_from_layers[1]} layers")
+        header = (
+            f"{args.model_config} on {r['topology']} ({r['devices']} x {r['chip']}), "
+            f"tp={r['tp_size']} ep={r['ep_size']}, {depth}; TFLOP summed over devices, "
+            f"GB and GiB per device"
+        )
+        print(format_table(records, header))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,6 +15,8 @@ import pytest
 import requests
 
 from sgl_jax.srt.routed_experts_codec import (
+    extract_prompt_routed_expert_weights_from_meta_info,
+    extract_prompt_routed_experts_from_meta_info,
     extract_routed_expert_weights_from_meta_info,
     extract_routed_experts_from_meta_info,
 )
@@ -251,6 +253,96 @@ def test_extract_takes_the_openai_clients_objects(server, client, info, tokenize
     with pytest.raises(ValueError, match="2 choices"):
         extract_routed_experts_from_meta_info(two)
     assert extract_routed_experts_from_meta_info(two.choices[1]) is not None
+
+
+def extend_tokens(server) -> int:
+    return server.get("/get_server_info").json()["step_stats"]["extend"]["tokens"]
+
+
+def split_rows(choices: list) -> tuple[np.ndarray | None, np.ndarray]:
+    """(prompt rows, generated rows) of a ``routed_experts_split`` choice, from its one
+    response choice or its stream chunks' choices, each run checked to follow the previous."""
+    prompt, gen, positions = [], [], {"prompt_": None, "": None}
+    for c in choices:
+        meta = getattr(c, "meta_info", None) or {}
+        for prefix, parts, extract in (
+            ("prompt_", prompt, extract_prompt_routed_experts_from_meta_info),
+            ("", gen, extract_routed_experts_from_meta_info),
+        ):
+            if f"{prefix}routed_experts" not in meta:
+                continue
+            start = meta[f"{prefix}routed_experts_start"]
+            assert positions[prefix] in (None, start)
+            part = extract(c)
+            positions[prefix] = start + part.shape[0]
+            parts.append(part)
+    return (np.concatenate(prompt) if prompt else None), np.concatenate(gen)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_n_choices_share_one_prefill_and_split_rows(server, client, info, reference, stream):
+    """n = 4 copies of one prompt: it is prefilled once (each choice computes only its last
+    prompt token, the rest is a prefix-cache hit), and with routed_experts_split the prompt's
+    rows come once, in choice 0, apart from each choice's generated rows; all equal the
+    reference."""
+    rng = np.random.default_rng(99 + stream)
+    prompt = rng.integers(0, info["vocab_size"], 200).tolist()
+    n, seed, max_new = 4, 77, 5
+    before = extend_tokens(server)
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=max_new, temperature=1.0, seed=seed,
+                  n=n, extra_body={**ROUTED, "routed_experts_split": True})
+    if stream:
+        parts: dict[int, list] = {i: [] for i in range(n)}
+        texts = dict.fromkeys(range(n), "")
+        for chunk in client.completions.create(stream=True, **kwargs):
+            for c in chunk.choices:
+                parts[c.index].append(c)
+                texts[c.index] += c.text
+        choices = [(texts[i], parts[i]) for i in range(n)]
+    else:
+        out = client.completions.create(**kwargs)
+        choices = [(c.text, [c]) for c in out.choices]
+    assert extend_tokens(server) - before == len(prompt) + n  # one prefill, then 1 token each
+    page = server.get("/get_server_info").json()["server_args"]["page_size"]
+    for i, (text, pieces) in enumerate(choices):
+        meta = pieces[-1].meta_info
+        assert meta["cached_tokens"] == (len(prompt) - 1) // page * page
+        again = replay(server, prompt, {"max_new_tokens": max_new, "temperature": 1.0,
+                                        "seed": seed + i})
+        assert again["text"] == text
+        want = routed_experts_rows(reference, prompt, again["output_ids"])
+        prompt_rows, gen_rows = split_rows(pieces)
+        if i == 0:
+            np.testing.assert_array_equal(prompt_rows, want[: len(prompt)])
+        else:
+            assert prompt_rows is None  # sent once, not n times
+        np.testing.assert_array_equal(gen_rows, want[len(prompt):])
+        assert meta["routed_experts_start"] + meta["routed_experts_shape"][0] == len(want)
+
+
+def test_generate_batch_of_one_prompt_prefills_it_once(server, info, reference):
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, info["vocab_size"], 120).tolist()
+    before = extend_tokens(server)
+    res = server.post("/generate", json={
+        "input_ids": [prompt] * 3, "sampling_params": {"max_new_tokens": 3},
+        "return_routed_experts": True, "return_routed_expert_weights": True,
+        "routed_experts_split": [True, False, True],
+    })
+    assert res.status_code == 200, res.text
+    assert extend_tokens(server) - before == len(prompt) + 3
+    first, plain, third = res.json()
+    want = [routed_experts_rows(reference, prompt, r["output_ids"]) for r in res.json()]
+    np.testing.assert_array_equal(extract_prompt_routed_experts_from_meta_info(first),
+                                  want[0][: len(prompt)])
+    assert extract_prompt_routed_expert_weights_from_meta_info(first).shape == (
+        len(prompt), info["num_hidden_layers"], info["num_experts_per_tok"])
+    np.testing.assert_array_equal(extract_routed_experts_from_meta_info(first),
+                                  want[0][len(prompt):])
+    np.testing.assert_array_equal(extract_routed_experts_from_meta_info(plain), want[1])
+    assert extract_prompt_routed_experts_from_meta_info(third) is None  # sent once
+    np.testing.assert_array_equal(extract_routed_experts_from_meta_info(third),
+                                  want[2][len(prompt):])
 
 
 @pytest.mark.parametrize("messages,status", [

@@ -122,14 +122,18 @@ def extract_routed_expert_weights_from_meta_info(data: Any) -> np.ndarray | None
     """A response's routing weights (``meta_info["routed_expert_weights"]``), as
     ``extract_routed_experts_from_meta_info`` does for the ids: the same inputs, an array of
     ``routed_expert_weights_dtype`` shaped ``routed_expert_weights_shape``; None when absent."""
-    meta, encoded = _payload(data, "routed_expert_weights")
+    return _extract_weights(data, "")
+
+
+def _extract_weights(data: Any, prefix: str) -> np.ndarray | None:
+    meta, encoded = _payload(data, f"{prefix}routed_expert_weights")
     if encoded is None:
         return None
     dt = ROUTED_EXPERT_WEIGHTS_DTYPES[
-        _get(meta, "routed_expert_weights_dtype") or DEFAULT_WEIGHTS_DTYPE]
+        _get(meta, f"{prefix}routed_expert_weights_dtype") or DEFAULT_WEIGHTS_DTYPE]
     raw = pybase64.b64decode(encoded.encode("ascii"), validate=True)
     flat = np.frombuffer(raw, dtype=dt).astype(dt.newbyteorder("="))
-    shape = _get(meta, "routed_expert_weights_shape")
+    shape = _get(meta, f"{prefix}routed_expert_weights_shape")
     return flat if shape is None else flat.reshape(tuple(shape))
 
 
@@ -187,9 +191,26 @@ def extract_routed_experts_from_meta_info(data: Any) -> np.ndarray | None:
     a shape it is flat (reshape with ``.reshape(-1, num_hidden_layers, num_experts_per_tok)``,
     which also works on the shaped array).
     """
-    meta, encoded = _payload(data, "routed_experts")
+    return _extract_ids(data, "")
+
+
+def extract_prompt_routed_experts_from_meta_info(data: Any) -> np.ndarray | None:
+    """The prompt's rows of a ``routed_experts_split`` response (``prompt_routed_experts``,
+    in the first choice of each prompt), as ``extract_routed_experts_from_meta_info`` does
+    for the rest; None when absent."""
+    return _extract_ids(data, "prompt_")
+
+
+def extract_prompt_routed_expert_weights_from_meta_info(data: Any) -> np.ndarray | None:
+    """The prompt's routing weights of a ``routed_experts_split`` response; None when absent."""
+    return _extract_weights(data, "prompt_")
+
+
+def _extract_ids(data: Any, prefix: str) -> np.ndarray | None:
+    meta, encoded = _payload(data, f"{prefix}routed_experts")
     if encoded is None:
         return None
-    flat = decode_routed_experts(encoded, _get(meta, "routed_experts_dtype") or DEFAULT_DTYPE)
-    shape = _get(meta, "routed_experts_shape")
+    flat = decode_routed_experts(
+        encoded, _get(meta, f"{prefix}routed_experts_dtype") or DEFAULT_DTYPE)
+    shape = _get(meta, f"{prefix}routed_experts_shape")
     return flat if shape is None else flat.reshape(tuple(shape))

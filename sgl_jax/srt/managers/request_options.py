@@ -49,6 +49,10 @@ class RequestOptions:
     return_routed_expert_weights: bool = False
     # Their wire dtype: float32 (default) or float16; needs return_routed_expert_weights.
     routed_expert_weights_dtype: str | None = None
+    # Return the prompt's rows apart, as ``prompt_routed_experts``, once per distinct prompt of
+    # the request (in the first choice that has it), and per choice only the generated rows;
+    # needs return_routed_experts.
+    routed_experts_split: bool = False
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -151,6 +155,10 @@ class RequestOptions:
                     "'routed_expert_weights_dtype' needs return_routed_expert_weights=true",
                     "routed_expert_weights_dtype",
                 )
+        if _boolean(self, "routed_experts_split") and not want:
+            raise InvalidRequestError(
+                "'routed_experts_split' needs return_routed_experts=true", "routed_experts_split"
+            )
         return dataclasses.replace(self, routed_experts_dtype=dtype)
 
     @property

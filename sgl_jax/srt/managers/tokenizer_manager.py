@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
@@ -66,6 +67,8 @@ class ReqState:
     error: str | None = None
     options: RequestOptions = field(default_factory=RequestOptions)  # validated
     routed_rows_sent: int = 0  # routed-experts rows handed out so far (streaming)
+    # routed_experts_split: rows before this index (the prompt's) are ``prompt_routed_experts``
+    split_at: int | None = None
 
 
 class TokenizerManager:
@@ -158,23 +161,21 @@ class TokenizerManager:
         is sent, so a bad prompt in a batch rejects the whole batch.
         """
         self._check_alive()
-        singles = obj.split()
-        tokenized = [self.tokenize(s) for s in singles]
+        tokenized = [self.tokenize(s) for s in obj.split()]
         if len({t.rid for t in tokenized}) != len(tokenized) or any(
             t.rid in self.states for t in tokenized
         ):
             raise InvalidRequestError(
                 "request ids ('rid') must be unique among running requests", "rid"
             )
+        groups = _same_prompt_groups(tokenized)
+        split_at = _split_routed_rows(tokenized, groups)
         loop = asyncio.get_running_loop()
-        keys = []
-        for t in tokenized:
-            state = ReqState(rid=t.rid, key=f"{t.rid}#{next(self._keys)}", loop=loop,
-                             event=asyncio.Event(), options=t.options)
-            self.states[t.rid] = self._by_key[state.key] = state
-            keys.append(state.key)
-            self._send_obj(dataclasses.replace(t, rid=state.key))
+        keys: list[str] = []
         try:
+            await self._prefill_shared_prompts(tokenized, groups, loop, keys)
+            for i, t in enumerate(tokenized):
+                keys.append(self._submit(t, loop, split_at.get(i)))
             if obj.is_single:
                 async for out in self._wait_one(tokenized[0]):
                     yield out
@@ -188,6 +189,48 @@ class TokenizerManager:
                 for key in keys:
                     self._send_obj(AbortReq(rid=key))
             raise
+
+    def _submit(self, req: TokenizedGenerateReqInput, loop: asyncio.AbstractEventLoop,
+                split_at: int | None = None) -> str:
+        """Registers ``req``'s state and sends it; returns its per-submission key."""
+        state = ReqState(rid=req.rid, key=f"{req.rid}#{next(self._keys)}", loop=loop,
+                         event=asyncio.Event(), options=req.options, split_at=split_at)
+        self.states[req.rid] = self._by_key[state.key] = state
+        self._send_obj(dataclasses.replace(req, rid=state.key))
+        return state.key
+
+    async def _prefill_shared_prompts(
+        self, tokenized: list[TokenizedGenerateReqInput], groups: list[list[int]],
+        loop: asyncio.AbstractEventLoop, keys: list[str],
+    ) -> None:
+        """A prompt given more than once in one request (OpenAI ``n``, or a batch repeating
+        it) is prefilled once, by a request that generates nothing, before its copies are
+        sent: they find its KV and routed-experts rows in the prefix cache and compute only
+        the prompt's last (partial) page. Without the prefix cache every copy prefills it."""
+        if self.server_args.disable_radix_cache:
+            return
+        warm = []
+        for group in groups:
+            members = [tokenized[i] for i in group]
+            if len(members) < 2 or len(members[0].input_ids) - 1 < self.server_args.page_size:
+                continue  # alone, or nothing as long as a whole page to share
+            # The copy asking the most: cached rows are reused only where they were captured.
+            first = max(members, key=lambda t: (t.options.return_routed_experts,
+                                                t.options.return_routed_expert_weights))
+            options = first.options
+            if options.return_routed_experts:  # captured, but no row is sent back
+                options = dataclasses.replace(options, routed_experts_split=False,
+                                              routed_experts_start_len=len(first.input_ids))
+            warm.append(TokenizedGenerateReqInput(
+                rid=f"shared-prefill-{uuid.uuid4().hex}", input_ids=first.input_ids,
+                sampling_params=dataclasses.replace(first.sampling_params, max_new_tokens=0),
+                options=options,
+            ))
+        for req in warm:
+            keys.append(self._submit(req, loop))
+        for req in warm:
+            async for _ in self._wait_one(req):
+                pass
 
     async def _wait_many(self, reqs: list[TokenizedGenerateReqInput]):
         queue: asyncio.Queue = asyncio.Queue()
@@ -324,23 +367,38 @@ class TokenizerManager:
         """The routed-experts keys of a ``meta_info``: the rows (raw arrays out of band, in
         the request's wire dtype; base64 once, here), their dtype, shape ``[rows, layers, k]``
         and ``routed_experts_start``, the position of the first row (a stream's chunks carry
-        consecutive runs of rows); the routing weights likewise when asked for."""
-        layers, k = self.model_config.num_hidden_layers, self.model_config.num_experts_per_tok
-        n = len(rows)
+        consecutive runs of rows); the routing weights likewise when asked for. With
+        ``routed_experts_split`` the prompt's rows take the same keys prefixed ``prompt_``."""
         start = state.options.start_len + state.routed_rows_sent
-        state.routed_rows_sent += n
+        state.routed_rows_sent += len(rows)
+        meta: dict[str, Any] = {}
+        if state.split_at is not None:
+            cut = min(max(state.split_at - start, 0), len(rows))
+            if cut:
+                meta.update(self._rows_meta(
+                    "prompt_", state.options, start, rows[:cut],
+                    None if weights is None else weights[:cut]))
+            start, rows = start + cut, rows[cut:]
+            weights = None if weights is None else weights[cut:]
+        meta.update(self._rows_meta("", state.options, start, rows, weights))
+        return meta
+
+    def _rows_meta(self, prefix: str, options: RequestOptions, start: int, rows: np.ndarray,
+                   weights: np.ndarray | None) -> dict[str, Any]:
+        shape = [len(rows), self.model_config.num_hidden_layers,
+                 self.model_config.num_experts_per_tok]
         meta = {
-            "routed_experts": encode_routed_experts(rows, state.options.dtype),
-            "routed_experts_start": start,
-            "routed_experts_dtype": state.options.dtype,
-            "routed_experts_shape": [n, layers, k],
+            f"{prefix}routed_experts": encode_routed_experts(rows, options.dtype),
+            f"{prefix}routed_experts_start": start,
+            f"{prefix}routed_experts_dtype": options.dtype,
+            f"{prefix}routed_experts_shape": shape,
         }
         if weights is not None:
-            dtype = state.options.weights_dtype
             meta.update({
-                "routed_expert_weights": encode_routed_expert_weights(weights, dtype),
-                "routed_expert_weights_dtype": dtype,
-                "routed_expert_weights_shape": [n, layers, k],
+                f"{prefix}routed_expert_weights":
+                    encode_routed_expert_weights(weights, options.weights_dtype),
+                f"{prefix}routed_expert_weights_dtype": options.weights_dtype,
+                f"{prefix}routed_expert_weights_shape": shape,
             })
         return meta
 
@@ -365,3 +423,31 @@ class TokenizerManager:
         self._send.close(linger=0)
         self._recv.close(linger=0)
         self._ctx.term()
+
+
+def _same_prompt_groups(tokenized: list[TokenizedGenerateReqInput]) -> list[list[int]]:
+    """Indices of the requests with the same prompt ids, grouped, in first-seen order."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, req in enumerate(tokenized):
+        groups.setdefault(tuple(req.input_ids), []).append(i)
+    return list(groups.values())
+
+
+def _split_routed_rows(
+    tokenized: list[TokenizedGenerateReqInput], groups: list[list[int]]
+) -> dict[int, int]:
+    """For ``routed_experts_split``: the first request of each prompt that asks returns the
+    prompt's rows apart (index -> where its rows split); the others of that prompt return
+    only their generated rows (their ``routed_experts_start_len`` becomes the prompt length,
+    so the prompt's rows are neither gathered nor sent again)."""
+    split_at: dict[int, int] = {}
+    for group in groups:
+        askers = [i for i in group if tokenized[i].options.routed_experts_split]
+        for j, i in enumerate(askers):
+            prompt_len = len(tokenized[i].input_ids)
+            if j == 0:
+                split_at[i] = prompt_len
+            else:
+                tokenized[i] = dataclasses.replace(tokenized[i], options=dataclasses.replace(
+                    tokenized[i].options, routed_experts_start_len=prompt_len))
+    return split_at

@@ -44,10 +44,11 @@ def finish_reason(meta: dict[str, Any]) -> str | None:
 
 def stream_meta(meta: dict[str, Any], final: bool) -> dict[str, Any] | None:
     """A stream chunk's ``meta_info``: all of it on the final chunk; before, only the routed
-    experts keys (the rows completed since the previous chunk), or none."""
+    experts keys (the rows completed since the previous chunk, and the prompt's apart with
+    ``routed_experts_split``), or none."""
     if final:
         return meta
-    routed = {k: v for k, v in meta.items() if k.startswith("routed_expert")}
+    routed = {k: v for k, v in meta.items() if "routed_expert" in k}
     return routed or None
 
 

@@ -33,6 +33,7 @@ UNIT = [
     "tests/test_aot_report.py",
     "tests/test_routed_experts_codec.py",
     "tests/test_request_options.py",
+    "tests/test_routed_experts_transport.py",
 ]
 E2E = [
     "tests/test_engine.py",
@@ -42,7 +43,10 @@ E2E = [
     "tests/test_http_server.py",
     "tests/test_openai_api.py",
     "tests/test_reliability.py",
+    "tests/test_weight_update.py",
 ]
+# Optional checks outside every suite (they skip without packages the project does not need).
+OPTIONAL = ["tests/test_hf_transformers.py"]
 SUITES = {"unit": UNIT, "e2e": E2E, "all": UNIT + E2E}
 DEFAULT = "all"
 
@@ -57,6 +61,15 @@ def main() -> int:
     missing = sorted(set(SUITES[args.suite]) - set(files))
     if missing:
         print(f"run_suite: missing test files: {missing}", file=sys.stderr)
+        return 2
+    unlisted = sorted(
+        f"tests/{name}" for name in os.listdir(os.path.join(here, "tests"))
+        if name.startswith("test_") and name.endswith(".py")
+        and f"tests/{name}" not in UNIT + E2E + OPTIONAL
+    )
+    if unlisted:
+        print(f"run_suite: test files in no suite: {unlisted}; add them to UNIT or E2E",
+              file=sys.stderr)
         return 2
     extra = [a for a in args.pytest_args if a != "--"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, *extra]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import logging
 import os
 import pickle
@@ -22,7 +23,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.srt.managers.io_struct import GenerateReqInput
+from sgl_jax.srt.managers.io_struct import GenerateReqInput, UpdateWeightsReq
 from sgl_jax.srt.managers.request_options import RequestOptions
 from sgl_jax.srt.managers.tokenizer_manager import TokenizerManager
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
@@ -249,6 +250,44 @@ class Engine:
 
     def abort_request(self, rid: str) -> None:
         self.tokenizer_manager.abort_request(rid)
+
+    def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]:
+        """Loads new weights from a checkpoint of the same architecture and shapes, in place
+        (no recompilation), and flushes the prefix cache. Running requests finish on the old
+        weights first (new ones wait), or are aborted with ``abort_all_requests``. Returns
+        ``{"weight_version", "num_parameters", "seconds", ...}``; raises ValueError naming
+        what is wrong (another architecture, a missing or mis-shaped tensor)."""
+        return self._update_weights(UpdateWeightsReq(
+            model_path=model_path, weight_version=weight_version,
+            abort_all_requests=abort_all_requests))
+
+    def update_weights_from_arrays(
+        self, arrays: dict[str, Any], weight_version: str | None = None,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]:
+        """As ``update_weights_from_disk``, from tensors given by Hugging Face name (numpy or
+        JAX arrays; a subset is fine, but all experts of a stacked projection together). The
+        model runs in the scheduler's process, so the arrays travel as host bytes."""
+        return self._update_weights(UpdateWeightsReq(
+            arrays=dict(arrays), weight_version=weight_version,
+            abort_all_requests=abort_all_requests))
+
+    def _update_weights(self, req: UpdateWeightsReq) -> dict[str, Any]:
+        out = self._run(self.tokenizer_manager.update_weights(req))
+        if not out.success:
+            raise ValueError(out.message)
+        return dataclasses.asdict(out)
+
+    def pause_generation(self) -> None:
+        """Stops launching steps; running requests keep their state (and their callers wait)."""
+        self._run(self.tokenizer_manager.pause_generation(True))
+
+    def continue_generation(self) -> None:
+        """Resumes after ``pause_generation``, exactly where every request stopped."""
+        self._run(self.tokenizer_manager.pause_generation(False))
 
     def child_pids(self) -> dict[str, int]:
         return self._procs.pids()

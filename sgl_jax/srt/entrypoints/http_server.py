@@ -2,7 +2,8 @@
 
 Routes: native ``/generate``; OpenAI ``/v1/completions``, ``/v1/chat/completions``,
 ``/v1/models``; operations ``/health``, ``/health_generate``, ``/get_model_info``,
-``/get_server_info``, ``/flush_cache``, ``/abort_request``. Request plumbing (bodies, errors,
+``/get_server_info``, ``/flush_cache``, ``/abort_request``, ``/update_weights_from_disk``,
+``/pause_generation``, ``/continue_generation``. Request plumbing (bodies, errors,
 API key, disconnects, streaming) lives in :mod:`http_transport`; the OpenAI formatting in
 :mod:`openai`. ``run_server`` owns the process: it binds, loads the engine, serves, and turns
 SIGTERM / SIGINT into a clean stop (exit 0) and a dead child into exit code 1.
@@ -11,6 +12,7 @@ SIGTERM / SIGINT into a clean stop (exit 0) and a dead child into exit code 1.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import socket
@@ -41,10 +43,11 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
     OpenAIError,
+    UpdateWeightsFromDiskRequest,
 )
 from sgl_jax.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sgl_jax.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
-from sgl_jax.srt.managers.io_struct import GenerateReqInput
+from sgl_jax.srt.managers.io_struct import GenerateReqInput, UpdateWeightsReq
 from sgl_jax.srt.managers.tokenizer_manager import EngineDeadError, TokenizerManager
 from sgl_jax.srt.server_args import ServerArgs
 
@@ -185,6 +188,27 @@ def create_app(ctx: ServerContext) -> FastAPI:
         if not out.success:
             raise OpenAIError(400, f"the cache was not flushed: {out.message}")
         return JSONResponse({"success": True, "message": "cache flushed"})
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> Response:
+        body = await read_json(request, UpdateWeightsFromDiskRequest)
+        out = await tm.update_weights(UpdateWeightsReq(
+            model_path=body.model_path, weight_version=body.weight_version,
+            abort_all_requests=body.abort_all_requests))
+        if not out.success:
+            raise OpenAIError(400, f"the weights were not updated: {out.message}",
+                              param="model_path")
+        return JSONResponse(dataclasses.asdict(out))
+
+    @app.post("/pause_generation")
+    async def pause_generation() -> Response:
+        await tm.pause_generation(True)
+        return JSONResponse({"success": True, "message": "generation paused"})
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> Response:
+        await tm.pause_generation(False)
+        return JSONResponse({"success": True, "message": "generation continued"})
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:

@@ -75,6 +75,7 @@ class DetokenizerManager:
             cached_tokens=out.cached_tokens,
             output_routed_experts=out.output_routed_experts or [None] * len(out.rids),
             output_routed_expert_weights=out.output_routed_expert_weights,
+            weight_version=out.weight_version,
         )
 
 

@@ -155,6 +155,39 @@ class GetServerInfoReq:
 
 
 @dataclass
+class UpdateWeightsReq:
+    """New weights: a checkpoint directory (``model_path``) or tensors by Hugging Face name
+    (``arrays``). Running requests finish on the old weights first (new ones wait), or with
+    ``abort_all_requests`` are aborted."""
+
+    model_path: str | None = None
+    arrays: dict[str, Any] | None = None
+    weight_version: str | None = None  # default: the previous version + 1
+    abort_all_requests: bool = False
+
+
+@dataclass
+class UpdateWeightsReqOutput:
+    success: bool
+    message: str
+    weight_version: str
+    num_parameters: int = 0  # parameters replaced (a stacked expert tensor counts once)
+    seconds: float = 0.0  # reading and placing the new weights (not the wait for requests)
+
+
+@dataclass
+class PauseGenerationReq:
+    """Stop launching steps (``pause=True``) or resume (False); every request keeps its state."""
+
+    pause: bool
+
+
+@dataclass
+class PauseGenerationReqOutput:
+    paused: bool
+
+
+@dataclass
 class GetServerInfoReqOutput:
     info: dict[str, Any]
 
@@ -174,6 +207,7 @@ class BatchTokenIDOut:
     output_routed_experts: list[np.ndarray | None] = field(default_factory=list)
     # The same rows' routing weights (float32 or float16), for requests that asked.
     output_routed_expert_weights: list[np.ndarray | None] = field(default_factory=list)
+    weight_version: str = "0"  # of the weights that computed these outputs
 
 
 @dataclass
@@ -190,3 +224,4 @@ class BatchStrOut:
     # Rows as the scheduler sent them (out of band; base64 only in the response).
     output_routed_experts: list[np.ndarray | None] = field(default_factory=list)
     output_routed_expert_weights: list[np.ndarray | None] = field(default_factory=list)
+    weight_version: str = "0"

@@ -41,6 +41,7 @@ class OutputSender:
         self.max_message_bytes = max_message_bytes
         self.stream_interval = stream_interval
         self.routed_rows_of = routed_rows_of
+        self.weight_version = "0"  # of the served weights; set by the scheduler on an update
 
     def due(self, req: Req) -> bool:
         return req.finished or (
@@ -61,6 +62,7 @@ class OutputSender:
             cached_tokens=[r.cached_tokens for r in out],
             stop_strs=[list(r.sampling_params.stop or []) for r in out],
             skip_special_tokens=[r.sampling_params.skip_special_tokens for r in out],
+            weight_version=self.weight_version,
         )
         routed = [self._routed_rows(r) for r in out]
         msg.output_routed_experts = [ids for ids, _ in routed]

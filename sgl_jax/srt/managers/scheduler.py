@@ -30,13 +30,18 @@ from sgl_jax.srt.managers.io_struct import (
     FlushCacheReqOutput,
     GetServerInfoReq,
     GetServerInfoReqOutput,
+    PauseGenerationReq,
+    PauseGenerationReqOutput,
     TokenizedGenerateReqInput,
+    UpdateWeightsReq,
+    UpdateWeightsReqOutput,
 )
 from sgl_jax.srt.managers.output_sender import OutputSender
 from sgl_jax.srt.managers.req_memory import ReqMemory
 from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch, finish_abort, finish_length
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, StepOutput
+from sgl_jax.srt.model_executor.weight_updater import WeightUpdater, check_compatible
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
 from sgl_jax.srt.tokenizer import Tokenizer
 from sgl_jax.srt.utils import configure_logging, enable_compilation_cache, watch_parent
@@ -97,6 +102,12 @@ class Scheduler:
         self.step_stats = StepStats()
         self.overlap = not server_args.disable_overlap_schedule
         self.pending: tuple[ScheduleBatch, StepOutput] | None = None  # launched, unprocessed
+        self.paused = False  # /pause_generation: no step is launched; every request waits
+        self.weights = WeightUpdater(self.runner)
+        self.weight_updates = 0
+        self.weight_version = "0"
+        # A weight update waiting for the requests that started on the old weights to finish.
+        self.update: UpdateWeightsReq | None = None
 
         ctx = zmq.Context(2)
         self.recv_socket = ctx.socket(zmq.PULL)
@@ -122,6 +133,12 @@ class Scheduler:
         """
         for msg in self.recv_requests():
             self.process_input(msg)
+        if self.update is not None and not self._started_requests():
+            self.drain()
+            self.apply_weight_update()
+        if self.paused:
+            self.drain()
+            return None
         batch = self.prefill() or self.decode()
         launched = (batch, self.launch_batch(batch)) if batch is not None else None
         if self.pending is not None:
@@ -148,7 +165,7 @@ class Scheduler:
             self.drain()
 
     def recv_requests(self) -> list[Any]:
-        idle = not (self.waiting or self.running or self.chunked or self.pending)
+        idle = self.paused or not (self.waiting or self.running or self.chunked or self.pending)
         msgs = []
         if idle and not self.recv_socket.poll(timeout=1000):
             return msgs
@@ -167,6 +184,12 @@ class Scheduler:
             self.outputs.send_control(self.flush_cache())
         elif isinstance(msg, GetServerInfoReq):
             self.outputs.send_control(GetServerInfoReqOutput(info=self.server_info()))
+        elif isinstance(msg, UpdateWeightsReq):
+            self.request_weight_update(msg)
+        elif isinstance(msg, PauseGenerationReq):
+            self.paused = msg.pause
+            logger.info("generation %s", "paused" if msg.pause else "continued")
+            self.outputs.send_control(PauseGenerationReqOutput(paused=self.paused))
         else:
             logger.error("scheduler got an unknown message %r", type(msg))
 
@@ -202,6 +225,8 @@ class Scheduler:
         lens: list[int] = []
         locs: list[np.ndarray] = []
         candidates = ([self.chunked] if self.chunked else []) + list(self.waiting)
+        if self.update is not None:  # new requests wait for the new weights
+            candidates = [r for r in candidates if r.admitted]
         # Reserved for the future tokens of the running requests and of those whose whole
         # prompt this batch computes.
         future = sum(self._future_kv(r, r.kv_len) for r in self.running)
@@ -352,7 +377,7 @@ class Scheduler:
         if req.options.return_routed_expert_weights:
             req.routed_expert_weights = self.memory.routed_rows_of(req, weights=True)
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str, reason: str = "aborted") -> None:
         """Ends a request now. It returns its tokens so far and, if it asked, the rows of every
         token whose routing was computed (docs/routed_experts.md: abort)."""
         req = next((r for r in self.waiting if r.rid == rid), None)
@@ -365,7 +390,7 @@ class Scheduler:
             self.settle(req)
             if req.finished:
                 return  # ended by the step just processed; its output went out there
-        req.finished_reason = finish_abort()
+        req.finished_reason = finish_abort(reason)
         self.finish(req)
         self.outputs.send([req])
 
@@ -376,8 +401,68 @@ class Scheduler:
         self.memory.flush()
         return FlushCacheReqOutput(success=True)
 
+    # -- weight updates -------------------------------------------------------------------------
+    def _started_requests(self) -> list[Req]:
+        """Requests computed in part on the current weights (running, chunked, retracted)."""
+        return [r for r in [*self.running, self.chunked, *self.waiting] if r and r.admitted]
+
+    def request_weight_update(self, msg: UpdateWeightsReq) -> None:
+        """Takes an update: at once if nothing started on the old weights (after aborting
+        everything with ``abort_all_requests``), else once the started requests have finished
+        (new ones wait meanwhile). While paused, started requests cannot finish: that is an
+        error unless they are aborted."""
+        def refuse(message: str) -> None:
+            logger.warning("weight update refused: %s", message)
+            self.outputs.send_control(UpdateWeightsReqOutput(
+                success=False, message=message, weight_version=self.weight_version))
+
+        if self.update is not None:
+            return refuse("another weight update is in progress")
+        try:
+            if msg.model_path is not None:
+                check_compatible(self.model_config, msg.model_path)
+        except ValueError as e:
+            return refuse(str(e))
+        if msg.abort_all_requests:
+            for req in [*self.waiting, *self.running, self.chunked]:
+                if req is not None and not req.finished:
+                    self.abort(req.rid, "aborted for a weight update")
+        elif self.paused and self._started_requests():
+            return refuse(
+                f"{len(self._started_requests())} request(s) are paused part-way; continue "
+                "generation first, or pass abort_all_requests=true"
+            )
+        self.update = msg
+        logger.info("weight update requested; waiting for %d started request(s)",
+                    len(self._started_requests()))
+
+    def apply_weight_update(self) -> None:
+        msg, self.update = self.update, None
+        try:
+            if msg.model_path is not None:
+                count = self.weights.update_from_disk(msg.model_path)
+            else:
+                count = self.weights.update_from_arrays(msg.arrays or {})
+        except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+            logger.warning("weight update failed: %s", e)
+            self.outputs.send_control(UpdateWeightsReqOutput(
+                success=False, message=str(e), weight_version=self.weight_version))
+            return
+        # Cached KV and routed-experts rows were computed with the old weights.
+        self.memory.flush()
+        self.weight_updates += 1
+        self.weight_version = msg.weight_version or str(self.weight_updates)
+        self.outputs.weight_version = self.weight_version
+        logger.info("weights updated (%d parameters in %.2fs); weight_version %s",
+                    count, self.weights.seconds, self.weight_version)
+        self.outputs.send_control(UpdateWeightsReqOutput(
+            success=True, message="weights updated", weight_version=self.weight_version,
+            num_parameters=count, seconds=self.weights.seconds))
+
     def server_info(self) -> dict[str, Any]:
         return {
+            "weight_version": self.weight_version,
+            "paused": self.paused,
             **self.memory.stats(),
             "num_running_reqs": len(self.running) + (1 if self.chunked else 0),
             "num_waiting_reqs": len(self.waiting),

@@ -35,7 +35,11 @@ from sgl_jax.srt.managers.io_struct import (
     GenerateReqInput,
     GetServerInfoReq,
     GetServerInfoReqOutput,
+    PauseGenerationReq,
+    PauseGenerationReqOutput,
     TokenizedGenerateReqInput,
+    UpdateWeightsReq,
+    UpdateWeightsReqOutput,
 )
 from sgl_jax.srt.managers.request_options import InvalidRequestError, RequestOptions
 from sgl_jax.srt.managers.transport import recv_obj
@@ -95,6 +99,7 @@ class TokenizerManager:
         self.dead_reason: str | None = None
         self._control: dict[type, deque[Future]] = {
             FlushCacheReqOutput: deque(), GetServerInfoReqOutput: deque(),
+            UpdateWeightsReqOutput: deque(), PauseGenerationReqOutput: deque(),
         }
         self._ctx = zmq.Context(2)
         self._send = self._ctx.socket(zmq.PUSH)
@@ -290,6 +295,18 @@ class TokenizerManager:
     async def flush_cache(self) -> FlushCacheReqOutput:
         return await self._control_call(FlushCacheReq(), FlushCacheReqOutput)
 
+    async def update_weights(self, req: UpdateWeightsReq) -> UpdateWeightsReqOutput:
+        """Replaces the served weights (see ``UpdateWeightsReq``). No time limit: by default
+        the update waits for the running requests to finish."""
+        if req.arrays is not None:
+            # The scheduler is another process: arrays go as host bytes (device arrays are
+            # fetched here).
+            req.arrays = {name: np.asarray(a) for name, a in req.arrays.items()}
+        return await self._control_call(req, UpdateWeightsReqOutput, timeout=None)
+
+    async def pause_generation(self, pause: bool) -> PauseGenerationReqOutput:
+        return await self._control_call(PauseGenerationReq(pause=pause), PauseGenerationReqOutput)
+
     async def get_server_info(self) -> dict[str, Any]:
         """What ``Engine.get_server_info()`` and ``GET /get_server_info`` return: the
         scheduler's state and counters, the processes, and the server args (API key redacted)."""
@@ -302,7 +319,8 @@ class TokenizerManager:
             "server_args": self.server_args.redacted(),
         }
 
-    async def _control_call(self, msg: Any, reply_type: type, timeout: float = 30.0) -> Any:
+    async def _control_call(self, msg: Any, reply_type: type,
+                            timeout: float | None = 30.0) -> Any:
         self._check_alive()
         fut: Future = Future()
         self._control[reply_type].append(fut)
@@ -349,6 +367,7 @@ class TokenizerManager:
                 "completion_tokens": out.completion_tokens[i],
                 "cached_tokens": out.cached_tokens[i],
                 "finish_reason": out.finished_reasons[i],
+                "weight_version": out.weight_version,
             }
             if out.finished_reasons[i] is not None:
                 meta["e2e_latency"] = time.monotonic() - state.created

@@ -117,6 +117,19 @@ def abstract_model(
     return model
 
 
+class ArraySource:
+    """Tensors given by name (numpy or JAX arrays), read like a checkpoint."""
+
+    def __init__(self, arrays: dict[str, Any]) -> None:
+        self._arrays = arrays
+
+    def names(self) -> set[str]:
+        return set(self._arrays)
+
+    def get(self, name: str) -> Any:
+        return self._arrays[name]
+
+
 def load_model(
     config: ModelConfig, mesh: Mesh, dtype: jnp.dtype, expert_mapping: ExpertMapping | None = None
 ) -> nnx.Module:
@@ -125,49 +138,82 @@ def load_model(
     model_cls = get_model_class(config.architecture)
     abstract = nnx.eval_shape(lambda: model_cls(config, dtype))
     graphdef, state = nnx.split(abstract)
-    ckpt = SafetensorsCheckpoint(config.model_path)
     mapping = expert_mapping or ExpertMapping.contiguous(config.num_experts, mesh.shape["expert"])
     mapping.check(config.num_experts, mesh.shape["expert"])
+    pure = read_params(config, state, mesh, mapping, SafetensorsCheckpoint(config.model_path))
+    for path, var in _flat_params(state):
+        var.set_value(pure[path])
+    model = nnx.merge(graphdef, state)
+    apply_expert_mapping(model, mapping)  # the order the experts were just stacked in
+    return model
 
+
+def read_params(
+    config: ModelConfig, state: nnx.State, mesh: Mesh, mapping: ExpertMapping,
+    source: SafetensorsCheckpoint | ArraySource, partial: bool = False,
+) -> dict[Path, jax.Array]:
+    """The parameters of ``state`` (abstract or loaded) read from ``source`` by their Hugging
+    Face names, converted to each parameter's dtype and placed with its sharding.
+
+    Every tensor is checked before anything is returned, so a bad source changes nothing.
+    ``partial``: ``source`` may give a subset (whole parameters: all the experts of a stacked
+    one); only those are returned. Otherwise it must give exactly the model's tensors.
+    """
     plan: list[tuple[Path, nnx.Variable, list[str], bool]] = []
     expected: set[str] = set()
+    present = source.names()
     for path, var in _flat_params(state):
         stacked = path[-1] in _STACKED_EXPERTS
         order = mapping.physical_order(layer_of(path)) if stacked else None
         names, transpose = hf_sources(path, config.num_experts, order)
-        plan.append((path, var, names, transpose))
         expected.update(names)
-    present = ckpt.names()
+        given = [n for n in names if n in present]
+        if partial and not given:
+            continue
+        if partial and len(given) != len(names):
+            missing = sorted(set(names) - present)
+            raise CheckpointError(
+                f"{len(missing)} tensor(s) of a stacked parameter missing, e.g. {missing[:3]}; "
+                f"give all {len(names)} experts of a layer's projection together"
+            )
+        plan.append((path, var, names, transpose))
     missing = sorted(expected - present)
     unexpected = sorted(present - expected)
-    if missing:
-        raise CheckpointError(
-            f"{config.model_path}: {len(missing)} tensor(s) missing, e.g. {missing[:5]}"
-        )
+    where = "the arrays" if isinstance(source, ArraySource) else config.model_path
+    if missing and not partial:
+        raise CheckpointError(f"{where}: {len(missing)} tensor(s) missing, e.g. {missing[:5]}")
     if unexpected:
         raise CheckpointError(
-            f"{config.model_path}: {len(unexpected)} unexpected tensor(s) for "
-            f"{config.architecture}, e.g. {unexpected[:5]}"
+            f"{where}: {len(unexpected)} unexpected tensor(s) for {config.architecture}, "
+            f"e.g. {unexpected[:5]}"
         )
 
     pure: dict[Path, jax.Array] = {}
-    for path, var, names, transpose in tqdm(plan, desc="Loading weights", unit="tensor"):
-        arrays = [ckpt.get(n) for n in names]
-        arrays = [a.T if transpose else a for a in arrays]
-        value = np.stack(arrays) if len(arrays) > 1 or path[-1] in _STACKED_EXPERTS else arrays[0]
-        abstract_value = var.get_value()
-        if value.shape != abstract_value.shape:
-            hf_shape = arrays[0].T.shape if transpose else arrays[0].shape
+    for path, var, names, transpose in tqdm(plan, desc="Loading weights", unit="tensor",
+                                            disable=len(plan) < 2):
+        pure[path] = _place(var, mesh, names, [source.get(n) for n in names], transpose,
+                            config.architecture)
+    logger.info("Read %d tensors from %s", sum(len(p[2]) for p in plan), where)
+    return pure
+
+
+def _place(var: nnx.Variable, mesh: Mesh, names: list[str], arrays: list[Any], transpose: bool,
+           architecture: str) -> jax.Array:
+    """One parameter from its tensors: transposed, stacked, cast and placed. JAX arrays are
+    converted on their devices (no host copy); numpy arrays on the host."""
+    on_device = any(isinstance(a, jax.Array) for a in arrays)
+    xp = jnp if on_device else np
+    target = var.get_value()
+    stacked = ".experts." in names[0]  # one tensor per expert, stacked on a leading axis
+    want = tuple(target.shape[1:] if stacked else target.shape)
+    if transpose:
+        want = want[::-1]  # Hugging Face stores linear weights [out, in]
+    for name, array in zip(names, arrays, strict=True):
+        if tuple(array.shape) != want:
             raise CheckpointError(
-                f"tensor {names[0]!r} has shape {tuple(hf_shape)}; "
-                f"{config.architecture} with this config.json expects "
-                f"{tuple(abstract_value.shape[1:] if len(names) > 1 else abstract_value.shape)}"
-                f"{' (transposed)' if transpose else ''}"
+                f"tensor {name!r} has shape {tuple(array.shape)}; {architecture} with this "
+                f"config.json expects {want}"
             )
-        pure[path] = jax.device_put(value.astype(abstract_value.dtype), _param_sharding(var, mesh))
-    for path, var in _flat_params(state):
-        var.set_value(pure[path])
-    logger.info("Loaded %d tensors from %s", len(present), config.model_path)
-    model = nnx.merge(graphdef, state)
-    apply_expert_mapping(model, mapping)  # the order the experts were just stacked in
-    return model
+    arrays = [a.T if transpose else a for a in arrays]
+    value = xp.stack(arrays) if stacked else arrays[0]
+    return jax.device_put(value.astype(target.dtype), _param_sharding(var, mesh))

@@ -225,6 +225,16 @@ class AbortRequest(BaseModel):
     rid: str
 
 
+class UpdateWeightsFromDiskRequest(BaseModel):
+    """SGLang's body: a checkpoint directory of the served architecture and shapes."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model_path: str
+    load_format: Literal["auto", "safetensors"] | None = None  # safetensors is all we read
+    weight_version: str | None = None
+    abort_all_requests: bool = False
+
+
 # -- responses --------------------------------------------------------------------------------
 def _omit_none(value: Any) -> bool:
     return value is None

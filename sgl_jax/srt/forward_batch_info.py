@@ -127,10 +127,20 @@ class ModelWorkerBatch:
     seeds: list[int]
     steps: list[int]  # per request: index of the output token being sampled
     return_routed_experts: bool = False  # any request asks: copy the routed rows to host
+    # Per request, whether it asked (bool [B]) when only some did; None when all or none did.
+    routed_reqs: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
+
+    def routed_tokens(self) -> np.ndarray | None:
+        """Positions in the batch of the tokens whose routed rows go to the host (int32,
+        ascending): those of the requests that asked. None: every token's (or no copy)."""
+        if not self.return_routed_experts or self.routed_reqs is None:
+            return None
+        per_token = np.repeat(np.asarray(self.routed_reqs, bool), self.extend_lens)
+        return np.flatnonzero(per_token).astype(np.int32)
 
     @property
     def batch_size(self) -> int:

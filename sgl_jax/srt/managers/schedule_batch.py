@@ -108,6 +108,7 @@ class ScheduleBatch:
                 np.asarray(r.fill_ids[r.kv_len : r.kv_len + n], np.int32)
                 for r, n in zip(reqs, self.extend_lens, strict=True)
             ])
+        asks = np.array([r.options.return_routed_experts for r in reqs], bool)
         return ModelWorkerBatch(
             forward_mode=self.forward_mode,
             req_pool_indices=np.array([r.req_pool_idx for r in reqs], np.int32),
@@ -118,5 +119,6 @@ class ScheduleBatch:
             sampling_params=[r.sampling_params for r in reqs],
             seeds=[r.seed for r in reqs],
             steps=[len(r.output_ids) + r.inflight for r in reqs],
-            return_routed_experts=any(r.options.return_routed_experts for r in reqs),
+            return_routed_experts=bool(asks.any()),
+            routed_reqs=None if asks.all() else asks,  # only some ask: copy only theirs
         )

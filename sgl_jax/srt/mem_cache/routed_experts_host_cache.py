@@ -13,9 +13,10 @@ written, never at start-up; a slot's row is read only after a step wrote it (``v
 Reads convert back to int32 with -1 for the marker, the wire's semantics.
 
 ``valid[slot]`` says whether the step that last wrote the slot's KV captured its row: a batch
-in which no request asked for routed experts skips the device-to-host copy, so the rows of the
-KV it wrote are unknown, and a request that would reuse that KV through the prefix cache must
-recompute it instead (``valid_prefix_len``).
+in which no request asked for routed experts skips the device-to-host copy, and a batch in
+which only some asked copies only their tokens' rows (gathered on the device), so the rows of
+the other KV it wrote are unknown, and a request that would reuse that KV through the prefix
+cache must recompute it instead (``valid_prefix_len``).
 
 Validity is set when a step is *launched*, rows are written when it is *processed*. With
 overlap scheduling a slot can be freed and handed to a new step before the step that wrote it
@@ -75,7 +76,8 @@ class RoutedExpertsHostCache:
         assert self.weights is not None, "routing weights are not captured"
         return self.weights[slots]
 
-    def set_valid(self, slots: np.ndarray, valid: bool) -> None:
+    def set_valid(self, slots: np.ndarray, valid: bool | np.ndarray) -> None:
+        """``valid``: for all ``slots``, or one bool per slot."""
         self.valid[slots] = valid
 
     def gather(self, slots: np.ndarray, raw: bool = False) -> np.ndarray:

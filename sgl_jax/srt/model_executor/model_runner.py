@@ -3,7 +3,8 @@
 A step is the model forward plus sampling, jitted once per (mode, padded tokens, padded rows).
 The KV cache, the device page table and the last-token buffer are donated into the step and
 replaced by its outputs, so they are updated in place (routed-experts rows are a fresh output
-of each step, their host copy started at dispatch when the batch asks for them). Every
+of each step, their host copy started at dispatch when the batch asks for them: all of them
+when every request asked, else only the askers' rows, gathered on the device). Every
 trace of the step is counted in ``num_compiles``: after precompilation, serving inside the
 buckets must leave it flat.
 
@@ -72,7 +73,9 @@ class StepOutput:
     next_token_ids: jax.Array  # [B_pad] int32
     logits: jax.Array  # [B_pad, vocab] float32
     # [T_pad, layers, k] in the host table's dtype (no router = its maximum), when enabled
-    routed_rows: jax.Array | None
+    # (with routing weights, the pair (ids, weights)); in a batch where only some requests
+    # asked, the askers' rows as a ``GatheredRows`` (what is copied to the host).
+    routed_rows: Any
 
 
 def make_mesh(devices: Sequence[Any], tp_size: int, ep_size: int) -> Mesh:
@@ -188,6 +191,7 @@ class ModelRunner:
 
         self.num_compiles = 0
         self.last_step_host_bytes = 0
+        self.last_step_copy_bytes = 0  # routed rows (and weights) copied device-to-host
         self.compile_seconds: dict[tuple[int, int, int], float] = {}
         self._step = jax.jit(
             partial(self._step_impl, self.graphdef, self.param_treedef),
@@ -285,6 +289,12 @@ class ModelRunner:
         else:
             tokens = self.padded_extend_tokens(mwb.num_tokens)
             rows = self.extend_rows(tokens)
+        routed = mwb.routed_tokens()  # only some requests asked: their tokens, else None
+        if routed is not None:
+            # Only the askers' slots get rows; the scheduler marked the whole batch at launch.
+            mask = np.zeros(mwb.num_tokens, bool)
+            mask[routed] = True
+            self.capturer.on_forward_launch(mwb.out_cache_loc, mask)
         synced = self._sync_prefix_pages(mwb)
         batch = build_forward_batch(
             mwb, tokens, rows, self.model_config.vocab_size, self.no_req_slot
@@ -292,8 +302,13 @@ class ModelRunner:
         # What this step copied from host to device (numpy leaves plus page rows sent).
         self.last_step_host_bytes = synced + sum(x.nbytes for x in jax.tree.leaves(batch))
         out = self.forward(batch)
+        self.last_step_copy_bytes = 0
         if mwb.return_routed_experts:
-            self.capturer.start_copy(out.routed_rows)  # overlaps the step and the next one
+            if routed is not None:
+                with jax.set_mesh(self.mesh):
+                    out.routed_rows = self.capturer.select_rows(out.routed_rows, routed)
+            # Overlaps the step and the next one.
+            self.last_step_copy_bytes = self.capturer.start_copy(out.routed_rows)
         return batch, out
 
     def _sync_prefix_pages(self, mwb: ModelWorkerBatch) -> int:

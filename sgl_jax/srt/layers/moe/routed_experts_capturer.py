@@ -12,7 +12,9 @@ Flow (DESIGN.md §4):
    device buffer carried from step to step.
 2. At dispatch the runner starts the rows' device-to-host copy (``start_copy``), so it overlaps
    with the rest of the step and the next one; ``on_forward_end`` scatters the real (unpadded)
-   rows into the ``RoutedExpertsHostCache`` at the tokens' KV slots.
+   rows into the ``RoutedExpertsHostCache`` at the tokens' KV slots. In a batch where only
+   some requests asked, only their tokens' rows are copied: ``select_rows`` gathers them on
+   the device first (``GatheredRows``), and only their slots are marked valid.
 3. When a request ends, the scheduler's memory (``ReqMemory.routed_rows_of``) gathers its
    rows from the host table through ``req_to_token``, before its KV is freed.
 """
@@ -20,6 +22,7 @@ Flow (DESIGN.md §4):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -28,6 +31,38 @@ import numpy as np
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.mem_cache.routed_experts_host_cache import NO_ROUTER, RoutedExpertsHostCache
+
+
+def _take_rows(rows: Any, index: jax.Array) -> Any:
+    return jax.tree.map(lambda r: jnp.take(r, index, axis=0), rows)
+
+
+# A separate small jit, not part of the step: the step keeps one compiled shape per bucket
+# whatever the batch asks (an index input inside it would multiply the step's compiles by the
+# index buckets, and every all-asking batch would pay for a gather it does not need). This
+# compiles once per (step bucket, power-of-two index count): a bounded, small set of tiny
+# programs, dispatched after the step only when a batch mixes askers and non-askers.
+_gather_rows = jax.jit(_take_rows)
+
+
+def index_bucket(n: int) -> int:
+    """The gather's index count for ``n`` rows: the next power of two (bounded compiles)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class GatheredRows:
+    """A mixed batch's rows on their way to the host: those of the requests that asked.
+
+    ``rows`` (device; an array, or (ids, weights)) holds in row i the row of batch token
+    ``tokens[i]`` (rows past ``len(tokens)`` are the gather's padding), or, when ``gathered``
+    is False (the gather would not be smaller than the step's rows), the step's own rows, of
+    which only ``tokens`` are written.
+    """
+
+    rows: Any
+    tokens: np.ndarray
+    gathered: bool = True
 
 
 class RoutedExpertsCapturer(ABC):
@@ -89,17 +124,22 @@ class RoutedExpertsCapturer(ABC):
 
     @abstractmethod
     def on_forward_end(
-        self, rows: jax.Array | None, out_cache_loc: np.ndarray, num_real_tokens: int,
-        copy: bool,
+        self, rows: Any, out_cache_loc: np.ndarray, num_real_tokens: int, copy: bool,
     ) -> None: ...
 
     @abstractmethod
-    def on_forward_launch(self, out_cache_loc: np.ndarray, copy: bool) -> None:
-        """Records whether the rows of the KV slots a launched step writes will be known."""
+    def on_forward_launch(self, out_cache_loc: np.ndarray, copy: bool | np.ndarray) -> None:
+        """Records whether the rows of the KV slots a launched step writes will be known
+        (``copy``: for the whole batch, or a bool per token)."""
 
-    def start_copy(self, rows: jax.Array | None) -> None:
-        """At dispatch: start the device-to-host copy of a step's rows (when it copies them)."""
-        return None
+    def start_copy(self, rows: Any) -> int:
+        """At dispatch: start the device-to-host copy of a step's rows (when it copies them).
+        Returns the bytes copied."""
+        return 0
+
+    def select_rows(self, rows: Any, tokens: np.ndarray) -> Any:
+        """The rows to copy when only the batch tokens ``tokens`` asked (see GatheredRows)."""
+        return rows
 
     def max_tokens(self) -> int | None:
         return None
@@ -128,6 +168,9 @@ class _RoutedExpertsCapturerNoop(RoutedExpertsCapturer):
 
     def on_forward_launch(self, out_cache_loc, copy) -> None:
         pass
+
+    def select_rows(self, rows, tokens):
+        return rows
 
     def on_forward_end(self, rows, out_cache_loc, num_real_tokens, copy) -> None:
         pass
@@ -195,29 +238,53 @@ class _RoutedExpertsCapturerReal(RoutedExpertsCapturer):
                              for i in range(self.num_hidden_layers)], axis=1)
         return None, (rows, stacked)
 
-    def start_copy(self, rows: Any) -> None:
-        for array in rows if isinstance(rows, tuple) else (rows,):
-            if array is not None:
-                array.copy_to_host_async()
+    def select_rows(self, rows: Any, tokens: np.ndarray) -> Any:
+        if rows is None:
+            return None
+        step_tokens = jax.tree.leaves(rows)[0].shape[0]
+        bucket = index_bucket(len(tokens))
+        if bucket >= step_tokens:  # no smaller than the step's rows: copy those
+            return GatheredRows(rows, tokens, gathered=False)
+        index = np.zeros(bucket, np.int32)  # padding gathers token 0's row again (unused)
+        index[: len(tokens)] = tokens
+        return GatheredRows(_gather_rows(rows, index), tokens)
+
+    def start_copy(self, rows: Any) -> int:
+        if isinstance(rows, GatheredRows):
+            rows = rows.rows
+        copied = 0
+        for array in jax.tree.leaves(rows):
+            array.copy_to_host_async()
+            copied += array.nbytes
+        return copied
 
     def on_forward_end(
-        self, rows: jax.Array | None, out_cache_loc: np.ndarray, num_real_tokens: int,
-        copy: bool,
+        self, rows: Any, out_cache_loc: np.ndarray, num_real_tokens: int, copy: bool,
     ) -> None:
-        """Scatter this step's real rows to the host cache (when the step copies them)."""
+        """Scatter this step's real rows to the host cache (when the step copies them):
+        ``rows`` as the step returned them (``StepOutput.routed_rows``): the step's own rows
+        of every token, or a mixed batch's ``GatheredRows``."""
         loc = out_cache_loc[:num_real_tokens]
         if not copy or rows is None:
             return
+        take: Any = slice(0, num_real_tokens)  # which host rows are written, to which slots
+        if isinstance(rows, GatheredRows):
+            tokens = rows.tokens
+            loc = loc[tokens]
+            take = slice(0, len(tokens)) if rows.gathered else tokens
+            rows = rows.rows
         weights = None
         if isinstance(rows, tuple):
             rows, weights = rows
         # np.asarray waits for the copy started at dispatch; the rows are a fresh output of the
-        # forward, never donated, so reading them cannot race with a later step.
-        self.host_cache.write(loc, np.asarray(rows)[:num_real_tokens])
+        # forward (or of its gather), never donated, so reading them cannot race with a later
+        # step.
+        self.host_cache.write(loc, np.asarray(rows)[take])
         if weights is not None:
-            self.host_cache.write_weights(loc, np.asarray(weights)[:num_real_tokens])
+            self.host_cache.write_weights(loc, np.asarray(weights)[take])
 
-    def on_forward_launch(self, out_cache_loc: np.ndarray, copy: bool) -> None:
+    def on_forward_launch(self, out_cache_loc: np.ndarray, copy: bool | np.ndarray) -> None:
+        """``copy``: for the whole batch, or per token (a mixed batch: the askers' tokens)."""
         self.host_cache.set_valid(out_cache_loc, copy)
 
     def memory_report(self) -> dict[str, int]:

@@ -387,7 +387,7 @@ def test_models_list(client):
 # -- errors -------------------------------------------------------------------------------------
 OPENAI_ERRORS = [
     ("unknown-model", openai.NotFoundError, dict(model="gpt-4")),
-    ("logprobs", openai.BadRequestError, dict(logprobs=True)),
+    ("top-logprobs-too-many", openai.BadRequestError, dict(logprobs=True, top_logprobs=21)),
     ("top-logprobs", openai.BadRequestError, dict(top_logprobs=2)),
     ("negative-temperature", openai.BadRequestError, dict(temperature=-1.0)),
     ("top-p-zero", openai.BadRequestError, dict(top_p=0.0)),

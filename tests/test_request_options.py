@@ -122,7 +122,7 @@ def test_batch_options_rids_and_result_order():
     with pytest.raises(InvalidRequestError, match="the batch is empty"):
         GenerateReqInput(text=[])
     with pytest.raises(InvalidRequestError, match="unknown request option"):
-        GenerateReqInput(text="x", options={"return_logprob": True})
+        GenerateReqInput(text="x", options={"return_logprobs": True})
 
 
 def test_server_info_redacts_the_api_key():

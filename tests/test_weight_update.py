@@ -10,7 +10,10 @@ server keeps serving on the old weights.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import threading
 
 import jax.numpy as jnp
@@ -199,3 +202,12 @@ def test_engine_update_from_arrays(fresh, second_ckpt):
     with pytest.raises(ValueError, match="unexpected"):
         fresh.update_weights_from_arrays({"lm_head.bias": tensors[one]})
     assert fresh.get_server_info()["weight_version"] == "2"  # failures change nothing
+
+
+def test_rl_rollout_example_runs():
+    """docs/rl_rollouts.md's loop: generate with logprobs and routed experts, update, again."""
+    script = os.path.join(os.path.dirname(__file__), "..", "docs", "examples",
+                          "rl_rollout_loop.py")
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 1 weights step-1:" in done.stdout and "updated to step-2" in done.stdout

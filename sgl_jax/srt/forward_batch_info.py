@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sgl_jax.srt.sampling.sampling_metadata import SamplingMetadata
+from sgl_jax.srt.sampling.sampling_params import MAX_TOKEN_IDS_LOGPROB
 
 
 class ForwardMode(enum.IntEnum):
@@ -42,6 +43,20 @@ class ForwardMode(enum.IntEnum):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class LogprobInputs:
+    """What the step needs for logprobs (present only when some request asks): the asked ids
+    of every logits row, and extra logits rows at prompt tokens (input logprobs): after the
+    ``B`` sampled rows come ``P`` rows at ``extra_tokens``, scored on ``extra_targets`` (the next
+    prompt token) at ``extra_temperatures``."""
+
+    token_ids: jax.Array  # [B + P, MAX_TOKEN_IDS_LOGPROB] int32, -1 = none
+    extra_tokens: jax.Array  # [P] int32 token index in the batch (padding: 0)
+    extra_targets: jax.Array  # [P] int32 (padding: -1)
+    extra_temperatures: jax.Array  # [P] float32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class ForwardBatch:
     input_ids: jax.Array  # [T] int32; -1: the request's last sampled token (on device)
     out_cache_loc: jax.Array  # [T] int32, KV slot each token writes (page * page_size + offset)
@@ -50,6 +65,7 @@ class ForwardBatch:
     extend_lens: jax.Array  # [B] int32, new tokens of each row (1 in decode, 0 for padding)
     sampling: SamplingMetadata
     forward_mode: ForwardMode = dataclasses.field(metadata={"static": True})
+    logprobs: LogprobInputs | None = None  # None: no request asks (no logprob work at all)
 
     @property
     def num_tokens(self) -> int:
@@ -88,13 +104,19 @@ class ForwardBatch:
 
     @property
     def logits_indices(self) -> jax.Array:
-        """[B] the token whose logits each row samples from: its last new token."""
-        return jnp.maximum(self.extend_starts + self.extend_lens - 1, 0)
+        """[B (+ P)] the tokens whose logits the step computes: each row's last new token (it
+        samples from it), then the extra input-logprob tokens, if any."""
+        last = jnp.maximum(self.extend_starts + self.extend_lens - 1, 0)
+        if self.logprobs is None:
+            return last
+        return jnp.concatenate([last, self.logprobs.extra_tokens])
 
 
-def shape_key(batch: ForwardBatch) -> tuple[int, int, int]:
-    """What a compiled step is specialised on (besides the model's own shapes)."""
-    return (int(batch.forward_mode), batch.num_tokens, batch.batch_size)
+def shape_key(batch: ForwardBatch) -> tuple[int, ...]:
+    """What a compiled step is specialised on (besides the model's own shapes): mode, tokens,
+    rows, and with logprobs the extra input-logprob rows (-1: no logprobs)."""
+    extra = -1 if batch.logprobs is None else batch.logprobs.extra_tokens.shape[0]
+    return (int(batch.forward_mode), batch.num_tokens, batch.batch_size, extra)
 
 
 def make_padding_batch(
@@ -114,6 +136,34 @@ def make_padding_batch(
 
 
 @dataclasses.dataclass
+class LogprobRequest:
+    """Host side of ``LogprobInputs``, unpadded: per request the asked ids (None: none), and
+    the extra prompt tokens (batch token index, next prompt token, temperature, asked ids)."""
+
+    token_ids: list[list[int] | None]
+    extra_tokens: list[int] = dataclasses.field(default_factory=list)
+    extra_targets: list[int] = dataclasses.field(default_factory=list)
+    extra_temperatures: list[float] = dataclasses.field(default_factory=list)
+    extra_token_ids: list[list[int] | None] = dataclasses.field(default_factory=list)
+
+    def padded(self, padded_rows: int, padded_extra: int) -> LogprobInputs:
+        b, p = len(self.token_ids), len(self.extra_tokens)
+        ids = np.full((padded_rows + padded_extra, MAX_TOKEN_IDS_LOGPROB), -1, np.int32)
+        for row, asked in [*enumerate(self.token_ids),
+                           *((padded_rows + j, a) for j, a in enumerate(self.extra_token_ids))]:
+            if asked:
+                ids[row, : len(asked)] = asked
+        assert b <= padded_rows and p <= padded_extra
+        extra_tokens = np.zeros(padded_extra, np.int32)
+        extra_tokens[:p] = self.extra_tokens
+        targets = np.full(padded_extra, -1, np.int32)
+        targets[:p] = self.extra_targets
+        temps = np.ones(padded_extra, np.float32)
+        temps[:p] = self.extra_temperatures
+        return LogprobInputs(ids, extra_tokens, targets, temps)
+
+
+@dataclasses.dataclass
 class ModelWorkerBatch:
     """Host (numpy) description of one batch, unpadded; the scheduler builds it."""
 
@@ -129,6 +179,7 @@ class ModelWorkerBatch:
     return_routed_experts: bool = False  # any request asks: copy the routed rows to host
     # Per request, whether it asked (bool [B]) when only some did; None when all or none did.
     routed_reqs: np.ndarray | None = None
+    logprobs: LogprobRequest | None = None  # some request asks for logprobs
 
     @property
     def num_tokens(self) -> int:
@@ -175,4 +226,7 @@ def build_forward_batch(
             mwb.sampling_params, mwb.seeds, mwb.steps, padded_rows, vocab_size
         ),
         forward_mode=mwb.forward_mode,
+        # Extra rows are padded to the token bucket: one compiled variant per bucket.
+        logprobs=None if mwb.logprobs is None else mwb.logprobs.padded(
+            padded_rows, padded_tokens if mwb.logprobs.extra_tokens else 0),
     )

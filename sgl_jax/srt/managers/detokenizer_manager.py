@@ -76,6 +76,7 @@ class DetokenizerManager:
             output_routed_experts=out.output_routed_experts or [None] * len(out.rids),
             output_routed_expert_weights=out.output_routed_expert_weights,
             weight_version=out.weight_version,
+            output_logprobs=out.output_logprobs,
         )
 
 

@@ -208,6 +208,9 @@ class BatchTokenIDOut:
     # The same rows' routing weights (float32 or float16), for requests that asked.
     output_routed_expert_weights: list[np.ndarray | None] = field(default_factory=list)
     weight_version: str = "0"  # of the weights that computed these outputs
+    # Per request: its logprob entries since its previous message (LogprobRecord.take_new),
+    # or None when it did not ask.
+    output_logprobs: list[dict[str, list] | None] = field(default_factory=list)
 
 
 @dataclass
@@ -225,3 +228,4 @@ class BatchStrOut:
     output_routed_experts: list[np.ndarray | None] = field(default_factory=list)
     output_routed_expert_weights: list[np.ndarray | None] = field(default_factory=list)
     weight_version: str = "0"
+    output_logprobs: list[dict[str, list] | None] = field(default_factory=list)

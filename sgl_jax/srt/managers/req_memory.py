@@ -60,6 +60,11 @@ class ReqMemory:
         req.req_pool_idx = idx
         # At least one token must be computed: its logits sample the next token.
         usable = req.fill_ids[: req.seq_len - 1]
+        if req.logprobs is not None:
+            # Cached positions have no logits: input logprobs still to come are computed.
+            limit = req.logprobs.cacheable_prefix(len(req.origin_input_ids))
+            if limit is not None:
+                usable = usable[:limit]
         slots, node = self.tree.match_prefix(usable)  # whole pages
         if req.options.return_routed_experts and self.routed_rows is not None:
             # Reuse only KV whose routed-experts rows were captured when it was computed.

@@ -23,6 +23,7 @@ from sgl_jax.srt.routed_experts_codec import (
     ROUTED_EXPERTS_DTYPES,
     max_num_experts,
 )
+from sgl_jax.srt.sampling.sampling_params import MAX_TOKEN_IDS_LOGPROB, MAX_TOP_LOGPROBS
 
 
 class InvalidRequestError(ValueError):
@@ -53,6 +54,19 @@ class RequestOptions:
     # the request (in the first choice that has it), and per choice only the generated rows;
     # needs return_routed_experts.
     routed_experts_split: bool = False
+    # Return the log-probabilities of the generated tokens (meta_info output_token_logprobs),
+    # SGLang's spelling; the distribution is log_softmax(logits / temperature).
+    return_logprob: bool = False
+    # First prompt position with an input logprob (input_token_logprobs): 0 <= s < prompt
+    # tokens; None or -1: none. Needs return_logprob.
+    logprob_start_len: int | None = None
+    # How many most likely tokens (with their logprobs) per position, 0..20. Needs
+    # return_logprob.
+    top_logprobs_num: int = 0
+    # Ids whose logprobs are returned at every position (at most 64). Needs return_logprob.
+    token_ids_logprob: list[int] | None = None
+    # Add each logprob entry's token text (else None). Needs return_logprob.
+    return_text_in_logprobs: bool = False
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -77,9 +91,16 @@ class RequestOptions:
         """The wire dtype of the rows (resolved by ``validate``; int32 before)."""
         return self.routed_experts_dtype or "int32"
 
+    @property
+    def input_logprob_start(self) -> int | None:
+        """First prompt position with an input logprob, or None (validated options)."""
+        s = self.logprob_start_len
+        return None if not self.return_logprob or s is None or s < 0 else s
+
     def validate(
         self, prompt_len: int, routed_experts_enabled: bool, num_experts: int | None = None,
         default_dtype: str = "int32", weights_enabled: bool = True,
+        vocab_size: int | None = None,
     ) -> RequestOptions:
         """Checks the options of one prompt of ``prompt_len`` tokens for a model of
         ``num_experts`` experts; returns them with the dtype resolved (``default_dtype``, the
@@ -159,7 +180,51 @@ class RequestOptions:
             raise InvalidRequestError(
                 "'routed_experts_split' needs return_routed_experts=true", "routed_experts_split"
             )
-        return dataclasses.replace(self, routed_experts_dtype=dtype)
+        self._validate_logprobs(prompt_len, vocab_size)
+        return dataclasses.replace(
+            self, routed_experts_dtype=dtype,
+            token_ids_logprob=None if self.token_ids_logprob is None
+            else list(self.token_ids_logprob),
+        )
+
+    def _validate_logprobs(self, prompt_len: int, vocab_size: int | None) -> None:
+        asked = _boolean(self, "return_logprob")
+        _boolean(self, "return_text_in_logprobs")
+        given = {
+            "logprob_start_len": self.logprob_start_len is not None,
+            "top_logprobs_num": self.top_logprobs_num != 0,
+            "token_ids_logprob": self.token_ids_logprob is not None,
+            "return_text_in_logprobs": self.return_text_in_logprobs,
+        }
+        for name, set_ in given.items():
+            if set_ and not asked:
+                raise InvalidRequestError(f"'{name}' needs return_logprob=true", name)
+        start = self.logprob_start_len
+        if start is not None and (
+            not _is_int(start) or not (start == -1 or 0 <= start < prompt_len)
+        ):
+            raise InvalidRequestError(
+                f"logprob_start_len={start!r} must be -1 (no input logprobs) or in "
+                f"[0, {prompt_len}) (a position of the prompt)", "logprob_start_len")
+        top = self.top_logprobs_num
+        if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"top_logprobs_num={top!r} must be an integer in [0, {MAX_TOP_LOGPROBS}]",
+                "top_logprobs_num")
+        ids = self.token_ids_logprob
+        if ids is not None:
+            if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+                raise InvalidRequestError("'token_ids_logprob' must be a list of token ids",
+                                          "token_ids_logprob")
+            if len(ids) > MAX_TOKEN_IDS_LOGPROB:
+                raise InvalidRequestError(
+                    f"'token_ids_logprob' has {len(ids)} ids; at most "
+                    f"{MAX_TOKEN_IDS_LOGPROB} are allowed", "token_ids_logprob")
+            bad = [t for t in ids if vocab_size is not None and not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"'token_ids_logprob' holds {bad[0]}, outside the vocabulary "
+                    f"[0, {vocab_size})", "token_ids_logprob")
 
     @property
     def weights_dtype(self) -> str:
@@ -169,6 +234,10 @@ class RequestOptions:
 def _narrowest_for(num_experts: int) -> str:
     fits = [d for d in ROUTED_EXPERTS_DTYPES if max_num_experts(d) >= num_experts]
     return min(fits, key=lambda d: (max_num_experts(d), d.startswith("u")))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _boolean(options: RequestOptions, name: str) -> bool:

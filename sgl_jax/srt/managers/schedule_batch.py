@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from sgl_jax.srt.forward_batch_info import ForwardMode, ModelWorkerBatch
+from sgl_jax.srt.forward_batch_info import ForwardMode, LogprobRequest, ModelWorkerBatch
+from sgl_jax.srt.managers.logprob_record import LogprobRecord
 from sgl_jax.srt.managers.request_options import RequestOptions
 from sgl_jax.srt.mem_cache.radix_cache import TreeNode
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
@@ -59,6 +60,10 @@ class Req:
     routed_sent: int = 0  # of its rows from start_len on, how many have been streamed out
     sent_len: int = 0  # output ids already handed to the detokenizer
     arrival_time: float = field(default_factory=time.monotonic)
+    logprobs: LogprobRecord | None = None  # when it asked (return_logprob)
+
+    def __post_init__(self) -> None:
+        self.logprobs = LogprobRecord.for_request(self.options, self.origin_input_ids)
 
     @property
     def fill_ids(self) -> list[int]:
@@ -95,6 +100,10 @@ class ScheduleBatch:
     # complete after this step) or a chunk boundary to be discarded.
     samples_output: list[bool] = field(default_factory=list)
     capture_routed: bool = False  # whether the step's routed-experts rows go to the host
+    # Logits rows whose logprobs to record: (request, row, prompt token), in order; the
+    # sampled rows have no prompt token (None: an output), the input-logprob rows a negative
+    # row -1 - j, j-th after the padded sampled rows. Set by to_model_worker_batch.
+    logprob_rows: list[tuple[Req, int, int | None]] = field(default_factory=list)
 
     def to_model_worker_batch(self) -> ModelWorkerBatch:
         reqs = self.reqs
@@ -121,4 +130,30 @@ class ScheduleBatch:
             steps=[len(r.output_ids) + r.inflight for r in reqs],
             return_routed_experts=bool(asks.any()),
             routed_reqs=None if asks.all() else asks,  # only some ask: copy only theirs
+            logprobs=self._plan_logprobs(),
         )
+
+    def _plan_logprobs(self) -> LogprobRequest | None:
+        """The logprob work of this step, and ``logprob_rows`` to record it by."""
+        reqs = self.reqs
+        if not any(r.logprobs for r in reqs):
+            return None
+        plan = LogprobRequest(token_ids=[
+            r.logprobs.token_ids if r.logprobs else None for r in reqs])
+        self.logprob_rows = []
+        start = 0
+        for i, (r, n) in enumerate(zip(reqs, self.extend_lens, strict=True)):
+            if r.logprobs is not None:
+                if self.samples_output[i] and r.sampling_params.max_new_tokens > 0:
+                    self.logprob_rows.append((r, i, None))
+                if not self.forward_mode.is_decode:
+                    prompt_len = len(r.origin_input_ids)
+                    for p in r.logprobs.plan_input(r.kv_len, n, prompt_len):
+                        self.logprob_rows.append((r, -1 - len(plan.extra_tokens),
+                                                  r.origin_input_ids[p]))
+                        plan.extra_tokens.append(start + (p - 1 - r.kv_len))
+                        plan.extra_targets.append(r.origin_input_ids[p])
+                        plan.extra_temperatures.append(r.sampling_params.temperature)
+                        plan.extra_token_ids.append(r.logprobs.token_ids)
+            start += n
+        return plan

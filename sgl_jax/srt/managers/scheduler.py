@@ -334,7 +334,10 @@ class Scheduler:
             out.routed_rows, batch.out_cache_loc, len(batch.out_cache_loc),
             copy=batch.capture_routed,
         )
-        next_ids = np.asarray(out.next_token_ids)[: len(batch.reqs)].tolist()
+        all_ids = np.asarray(out.next_token_ids)
+        if batch.logprob_rows:
+            self._record_logprobs(batch, out, all_ids)
+        next_ids = all_ids[: len(batch.reqs)].tolist()
         changed: list[Req] = []
         for req, samples, token in zip(batch.reqs, batch.samples_output, next_ids, strict=True):
             if not samples or req.finished:  # a chunk boundary, or ended while this step ran
@@ -350,6 +353,22 @@ class Scheduler:
                 self.finish(req)
             changed.append(req)
         self.outputs.send(changed)
+
+    @staticmethod
+    def _record_logprobs(batch: ScheduleBatch, out: StepOutput, next_ids: np.ndarray) -> None:
+        """Adds the step's logprobs to its requests' records (before their tokens: a request
+        that finishes on this token sends them with it)."""
+        lp = {k: np.asarray(v) for k, v in vars(out.logprobs).items()}
+        padded_rows = len(next_ids)
+        for req, row, prompt_token in batch.logprob_rows:
+            if req.finished:  # ended (aborted) while the step ran; nothing more is recorded
+                continue
+            if row < 0:
+                row = padded_rows - 1 - row
+            side, token = ("output", next_ids[row]) if prompt_token is None else \
+                ("input", prompt_token)
+            req.logprobs.add(side, lp["target"][row], token, lp["top_values"][row],
+                             lp["top_ids"][row], lp["token_ids"][row])
 
     def finish(self, req: Req) -> None:
         """Takes an ended request out of the schedule and releases its memory, its routed

@@ -73,6 +73,7 @@ class ReqState:
     routed_rows_sent: int = 0  # routed-experts rows handed out so far (streaming)
     # routed_experts_split: rows before this index (the prompt's) are ``prompt_routed_experts``
     split_at: int | None = None
+    logprobs: dict[str, list] = field(default_factory=dict)  # every entry so far, by key
 
 
 class TokenizerManager:
@@ -152,6 +153,7 @@ class TokenizerManager:
             num_experts=self.model_config.num_experts,
             default_dtype=self.server_args.routed_experts_dtype,
             weights_enabled=self.server_args.enable_return_routed_expert_weights,
+            vocab_size=self.vocab_size,
         )
         return TokenizedGenerateReqInput(
             rid=obj.rid, input_ids=list(input_ids), sampling_params=params, stream=obj.stream,
@@ -279,7 +281,10 @@ class TokenizerManager:
                     if req.stream:
                         yield piece
                     elif done:
-                        yield {**piece, "text": state.text, "output_ids": state.output_ids}
+                        # A whole result: every logprob entry, not the last piece's.
+                        meta = {**piece["meta_info"], **state.logprobs}
+                        yield {**piece, "text": state.text, "output_ids": state.output_ids,
+                               "meta_info": meta}
                     if done:
                         return
         finally:
@@ -375,6 +380,8 @@ class TokenizerManager:
                 weights = out.output_routed_expert_weights
                 meta.update(self._routed_meta(
                     state, out.output_routed_experts[i], weights[i] if weights else None))
+            if out.output_logprobs and out.output_logprobs[i] is not None:
+                meta.update(self._logprob_meta(state, out.output_logprobs[i]))
             state.pending.append(
                 {"text": out.output_strs[i], "output_ids": out.new_output_ids[i], "meta_info": meta}
             )
@@ -420,6 +427,26 @@ class TokenizerManager:
                 f"{prefix}routed_expert_weights_shape": shape,
             })
         return meta
+
+    def _logprob_meta(self, state: ReqState, new: dict[str, list]) -> dict[str, list]:
+        """The logprob keys of a ``meta_info`` from the scheduler's new entries: each
+        ``(logprob, token_id)`` gains its token's text (``return_text_in_logprobs``) or None;
+        they are also added to the request's whole lists."""
+        with_text = state.options.return_text_in_logprobs
+
+        def entry(pair: tuple) -> tuple:
+            text = self.tokenizer.decode([pair[1]], skip_special_tokens=False) if with_text \
+                else None
+            return (pair[0], pair[1], text)
+
+        out = {}
+        for key, values in new.items():
+            if key.endswith("_token_logprobs"):
+                out[key] = [entry(v) for v in values]
+            else:  # per position a list of pairs (None for prompt position 0)
+                out[key] = [None if v is None else [entry(p) for p in v] for v in values]
+            state.logprobs.setdefault(key, []).extend(out[key])
+        return out
 
     def set_dead(self, reason: str) -> None:
         """A child died: fail every waiting request now and every new one from now on."""

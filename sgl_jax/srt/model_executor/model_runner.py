@@ -54,6 +54,7 @@ from sgl_jax.srt.layers.attention import (
     kv_cache_shape,
     update_page_table,
 )
+from sgl_jax.srt.layers.logprobs import LogprobOutput, logprob_outputs
 from sgl_jax.srt.layers.moe.ep_moe import ExpertMapping
 from sgl_jax.srt.layers.moe.experts import resolve_moe_backend
 from sgl_jax.srt.layers.moe.routed_experts_capturer import RoutedExpertsCapturer
@@ -76,6 +77,7 @@ class StepOutput:
     # (with routing weights, the pair (ids, weights)); in a batch where only some requests
     # asked, the askers' rows as a ``GatheredRows`` (what is copied to the host).
     routed_rows: Any
+    logprobs: LogprobOutput | None = None  # when some request asked
 
 
 def make_mesh(devices: Sequence[Any], tp_size: int, ep_size: int) -> Mesh:
@@ -141,8 +143,10 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         build = abstract_model if abstract else load_model
-        self.model = build(model_config, self.mesh, self.dtype, self.expert_mapping)
-        self.graphdef, params = nnx.split(self.model)
+        # Not kept: the step takes the parameters as arguments, and a weight update replaces
+        # them (a reference here would keep the old weights alive).
+        model = build(model_config, self.mesh, self.dtype, self.expert_mapping)
+        self.graphdef, params = nnx.split(model)
         # The step takes the parameters as a flat list of arrays: flattening an nnx.State of
         # Variables on every call costs more host time than a decode step of a small model.
         self.param_leaves, self.param_treedef = jax.tree.flatten(params)
@@ -192,7 +196,7 @@ class ModelRunner:
         self.num_compiles = 0
         self.last_step_host_bytes = 0
         self.last_step_copy_bytes = 0  # routed rows (and weights) copied device-to-host
-        self.compile_seconds: dict[tuple[int, int, int], float] = {}
+        self.compile_seconds: dict[tuple[int, ...], float] = {}
         self._step = jax.jit(
             partial(self._step_impl, self.graphdef, self.param_treedef),
             donate_argnums=(1, 2, 3),
@@ -245,11 +249,23 @@ class ModelRunner:
         self.capturer.begin_forward(None)
         logits, kv_caches = model(batch, meta, kv_caches, self.backends)
         _, routed_rows = self.capturer.end_forward(batch.num_tokens)
-        next_ids = sample(logits, batch.sampling)
+        rows = batch.batch_size
+        sampled_logits = logits[:rows]  # then, with logprobs, the input-logprob rows
+        next_ids = sample(sampled_logits, batch.sampling)
         # Rows that only end a prompt chunk also write here; no step reads a slot's last token
         # before the step that samples the request's real next token has written it.
         last_tokens = last_tokens.at[batch.req_pool_indices].set(next_ids)
-        return next_ids, logits, kv_caches, req_to_page, last_tokens, routed_rows
+        logprobs = None
+        if batch.logprobs is not None:
+            lp = batch.logprobs
+            logprobs = logprob_outputs(
+                logits,
+                jnp.concatenate([batch.sampling.temperatures, lp.extra_temperatures]),
+                jnp.concatenate([next_ids, lp.extra_targets]),
+                lp.token_ids,
+            )
+        return (next_ids, sampled_logits, kv_caches, req_to_page, last_tokens, routed_rows,
+                logprobs)
 
     def _step_args(self, batch: Any) -> tuple:
         return (self.param_leaves, self.kv_caches, self.req_to_page, self.last_tokens, batch)
@@ -260,13 +276,16 @@ class ModelRunner:
         t0 = time.perf_counter()
         with jax.set_mesh(self.mesh):  # the model's shard_map regions run on this mesh
             (next_ids, logits, self.kv_caches, self.req_to_page, self.last_tokens,
-             rows) = self._step(*self._step_args(batch))
+             rows, logprobs) = self._step(*self._step_args(batch))
         if self.num_compiles != before:
             next_ids.block_until_ready()
             key = shape_key(batch)
             self.compile_seconds[key] = time.perf_counter() - t0
             logger.debug("compiled %s in %.2fs", key, self.compile_seconds[key])
-        return StepOutput(next_ids, logits, rows)
+        if logprobs is not None:
+            for leaf in jax.tree.leaves(logprobs):
+                leaf.copy_to_host_async()  # small ([B + P] x 20); read when processed
+        return StepOutput(next_ids, logits, rows, logprobs)
 
     def lower_bucket(self, mode: ForwardMode, num_tokens: int, batch_size: int) -> Any:
         """``jax.stages.Lowered`` of the step for one bucket (abstract or not; nothing runs)."""

@@ -157,7 +157,8 @@ class Qwen3MoeForCausalLM(nnx.Module):
         self, batch: ForwardBatch, meta: AttentionMetadata, kv_caches: KVCache,
         backends: ModelBackends,
     ) -> tuple[jax.Array, KVCache]:
-        """Returns float32 logits ``[B, vocab]`` of each row's last new token."""
+        """Returns float32 logits ``[len(batch.logits_indices), vocab]``: each row's last new
+        token, then any input-logprob tokens."""
         h, kv_caches = self.model(batch, meta, kv_caches, backends)
         h = self.model.norm(jnp.take(h, batch.logits_indices, axis=0))
         if self.config.tie_word_embeddings:

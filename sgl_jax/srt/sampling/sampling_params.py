@@ -17,6 +17,10 @@ from typing import Any
 # A temperature below this is greedy decoding; the device sampler uses the same threshold, so a
 # request is greedy on the host exactly when it is greedy on the device.
 SAMPLING_EPS = 1e-6
+# Most top logprobs a request may ask for per position (OpenAI's limit is 20), and most ids of
+# ``token_ids_logprob``: static widths in the step, so one compiled variant serves every request.
+MAX_TOP_LOGPROBS = 20
+MAX_TOKEN_IDS_LOGPROB = 64
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63  # exclusive; seeds fit a signed 64-bit integer (what most clients can send)

@@ -250,7 +250,7 @@ class UsageInfo(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     matched_stop: int | str | None = Field(None, exclude_if=_omit_none)
     meta_info: dict[str, Any] | None = Field(None, exclude_if=_omit_none)
@@ -277,7 +277,7 @@ class ChatMessageOut(BaseModel):
 class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     matched_stop: int | str | None = Field(None, exclude_if=_omit_none)
     meta_info: dict[str, Any] | None = Field(None, exclude_if=_omit_none)
@@ -300,7 +300,7 @@ class DeltaMessage(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     matched_stop: int | str | None = Field(None, exclude_if=_omit_none)
     meta_info: dict[str, Any] | None = Field(None, exclude_if=_omit_none)

@@ -12,6 +12,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from sgl_jax.srt.entrypoints.openai.logprobs import (
+    chat_logprobs,
+    chat_options,
+    without_logprobs,
+)
 from sgl_jax.srt.entrypoints.openai.protocol import (
     ChatCompletionChoice,
     ChatCompletionRequest,
@@ -20,7 +25,6 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
     ChatMessageOut,
     ChatStreamChoice,
     DeltaMessage,
-    OpenAIError,
     UsageInfo,
 )
 from sgl_jax.srt.entrypoints.openai.serving_completions import (
@@ -33,16 +37,22 @@ from sgl_jax.srt.entrypoints.openai.serving_completions import (
 
 
 class ChatPlan(OpenAIPlan):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, logprobs: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.logprobs = logprobs
         self._role_sent: set[int] = set()  # choices whose first chunk (with the role) is out
+
+    def _logprobs(self, meta: dict[str, Any]) -> dict[str, Any] | None:
+        return chat_logprobs(meta) if self.logprobs else None
 
     def make_response(self, results: list[dict[str, Any]], usage: UsageInfo) -> BaseModel:
         choices = [
             ChatCompletionChoice(
                 index=r["index"], message=ChatMessageOut(content=r["text"]),
+                logprobs=self._logprobs(r["meta_info"]),
                 finish_reason=finish_reason(r["meta_info"]),
-                matched_stop=matched_stop(r["meta_info"]), meta_info=r["meta_info"],
+                matched_stop=matched_stop(r["meta_info"]),
+                meta_info=without_logprobs(r["meta_info"]),
             )
             for r in results
         ]
@@ -58,8 +68,9 @@ class ChatPlan(OpenAIPlan):
             content=out["text"] if out["text"] or first else None,
         )
         choice = ChatStreamChoice(
-            index=index, delta=delta, finish_reason=finish_reason(meta),
-            matched_stop=matched_stop(meta), meta_info=stream_meta(meta, final),
+            index=index, delta=delta, logprobs=self._logprobs(meta),
+            finish_reason=finish_reason(meta), matched_stop=matched_stop(meta),
+            meta_info=without_logprobs(stream_meta(meta, final)),
         )
         return ChatCompletionStreamResponse(id=self.response_id, model=self.model,
                                             choices=[choice])
@@ -79,15 +90,13 @@ class OpenAIServingChat(OpenAIServing):
 
     def plan(self, req: ChatCompletionRequest) -> ChatPlan:
         self.check_model(req.model)
-        if req.logprobs or req.top_logprobs:
-            param = "logprobs" if req.logprobs else "top_logprobs"
-            raise OpenAIError(400, f"'{param}' is not supported by this server", param=param)
+        options = chat_options(req.logprobs, req.top_logprobs)
         ids = self.prompt_ids(req)
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         if max_new is None:
             # The rest of the context (the manager rejects a prompt that leaves no room).
             max_new = max(self.tm.context_len - len(ids), 0)
-        obj, rids, response_id = self.make_batch(req, [ids], [max_new])
+        obj, rids, response_id = self.make_batch(req, [ids], [max_new], options)
         return ChatPlan(obj, rids, response_id, self.served_model_name, req.n,
-                        req.include_usage)
+                        req.include_usage, logprobs=bool(options))

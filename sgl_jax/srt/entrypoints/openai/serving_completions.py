@@ -20,6 +20,11 @@ from typing import Any
 import orjson
 from pydantic import BaseModel
 
+from sgl_jax.srt.entrypoints.openai.logprobs import (
+    CompletionLogprobs,
+    completion_options,
+    without_logprobs,
+)
 from sgl_jax.srt.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -142,7 +147,7 @@ class OpenAIServing:
 
     def make_batch(
         self, req: OpenAISamplingRequest, prompts: list[str] | list[list[int]],
-        max_new_tokens: list[int | None],
+        max_new_tokens: list[int | None], options: dict[str, Any] | None = None,
     ) -> tuple[GenerateReqInput, list[str], str]:
         """``n`` independent requests per prompt, in choice order."""
         response_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
@@ -160,28 +165,50 @@ class OpenAIServing:
         obj = GenerateReqInput(
             text=expanded if as_text else None,
             input_ids=None if as_text else expanded,
-            sampling_params=params, rid=rids, stream=req.stream, options=req.options(),
+            sampling_params=params, rid=rids, stream=req.stream,
+            options={**req.options(), **(options or {})},
         )
         return obj, rids, response_id
 
 
 class CompletionPlan(OpenAIPlan):
+    def __init__(self, *args: Any, echo: list[str] | None = None, logprobs: bool = False,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.echo = echo  # per prompt, its text, prepended to each of its choices (echo)
+        self.logprobs = logprobs
+        self._started: dict[int, CompletionLogprobs] = {}  # streamed choices' logprob state
+
+    def _text_and_logprobs(self, out: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
+        """A choice's text and logprobs of this piece; the echo comes with its first piece."""
+        index = out["index"]
+        first = index not in self._started
+        state = self._started.setdefault(index, CompletionLogprobs(self.echo is not None))
+        text = out["text"]
+        if first and self.echo is not None:
+            text = self.echo[index // self.n] + text
+        return text, state.piece(out["meta_info"]) if self.logprobs else None
+
     def make_response(self, results: list[dict[str, Any]], usage: UsageInfo) -> BaseModel:
-        choices = [
-            CompletionChoice(
-                index=r["index"], text=r["text"], finish_reason=finish_reason(r["meta_info"]),
-                matched_stop=matched_stop(r["meta_info"]), meta_info=r["meta_info"],
-            )
-            for r in results
-        ]
+        choices = []
+        for r in results:
+            text, logprobs = self._text_and_logprobs(r)
+            choices.append(CompletionChoice(
+                index=r["index"], text=text, logprobs=logprobs,
+                finish_reason=finish_reason(r["meta_info"]),
+                matched_stop=matched_stop(r["meta_info"]),
+                meta_info=without_logprobs(r["meta_info"]),
+            ))
         return CompletionResponse(id=self.response_id, model=self.model, choices=choices,
                                   usage=usage)
 
     def make_chunk(self, out: dict[str, Any], final: bool) -> BaseModel:
         meta = out["meta_info"]
+        text, logprobs = self._text_and_logprobs(out)
         choice = CompletionChoice(
-            index=out["index"], text=out["text"], finish_reason=finish_reason(meta),
-            matched_stop=matched_stop(meta), meta_info=stream_meta(meta, final),
+            index=out["index"], text=text, logprobs=logprobs, finish_reason=finish_reason(meta),
+            matched_stop=matched_stop(meta),
+            meta_info=without_logprobs(stream_meta(meta, final)),
         )
         return CompletionStreamResponse(id=self.response_id, model=self.model, choices=[choice])
 
@@ -196,7 +223,6 @@ class OpenAIServingCompletion(OpenAIServing):
     def plan(self, req: CompletionRequest) -> CompletionPlan:
         self.check_model(req.model)
         unsupported = {
-            "logprobs": req.logprobs is not None, "echo": req.echo,
             "suffix": req.suffix is not None,
             "best_of": req.best_of is not None and req.best_of != req.n,
         }
@@ -212,7 +238,12 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts = list(prompt)
         if not prompts:
             raise OpenAIError(400, "'prompt' must not be an empty list", param="prompt")
+        options = completion_options(req.logprobs, req.echo)
         max_new = req.max_tokens if req.max_tokens is not None else 16
-        obj, rids, response_id = self.make_batch(req, prompts, [max_new] * len(prompts))
+        obj, rids, response_id = self.make_batch(req, prompts, [max_new] * len(prompts), options)
+        echo = None
+        if req.echo:
+            echo = [p if isinstance(p, str) else
+                    self.tm.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
         return CompletionPlan(obj, rids, response_id, self.served_model_name, req.n,
-                              req.include_usage)
+                              req.include_usage, echo=echo, logprobs=bool(options))

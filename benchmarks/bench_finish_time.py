@@ -2,14 +2,18 @@
 
 Run by ``bench_serialization.py --finish`` (or directly). A random checkpoint with Qwen3-30B-A3B's
 routing shape (48 layers, 128 experts, top-8) and tiny widths (``make_random_model``), served by
-a real server (``sgl_jax.launch_server``: HTTP process, scheduler, detokenizer) on CPU:
+a real server (``sgl_jax.launch_server``: HTTP process, scheduler, detokenizer) on CPU, one per
+scenario with as many request slots as the scenario sends at once:
 
-- **long**: one request of ``--long-tokens`` prompt tokens (32k) with ``max_new_tokens`` 2;
+- **long**: one request of ``--long-tokens`` prompt tokens (32k);
 - **burst**: ``--burst`` concurrent requests of ``--burst-tokens`` prompt tokens (64 x 8k) that
   finish in the same step.
 
-Each prompt is first sent once with routed experts, so its KV and rows are in the prefix cache:
-the measured requests compute one token each, and what differs between asking and not asking is
+Requests generate ``--max-new-tokens`` (default 1: they end after their prefill step, with
+``seq_len - 1`` = prompt-length rows; a decode step at 32k context costs tens of seconds on a
+loaded 2-core CPU and its noise would drown the finish path). Each prompt is first sent once
+with routed experts, so its KV and rows are in the prefix cache: the measured requests compute
+one token each (their last prompt token), and what differs between asking and not asking is
 the finish-time path alone (gather rows [start_len, seq_len-1), scheduler -> detokenizer ->
 tokenizer manager transport, base64, the JSON response, the client reading it). Variants
 ("off": no routed experts; "int32" / "uint8": ``routed_experts_dtype``) are interleaved in
@@ -86,13 +90,17 @@ def _payload(dtype: str | None, rows: int) -> int:
     return 0 if dtype is None else rows * LAYERS * TOP_K * np.dtype(dtype).itemsize
 
 
-def _generate(url: str, ids: list[int], dtype: str | None) -> tuple[float, int]:
+MAX_NEW_TOKENS = [1]  # set from --max-new-tokens
+
+
+def _generate(url: str, ids: list[int], dtype: str | None,
+              timeout: float = 600) -> tuple[float, int]:
     body: dict[str, Any] = {"input_ids": ids, "sampling_params": {
-        "max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True}}
+        "max_new_tokens": MAX_NEW_TOKENS[0], "temperature": 0.0, "ignore_eos": True}}
     if dtype is not None:
         body.update(return_routed_experts=True, routed_experts_dtype=dtype)
     t0 = time.perf_counter()
-    r = requests.post(url + "/generate", json=body, timeout=600)
+    r = requests.post(url + "/generate", json=body, timeout=timeout)
     data = r.content
     secs = time.perf_counter() - t0
     assert r.status_code == 200, r.text[:500]
@@ -107,36 +115,39 @@ def _round(url: str, prompt: list[int], n: int, dtype: str | None) -> list[float
 
 
 def run(args: argparse.Namespace) -> list[str]:
+    MAX_NEW_TOKENS[0] = args.max_new_tokens
     context = args.long_tokens + 64
     path = make_model(context)
     vocab = 512
     rng = np.random.default_rng(0)
     long_prompt = rng.integers(10, vocab, args.long_tokens).tolist()
     burst_prompt = rng.integers(10, vocab, args.burst_tokens).tolist()
-    flags = server_flags(
-        model_path=path, enable_return_routed_experts=True, context_length=context,
-        chunked_prefill_size=args.chunk, precompile_token_paddings=[64, args.chunk],
-        precompile_bs_paddings=[1, args.burst], max_running_requests=args.burst,
-        # Room for both prompts' cached KV and the burst's reservations, so that no round
-        # evicts a prompt (a 32k-token prefill takes minutes on a CPU).
-        max_total_tokens=context + args.burst_tokens + args.burst * 512 + 4096,
-        disable_precompile=True,
-        log_level="warning",
-    )
-    server = ServerProcess(flags, startup_timeout=600)
     lines: list[str] = []
-    try:
-        procs = _proc_tree(server.proc.pid)
-        t0 = time.perf_counter()
-        for prompt in (long_prompt, burst_prompt):  # prefill once, rows into the prefix cache
-            _generate(server.url, prompt, "int32")
-        print(f"warm-up prefill {time.perf_counter() - t0:.0f} s", flush=True)
-        for prompt, n in ((long_prompt, 1), (burst_prompt, args.burst)):  # compile all shapes
-            for dtype in VARIANTS.values():
+    scenarios = [("long", long_prompt, 1), ("burst", burst_prompt, args.burst)]
+    for name, prompt, n in scenarios:
+        # One server per scenario, its running requests capped at the scenario's concurrency:
+        # the native attention sizes an extend's query blocks from the padded rows of the
+        # batch, and a group's KV loop costs all its blocks, padding ones included, so a
+        # one-token extend at 32k context costs ~60x more with 64 request slots than with 1.
+        flags = server_flags(
+            model_path=path, enable_return_routed_experts=True, context_length=context,
+            chunked_prefill_size=args.chunk, precompile_token_paddings=[64, args.chunk],
+            precompile_bs_paddings=sorted({1, n}), max_running_requests=n,
+            # Room for the prompt's cached KV and the requests' reservations, so that no
+            # round evicts the prompt (a 32k-token prefill takes minutes on a CPU).
+            max_total_tokens=len(prompt) + n * 512 + 4096,
+            disable_precompile=True,
+            log_level="warning",
+        )
+        server = ServerProcess(flags, startup_timeout=600)
+        try:
+            procs = _proc_tree(server.proc.pid)
+            t0 = time.perf_counter()
+            _generate(server.url, prompt, "int32", timeout=3600)  # rows into the prefix cache
+            print(f"{name}: warm-up prefill of {len(prompt)} tokens {time.perf_counter() - t0:.0f}"
+                  " s", flush=True)
+            for dtype in VARIANTS.values():  # compile every shape the rounds use
                 _round(server.url, prompt, n, dtype)
-
-        scenarios = [("long", long_prompt, 1), ("burst", burst_prompt, args.burst)]
-        for name, prompt, n in scenarios:
             times: dict[str, list[float]] = {v: [] for v in VARIANTS}
             peaks: dict[str, dict[str, list[int]]] = {v: {r: [] for r in procs} for v in VARIANTS}
             order = list(VARIANTS)
@@ -146,23 +157,25 @@ def run(args: argparse.Namespace) -> list[str]:
                     for p in procs.values():
                         _reset_peak(p)
                     times[v] += _round(server.url, prompt, n, VARIANTS[v])
+                    print(f"{name} round {i} {v}: p50 {statistics.median(times[v][-n:]) * 1e3:.0f}"
+                          " ms", flush=True)
                     for r, p in procs.items():
                         peaks[v][r].append(_status(p, "VmHWM") - before[r])
-            rows = len(prompt) + 1  # seq_len - 1 with 2 new tokens
-            off = statistics.median(times["off"]) * 1e3
-            lines.append(f"\n**{name}**: {n} request(s) x {len(prompt)} prompt tokens, "
-                         f"{args.repeats} rounds\n")
-            lines.append("| variant | payload / request | latency p50 ms | max ms | added p50 ms | "
-                         + " | ".join(f"peak RSS rise {r} MiB" for r in procs) + " |")
-            lines.append("|---|---:|---:|---:|---:|" + "---:|" * len(procs))
-            for v, dtype in VARIANTS.items():
-                med = statistics.median(times[v]) * 1e3
-                peak = " | ".join(f"{max(peaks[v][r]) / 2**20:.0f}" for r in procs)
-                lines.append(f"| {v} | {_payload(dtype, rows) / 2**20:.1f} MiB | {med:.1f} | "
-                             f"{max(times[v]) * 1e3:.1f} | {med - off:+.1f} | {peak} |")
-            print("\n".join(lines[-(len(VARIANTS) + 3):]), flush=True)
-    finally:
-        server.stop()
+        finally:
+            server.stop()
+        rows = len(prompt) + args.max_new_tokens - 1  # seq_len - 1
+        off = statistics.median(times["off"]) * 1e3
+        lines.append(f"\n**{name}**: {n} request(s) x {len(prompt)} prompt tokens, "
+                     f"{args.repeats} rounds\n")
+        lines.append("| variant | payload / request | latency p50 ms | max ms | added p50 ms | "
+                     + " | ".join(f"peak RSS rise {r} MiB" for r in procs) + " |")
+        lines.append("|---|---:|---:|---:|---:|" + "---:|" * len(procs))
+        for v, dtype in VARIANTS.items():
+            med = statistics.median(times[v]) * 1e3
+            peak = " | ".join(f"{max(peaks[v][r]) / 2**20:.0f}" for r in procs)
+            lines.append(f"| {v} | {_payload(dtype, rows) / 2**20:.1f} MiB | {med:.1f} | "
+                         f"{max(times[v]) * 1e3:.1f} | {med - off:+.1f} | {peak} |")
+        print("\n".join(lines[-(len(VARIANTS) + 3):]), flush=True)
     return lines
 
 
@@ -172,6 +185,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burst-tokens", type=int, default=8192)
     p.add_argument("--chunk", type=int, default=4096, help="chunked prefill size")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--max-new-tokens", type=int, default=1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -364,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import bench_finish_time
 
+        if args.repeats is not None:  # shared option name: it is the finish benchmark's too
+            rest += ["--repeats", str(args.repeats)]
         return bench_finish_time.main(rest)
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -96,13 +96,13 @@ class _NativePlan:
     def stream(self) -> bool:
         return self.obj.stream
 
-    def response(self, results: list[dict[str, Any]]) -> str:
-        return orjson.dumps(self.obj.shape_results(results)).decode()
+    def response(self, results: list[dict[str, Any]]) -> bytes:
+        return orjson.dumps(self.obj.shape_results(results))
 
-    def chunks(self, out: dict[str, Any]) -> list[str]:
-        return [orjson.dumps(out).decode()]
+    def chunks(self, out: dict[str, Any]) -> list[bytes]:
+        return [orjson.dumps(out)]
 
-    def tail(self) -> list[str]:
+    def tail(self) -> list[bytes]:
         return []
 
 

@@ -41,16 +41,17 @@ T = TypeVar("T")
 
 
 class Plan(Protocol):
-    """A request for the manager and how to format its outputs (JSON texts)."""
+    """A request for the manager and how to format its outputs (JSON as UTF-8 bytes: a large
+    routed-experts body is never turned into a str and encoded back)."""
 
     obj: GenerateReqInput
     rids: list[str]
 
     @property
     def stream(self) -> bool: ...
-    def response(self, results: list[dict[str, Any]]) -> str: ...
-    def chunks(self, out: dict[str, Any]) -> list[str]: ...
-    def tail(self) -> list[str]: ...
+    def response(self, results: list[dict[str, Any]]) -> bytes: ...
+    def chunks(self, out: dict[str, Any]) -> list[bytes]: ...
+    def tail(self) -> list[bytes]: ...
 
 
 class ClientGone(Exception):
@@ -122,7 +123,7 @@ async def until_disconnect(request: Request, aw: Awaitable[T]) -> T:
 class _SSEResponse(StreamingResponse):
     """An event stream that runs ``on_close`` however it ends (done, error or disconnect)."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._on_close = on_close
@@ -134,22 +135,26 @@ class _SSEResponse(StreamingResponse):
             self._on_close()
 
 
-async def _sse(plan: Plan, gen: Generation, first: dict[str, Any]) -> AsyncIterator[str]:
+def _event(data: bytes) -> bytes:
+    return b"data: " + data + b"\n\n"
+
+
+async def _sse(plan: Plan, gen: Generation, first: dict[str, Any]) -> AsyncIterator[bytes]:
     try:
         item: dict[str, Any] | None = first
         while item is not None:
-            for text in plan.chunks(item):
-                yield f"data: {text}\n\n"
+            for data in plan.chunks(item):
+                yield _event(data)
             item = await gen.next()
-        for text in plan.tail():
-            yield f"data: {text}\n\n"
+        for data in plan.tail():
+            yield _event(data)
     except Exception as e:  # the status line is sent: report the error as an event
         status, body = _error_for(e)
         logger.warning("stream ended with HTTP-equivalent %d: %s", status, body["error"]["message"])
-        yield f"data: {orjson.dumps(body).decode()}\n\n"
+        yield _event(orjson.dumps(body))
     finally:
         gen.close()
-    yield "data: [DONE]\n\n"
+    yield _event(b"[DONE]")
 
 
 async def serve(request: Request, tm: TokenizerManager, plan: Plan,

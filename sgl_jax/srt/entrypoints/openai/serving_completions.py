@@ -62,11 +62,11 @@ def matched_stop(meta: dict[str, Any]) -> int | str | None:
     return reason.get("matched") if reason else None
 
 
-def _dumps(body: BaseModel) -> str:
+def _dumps(body: BaseModel) -> bytes:
     """JSON of a response by orjson over the model's plain dump: pydantic neither revalidates
     nor re-encodes the large base64 routed-experts strings of ``meta_info`` (its JSON
-    serializer took 150-220 ms for a 32k-token request's 64 MiB string)."""
-    return orjson.dumps(body.model_dump()).decode()
+    serializer took 150-220 ms for a 32k-token request's 64 MiB string). Bytes, as sent."""
+    return orjson.dumps(body.model_dump())
 
 
 class OpenAIPlan:
@@ -98,19 +98,19 @@ class OpenAIPlan:
             prompt_tokens_details={"cached_tokens": cached},
         )
 
-    def response(self, results: list[dict[str, Any]]) -> str:
+    def response(self, results: list[dict[str, Any]]) -> bytes:
         ordered = order_results(results)
         body = self.make_response(ordered, self.usage({r["index"]: r["meta_info"] for r in ordered}))
         return _dumps(body)
 
-    def chunks(self, out: dict[str, Any]) -> list[str]:
+    def chunks(self, out: dict[str, Any]) -> list[bytes]:
         meta = out["meta_info"]
         final = meta.get("finish_reason") is not None
         if final:
             self.final_metas[out["index"]] = meta
         return [_dumps(self.make_chunk(out, final))]
 
-    def tail(self) -> list[str]:
+    def tail(self) -> list[bytes]:
         if not self.include_usage:
             return []
         return [_dumps(self.make_usage_chunk(self.usage(self.final_metas)))]

@@ -45,6 +45,7 @@ E2E = [
     "tests/test_reliability.py",
     "tests/test_weight_update.py",
     "tests/test_logprobs.py",
+    "tests/test_deterministic.py",
 ]
 # Optional checks outside every suite (they skip without packages the project does not need).
 OPTIONAL = ["tests/test_hf_transformers.py"]

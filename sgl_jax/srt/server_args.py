@@ -121,6 +121,16 @@ class ServerArgs:
                  "the model's experts is a 400 for the requests that use it.",
         choices=ROUTED_EXPERTS_DTYPES)
 
+    # Determinism
+    enable_deterministic_inference: bool = _arg(
+        False, "Batch-invariant computation: a request's tokens, logprobs and routed experts "
+               "are bitwise the same whatever else is in the batch, the chunking of its "
+               "prompt and the overlap schedule. Every decode step runs at one padded batch "
+               "size (max_running_requests) and every prefill step at one padded token count "
+               "(chunked_prefill_size), the MoE runs the dense backend, and attention reads "
+               "KV blocks at fixed absolute positions. Costs throughput "
+               "(docs/determinism.md); needs --attention-backend native.")
+
     # Operation
     log_level: str = _arg("info", "Logging level.", choices=LOG_LEVELS)
     startup_timeout: float = _arg(600.0, "Seconds to wait for the scheduler to load and compile.")
@@ -156,6 +166,12 @@ class ServerArgs:
                  f"{', '.join(ROUTED_EXPERTS_DTYPES)}")
         if self.moe_backend not in MOE_BACKENDS:
             fail(f"moe_backend={self.moe_backend!r}; use one of {', '.join(MOE_BACKENDS)}")
+        if self.enable_deterministic_inference:
+            if self.moe_backend == "ragged":
+                fail("enable_deterministic_inference needs the dense MoE backend (ragged groups "
+                     "depend on the other tokens of the batch); use --moe-backend auto or dense")
+            if self.attention_backend != "native":
+                fail("enable_deterministic_inference needs --attention-backend native")
         if self.context_length is not None and self.context_length < 2:
             fail(f"context_length={self.context_length} must be >= 2")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
@@ -192,11 +208,15 @@ class ServerArgs:
 
     # -- buckets --------------------------------------------------------------------------------
     def bs_paddings(self) -> list[int]:
+        if self.enable_deterministic_inference:  # one decode shape: batch-invariant
+            return [self.max_running_requests]
         if self.precompile_bs_paddings is not None:
             return sorted(set(self.precompile_bs_paddings))
         return _powers_of_two_up_to(1, self.max_running_requests)
 
     def token_paddings(self) -> list[int]:
+        if self.enable_deterministic_inference:  # one prefill shape: batch-invariant
+            return [self.chunked_prefill_size]
         if self.precompile_token_paddings is not None:
             return sorted(set(self.precompile_token_paddings))
         return _powers_of_two_up_to(min(64, self.chunked_prefill_size), self.chunked_prefill_size)

@@ -131,6 +131,14 @@ class ModelRunner:
             server_args.attention_block_size,
         )
         moe_backend = resolve_moe_backend(server_args.moe_backend, self.platform)
+        # Batch-invariant mode (docs/determinism.md): one padded shape per mode (the buckets,
+        # server_args), the dense MoE (ragged groups depend on the other tokens), attention
+        # without the shortcut that depends on the batch-mates' positions, and the sampled
+        # rows' logits apart from the input-logprob rows.
+        self.deterministic = server_args.enable_deterministic_inference
+        if self.deterministic:
+            moe_backend = "dense"
+            attention.batch_invariant = True
         mapping = server_args.ep_expert_mapping
         self.expert_mapping = ExpertMapping.parse(mapping) if mapping else None
         self.max_running_requests = int(server_args.max_running_requests)
@@ -191,7 +199,8 @@ class ModelRunner:
             weights=server_args.enable_return_routed_expert_weights,
         )
         self.capturer = capturer
-        self.backends = ModelBackends(attention=attention, moe=moe_backend, capturer=capturer)
+        self.backends = ModelBackends(attention=attention, moe=moe_backend, capturer=capturer,
+                                      batch_invariant=self.deterministic)
 
         self.num_compiles = 0
         self.last_step_host_bytes = 0
@@ -201,6 +210,12 @@ class ModelRunner:
             partial(self._step_impl, self.graphdef, self.param_treedef),
             donate_argnums=(1, 2, 3),
         )
+
+    @property
+    def model(self) -> nnx.Module:
+        """The model on the current parameters, merged on demand (not kept: a weight update
+        replaces the parameters, and a kept module would hold the old ones alive)."""
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.param_treedef, self.param_leaves))
 
     # -- set-up ---------------------------------------------------------------------------------
     def _device_zeros(self, shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> Any:
@@ -258,12 +273,15 @@ class ModelRunner:
         logprobs = None
         if batch.logprobs is not None:
             lp = batch.logprobs
-            logprobs = logprob_outputs(
-                logits,
-                jnp.concatenate([batch.sampling.temperatures, lp.extra_temperatures]),
-                jnp.concatenate([next_ids, lp.extra_targets]),
-                lp.token_ids,
-            )
+            temps = jnp.concatenate([batch.sampling.temperatures, lp.extra_temperatures])
+            targets = jnp.concatenate([next_ids, lp.extra_targets])
+            if self.deterministic and logits.shape[0] > rows:
+                # Sampled rows and input-logprob rows apart: each part has a fixed shape.
+                parts = [logprob_outputs(logits[sl], temps[sl], targets[sl], lp.token_ids[sl])
+                         for sl in (slice(0, rows), slice(rows, None))]
+                logprobs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *parts)
+            else:
+                logprobs = logprob_outputs(logits, temps, targets, lp.token_ids)
         return (next_ids, sampled_logits, kv_caches, req_to_page, last_tokens, routed_rows,
                 logprobs)
 

@@ -14,3 +14,6 @@ class ModelBackends:
     moe: str  # --moe-backend, resolved: "dense" or "ragged"
     # The runner's own capturer: MoE layers record their top-k ids with it while traced.
     capturer: RoutedExpertsCapturer
+    # --enable-deterministic-inference: no computation of a row may depend on the batch's
+    # other rows beyond the (fixed) padded shape.
+    batch_invariant: bool = False

@@ -160,9 +160,15 @@ class Qwen3MoeForCausalLM(nnx.Module):
         """Returns float32 logits ``[len(batch.logits_indices), vocab]``: each row's last new
         token, then any input-logprob tokens."""
         h, kv_caches = self.model(batch, meta, kv_caches, backends)
-        h = self.model.norm(jnp.take(h, batch.logits_indices, axis=0))
-        if self.config.tie_word_embeddings:
-            logits = h @ self.model.embed_tokens[...].T
+        head = self.model.embed_tokens[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+        indices = batch.logits_indices
+        rows = batch.batch_size
+        if backends.batch_invariant and indices.shape[0] > rows:
+            # The sampled rows keep their shapes (norm and LM head) whether or not a batch-mate
+            # asked for input logprobs (the extra rows): kernels depend on the row count.
+            parts = [self.model.norm(jnp.take(h, ix, axis=0)) @ head
+                     for ix in (indices[:rows], indices[rows:])]
+            logits = jnp.concatenate(parts)
         else:
-            logits = h @ self.lm_head[...]
+            logits = self.model.norm(jnp.take(h, indices, axis=0)) @ head
         return logits.astype(jnp.float32), kv_caches

@@ -82,6 +82,11 @@ class NativeAttention(AttentionBackend):
 
     def __init__(self, kv_block: int = DEFAULT_KV_BLOCK) -> None:
         self.kv_block = kv_block
+        # --enable-deterministic-inference: every KV block goes through the masked loop body.
+        # The unmasked shortcut is chosen per group of query blocks, i.e. by the batch-mates'
+        # positions, and its body is compiled separately (its reductions may be fused and
+        # ordered differently), so it would make a query's result depend on its group.
+        self.batch_invariant = False
 
     def attend(
         self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float
@@ -161,6 +166,8 @@ class NativeAttention(AttentionBackend):
             g_count = sl(count)
             unmasked = jnp.min(jnp.where(g_count > 0, g_pos, jnp.iinfo(jnp.int32).max)) // kv_block
             unmasked = jnp.minimum(unmasked, num_kv_iters)
+            if self.batch_invariant:
+                unmasked = jnp.zeros_like(unmasked)
             carry = jax.lax.fori_loop(0, unmasked, partial(kv_step, causal=False), init)
             _, denom, acc = jax.lax.fori_loop(
                 unmasked, num_kv_iters, partial(kv_step, causal=True), carry

@@ -39,6 +39,7 @@ E2E = [
     "tests/test_engine.py",
     "tests/test_routed_experts.py",
     "tests/test_scheduler_abort.py",
+    "tests/test_routed_experts_gather.py",
     "tests/test_paged_engine.py",
     "tests/test_http_server.py",
     "tests/test_openai_api.py",

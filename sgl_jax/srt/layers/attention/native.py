@@ -35,6 +35,7 @@ from sgl_jax.srt.layers.attention.base import MASKED, AttentionBackend, Attentio
 DEFAULT_KV_BLOCK = 128
 MAX_QUERY_BLOCK = 64
 GROUP_QUERIES = 256  # query positions processed together in an extend batch
+SMALL_GROUP_BLOCKS = 16  # group size of the program for batches with few real blocks
 
 
 def query_block_size(num_tokens: int, num_rows: int, is_decode: bool) -> int:
@@ -91,20 +92,55 @@ class NativeAttention(AttentionBackend):
     def attend(
         self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float
     ) -> jax.Array:
-        num_tokens, num_heads, head_dim = q.shape
-        _, page_size, combined, _ = kv_cache.shape
-        num_kv_heads = combined // 2
-        group = num_heads // num_kv_heads
+        num_tokens = q.shape[0]
+        page_size = kv_cache.shape[1]
         batch_size = meta.extend_lens.shape[0]
         q_block = query_block_size(num_tokens, batch_size, meta.is_decode)
         # Whole pages per loop iteration: a block of positions maps to consecutive page columns.
         kv_block = -(-max(self.kv_block, page_size) // page_size) * page_size
-        pages_per_block = kv_block // page_size
         blocks = make_query_blocks(meta, num_tokens, q_block)
         # Blocks are processed GROUP at a time (a decode batch: all rows at once), looping only
         # over the groups that hold real blocks and, per group, only over the KV its blocks
-        # need: padding rows cost nothing and the causal half of a long prompt is mostly skipped.
-        per_group = blocks.row.shape[0] if meta.is_decode else max(1, GROUP_QUERIES // q_block)
+        # need: padding groups cost nothing and the causal half of a long prompt is mostly
+        # skipped. Within a group every block advances in lockstep, so a group of mostly
+        # padding blocks pays for them all (a one-token extend in a bucket of 64 rows read the
+        # whole context for 64 to 256 blocks): when few blocks are real, a second program with
+        # small groups runs instead (chosen on the device). Not in deterministic mode, where a
+        # request's group size must not depend on its batch-mates.
+        num_blocks = blocks.row.shape[0]
+        full = num_blocks if meta.is_decode else max(1, GROUP_QUERIES // q_block)
+        small = min(SMALL_GROUP_BLOCKS, full)
+
+        def run(per_group: int) -> jax.Array:
+            return self._attend_groups(q, kv_cache, meta, scale, blocks, q_block, kv_block,
+                                       per_group)[: num_blocks * q_block]
+
+        if small < full and not self.batch_invariant:
+            few = jnp.sum(blocks.count > 0) <= small
+            out = jax.lax.cond(few, lambda: run(small), lambda: run(full))
+        else:
+            out = run(full)
+
+        # Back to token order: token t is query (local % qb) of block (first block of its
+        # row + local // qb), local being its index among its row's new tokens.
+        row_of = meta.token_to_req
+        real = row_of < batch_size
+        row_c = jnp.minimum(row_of, batch_size - 1)
+        local = meta.positions - meta.prefix_lens[row_c]
+        where = (blocks.block_of_row[row_c] + local // q_block) * q_block + local % q_block
+        return out[jnp.where(real, where, 0)].astype(q.dtype)
+
+    def _attend_groups(
+        self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float,
+        blocks: QueryBlocks, q_block: int, kv_block: int, per_group: int,
+    ) -> jax.Array:
+        """Every real query block's attention, ``per_group`` blocks at a time: ``[padded
+        blocks * q_block, heads, head_dim]`` float32, block-major."""
+        num_tokens, num_heads, head_dim = q.shape
+        _, page_size, combined, _ = kv_cache.shape
+        num_kv_heads = combined // 2
+        group = num_heads // num_kv_heads
+        pages_per_block = kv_block // page_size
         num_groups_max = -(-blocks.row.shape[0] // per_group)
         padded = num_groups_max * per_group
 
@@ -178,13 +214,5 @@ class NativeAttention(AttentionBackend):
             return jax.lax.dynamic_update_slice_in_dim(out, res, g * per_group * q_block, axis=0)
 
         out = jnp.zeros((padded * q_block, num_heads, head_dim), jnp.float32)
-        out = jax.lax.fori_loop(0, num_groups, one_group, out)
+        return jax.lax.fori_loop(0, num_groups, one_group, out)
 
-        # Back to token order: token t is query (local % qb) of block (first block of its
-        # row + local // qb), local being its index among its row's new tokens.
-        row_of = meta.token_to_req
-        real = row_of < batch_size
-        row_c = jnp.minimum(row_of, batch_size - 1)
-        local = meta.positions - meta.prefix_lens[row_c]
-        where = (blocks.block_of_row[row_c] + local // q_block) * q_block + local % q_block
-        return out[jnp.where(real, where, 0)].astype(q.dtype)

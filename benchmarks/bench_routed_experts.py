@@ -13,7 +13,7 @@ routed-experts host/device cache sizes.
 ``--batch`` requests at ``--context`` positions, on two runners (capture off / on, every step
 copying its rows), interleaved ABAB, medians. "jit" waits for the step's outputs; "+host"
 also copies the rows to the host table (what the scheduler does per step). It uses only
-``ModelRunner.run_worker_batch`` and the capturer's ``on_forward_launch/on_forward_end``, so
+``ModelRunner.run_worker_batch`` and the capturer's ``on_forward_end``, so
 it runs unchanged against an older tree (``PYTHONPATH=<tree> python benchmarks/...``).
 """
 
@@ -90,7 +90,6 @@ def step_bench(args: argparse.Namespace) -> None:
     def one(name: str, host: bool) -> float:
         runner, mwb = runners[name], batches[name]
         t0 = time.perf_counter()
-        runner.capturer.on_forward_launch(mwb.out_cache_loc, mwb.return_routed_experts)
         _, out = runner.run_worker_batch(mwb)
         if host:
             runner.capturer.on_forward_end(out.routed_rows, mwb.out_cache_loc, bs,

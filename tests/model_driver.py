@@ -94,7 +94,6 @@ class ModelDriver:
             steps=[0] * len(seqs),
             return_routed_experts=True,
         )
-        self.runner.capturer.on_forward_launch(mwb.out_cache_loc, True)
         batch, out = self.runner.run_worker_batch(mwb)
         self.runner.capturer.on_forward_end(
             out.routed_rows, mwb.out_cache_loc, mwb.num_tokens, copy=True

@@ -316,7 +316,6 @@ class Scheduler:
     def launch_batch(self, batch: ScheduleBatch) -> StepOutput:
         """Dispatches a step; the requests' accounting moves on as if it had run."""
         mwb = batch.to_model_worker_batch()
-        self.runner.capturer.on_forward_launch(mwb.out_cache_loc, mwb.return_routed_experts)
         _, out = self.runner.run_worker_batch(mwb)
         for req, n, samples in zip(batch.reqs, batch.extend_lens, batch.samples_output,
                                    strict=True):

@@ -224,10 +224,13 @@ class TokenizerManager:
             # The copy asking the most: cached rows are reused only where they were captured.
             first = max(members, key=lambda t: (t.options.return_routed_experts,
                                                 t.options.return_routed_expert_weights))
-            options = first.options
-            if options.return_routed_experts:  # captured, but no row is sent back
-                options = dataclasses.replace(options, routed_experts_split=False,
-                                              routed_experts_start_len=len(first.input_ids))
+            # Captures rows (and weights) if a copy asks, but sends none back; no logprobs.
+            options = dataclasses.replace(
+                first.options, routed_experts_split=False, return_logprob=False,
+                logprob_start_len=None, top_logprobs_num=0, token_ids_logprob=None,
+                return_text_in_logprobs=False,
+                routed_experts_start_len=len(first.input_ids)
+                if first.options.return_routed_experts else None)
             warm.append(TokenizedGenerateReqInput(
                 rid=f"shared-prefill-{uuid.uuid4().hex}", input_ids=first.input_ids,
                 sampling_params=dataclasses.replace(first.sampling_params, max_new_tokens=0),

@@ -327,8 +327,10 @@ class ModelRunner:
             tokens = self.padded_extend_tokens(mwb.num_tokens)
             rows = self.extend_rows(tokens)
         routed = mwb.routed_tokens()  # only some requests asked: their tokens, else None
-        if routed is not None:
-            # Only the askers' slots get rows; the scheduler marked the whole batch at launch.
+        # Which KV slots will hold known rows: every token's, none, or only the askers'.
+        if routed is None:
+            self.capturer.on_forward_launch(mwb.out_cache_loc, mwb.return_routed_experts)
+        else:
             mask = np.zeros(mwb.num_tokens, bool)
             mask[routed] = True
             self.capturer.on_forward_launch(mwb.out_cache_loc, mask)

@@ -13,17 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import zmq
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch_info import ForwardMode
 from sgl_jax.srt.layers.moe.routed_experts_capturer import GatheredRows, index_bucket
-from sgl_jax.srt.managers.io_struct import TokenizedGenerateReqInput
-from sgl_jax.srt.managers.request_options import RequestOptions
-from sgl_jax.srt.managers.scheduler import Scheduler
-from sgl_jax.srt.sampling.sampling_params import SamplingParams
-from sgl_jax.srt.server_args import PortArgs, ServerArgs
-from sgl_jax.testing import engine_args
 from tests.engine_utils import expected_rows, prompt_ids, reference
 from tests.test_scheduler_abort import SteppedScheduler
 
@@ -36,27 +29,8 @@ class MixedScheduler(SteppedScheduler):
     that may or may not ask."""
 
     def __init__(self, **overrides) -> None:
-        args = ServerArgs(**engine_args(
-            enable_return_routed_experts=True, chunked_prefill_size=64,
-            precompile_token_paddings=[64], precompile_bs_paddings=[4], **overrides,
-        ))
-        self.port_args = PortArgs.new()
-        self.ctx = zmq.Context()
-        self.outputs = self.ctx.socket(zmq.PULL)
-        self.outputs.bind(self.port_args.detokenizer_ipc)
-        self.scheduler = Scheduler(args, self.port_args)
-        self.inputs = self.ctx.socket(zmq.PUSH)
-        self.inputs.connect(self.port_args.scheduler_ipc)
-        self.seen = {}
-
-    def submit_as(self, rid: str, ids: list[int], max_new_tokens: int, asks: bool,
-                  **options) -> None:
-        params = SamplingParams.from_dict(
-            {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True})
-        params.normalize()
-        opts = RequestOptions(return_routed_experts=asks, **options).validate(len(ids), True)
-        self.send(TokenizedGenerateReqInput(rid=rid, input_ids=ids, sampling_params=params,
-                                            options=opts))
+        super().__init__(chunked_prefill_size=64, precompile_token_paddings=[64],
+                         precompile_bs_paddings=[4], **overrides)
 
     def run_to_end(self, rids: list[str]) -> dict[str, dict]:
         """Steps until the scheduler is idle; returns the requests' outputs."""
@@ -107,7 +81,7 @@ def test_mixed_batch_copies_only_the_askers_rows(sched):
     prompts = {"a": prompt_ids(201, 5), "b": prompt_ids(202, 9), "c": prompt_ids(203, 11)}
     asks = {"a": True, "b": False, "c": True}
     for rid, ids in prompts.items():
-        sched.submit_as(f"{rid}{weights}", ids, 6, asks[rid],
+        sched.submit(f"{rid}{weights}", ids, 6, asks[rid],
                         return_routed_expert_weights=weights and asks[rid])
     # The prefill: 25 tokens, 16 of them the askers' (5 + 11, a power of two).
     mode, tokens, copied, rows = sched.step_copies()
@@ -133,7 +107,7 @@ def test_mixed_batch_copies_only_the_askers_rows(sched):
 def test_all_asking_copies_as_before_and_no_gather(sched):
     prompts = [prompt_ids(211 + i, 4 + i) for i in range(3)]
     for i, ids in enumerate(prompts):
-        sched.submit_as(f"all{i}", ids, 3, True)
+        sched.submit(f"all{i}", ids, 3, True)
     mode, tokens, copied, rows = sched.step_copies()
     assert mode == ForwardMode.EXTEND and tokens == sum(map(len, prompts))
     assert not isinstance(rows, GatheredRows)  # the step's own rows, no extra gather
@@ -149,7 +123,7 @@ def test_askers_not_fewer_than_the_step_copy_the_step_rows(sched):
     prompts = [prompt_ids(221 + i, 6) for i in range(4)]
     asks = [True, True, False, True]
     for i, (ids, a) in enumerate(zip(prompts, asks, strict=True)):
-        sched.submit_as(f"most{i}", ids, 4, a)
+        sched.submit(f"most{i}", ids, 4, a)
     mode, tokens, copied, rows = sched.step_copies()
     assert mode == ForwardMode.EXTEND and tokens == 24
     assert index_bucket(18) < sched.runner.padded_extend_tokens(tokens)
@@ -169,20 +143,20 @@ def test_askers_not_fewer_than_the_step_copy_the_step_rows(sched):
 
 def test_a_non_askers_prefix_is_recomputed_for_an_asker(sched):
     shared = prompt_ids(231, 12)
-    sched.submit_as("plain", shared + prompt_ids(232, 3), 2, False)
-    sched.submit_as("asker", prompt_ids(233, 5), 2, True)
+    sched.submit("plain", shared + prompt_ids(232, 3), 2, False)
+    sched.submit("asker", prompt_ids(233, 5), 2, True)
     mode, _, copied, _ = sched.step_copies()
     assert mode == ForwardMode.EXTEND and copied == 8 * sched.row_bytes()  # 5 -> bucket 8
     check_rows(sched.run_to_end(["plain", "asker"])["asker"], prompt_ids(233, 5))
     # The non-asker's KV is cached but its rows are unknown: an asker recomputes it...
     ids = shared + prompt_ids(234, 4)
-    sched.submit_as("later", ids, 3, True)
+    sched.submit("later", ids, 3, True)
     sched.step()
     (req,) = sched.scheduler.pending[0].reqs
     assert req.cached_tokens == 0
     check_rows(sched.run_to_end(["later"])["later"], ids)
     # ...while one that does not ask reuses it.
-    sched.submit_as("plain-again", shared + prompt_ids(235, 2), 2, False)
+    sched.submit("plain-again", shared + prompt_ids(235, 2), 2, False)
     sched.step()
     (req,) = sched.scheduler.pending[0].reqs
     assert req.cached_tokens >= len(shared)

@@ -32,10 +32,11 @@ class SteppedScheduler:
     """A Scheduler in this process, fed and read through its own ZMQ sockets."""
 
     def __init__(self, **overrides) -> None:
-        args = ServerArgs(**engine_args(
-            enable_return_routed_experts=True, chunked_prefill_size=CHUNK,
-            precompile_token_paddings=[CHUNK], precompile_bs_paddings=[1, 2], **overrides,
-        ))
+        args = ServerArgs(**engine_args(**{
+            "enable_return_routed_experts": True, "chunked_prefill_size": CHUNK,
+            "precompile_token_paddings": [CHUNK], "precompile_bs_paddings": [1, 2],
+            **overrides,
+        }))
         self.port_args = PortArgs.new()
         self.ctx = zmq.Context()
         self.outputs = self.ctx.socket(zmq.PULL)  # where the detokenizer would listen
@@ -52,11 +53,12 @@ class SteppedScheduler:
         assert self.scheduler.recv_socket.poll(5000)
         self.scheduler.process_input(self.scheduler.recv_socket.recv_pyobj())
 
-    def submit(self, rid: str, ids: list[int], max_new_tokens: int, **options) -> None:
+    def submit(self, rid: str, ids: list[int], max_new_tokens: int, asks: bool = True,
+               **options) -> None:
         params = SamplingParams.from_dict(
             {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True})
         params.normalize()
-        opts = RequestOptions(return_routed_experts=True, **options).validate(len(ids), True)
+        opts = RequestOptions(return_routed_experts=asks, **options).validate(len(ids), True)
         self.send(TokenizedGenerateReqInput(rid=rid, input_ids=ids, sampling_params=params,
                                             options=opts))
 

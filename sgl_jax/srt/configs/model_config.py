@@ -8,6 +8,7 @@ value fails here, at load time, with a message that names the field.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +16,11 @@ from typing import Any
 
 BUNDLED_MODEL_PATH = str(Path(__file__).resolve().parents[2] / "assets" / "tiny-qwen3-moe")
 
-# HF architecture name -> our model family. The model registry maps these to classes.
-SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+# HF architecture name -> our model family (families.py says how each one's config.json reads).
+SUPPORTED_ARCHITECTURES = (
+    "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM",
+    "Glm4MoeForCausalLM",
+)
 
 
 def resolve_model_path(model_path: str | None) -> str:
@@ -37,12 +41,44 @@ def resolve_model_path(model_path: str | None) -> str:
 def is_moe_layer(
     layer_id: int, num_experts: int, decoder_sparse_step: int, mlp_only_layers: tuple[int, ...]
 ) -> bool:
-    """Qwen3-MoE's rule for which decoder layers have a router (the others are dense MLPs)."""
+    """Qwen-MoE's rule for which decoder layers have a router (the others are dense MLPs)."""
     return (
         layer_id not in mlp_only_layers
         and num_experts > 0
         and (layer_id + 1) % decoder_sparse_step == 0
     )
+
+
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")  # layers/moe/router.py
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """YaRN context extension (DeepSeek-V3's ``rope_scaling``), as transformers defines it."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    @staticmethod
+    def yarn_mscale(factor: float, mscale: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+    @property
+    def attention_factor(self) -> float:
+        """Multiplies cos and sin (transformers' YaRN ``attention_factor``)."""
+        if self.mscale and self.mscale_all_dim:
+            return self.yarn_mscale(self.factor, self.mscale) / self.yarn_mscale(
+                self.factor, self.mscale_all_dim)
+        return self.yarn_mscale(self.factor, 1.0)
+
+    @property
+    def softmax_mscale(self) -> float:
+        """MLA multiplies its softmax scale by the square of this (DeepSeek-V3)."""
+        return self.yarn_mscale(self.factor, self.mscale_all_dim) if self.mscale_all_dim else 1.0
 
 
 @dataclass(frozen=True)
@@ -52,12 +88,12 @@ class ModelConfig:
     vocab_size: int
     hidden_size: int
     intermediate_size: int  # dense MLP layers
-    moe_intermediate_size: int  # each expert
+    moe_intermediate_size: int  # each routed expert
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
-    head_dim: int
-    num_experts: int
+    head_dim: int  # of q and k (MLA: qk_nope_head_dim + qk_rope_head_dim)
+    num_experts: int  # routed experts per MoE layer
     num_experts_per_tok: int
     norm_topk_prob: bool
     moe_layers: tuple[bool, ...]  # per layer: has a router
@@ -68,10 +104,67 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str
+    # -- what differs between families (defaults: Qwen3-MoE) --------------------------------
+    family: str = "qwen3_moe"
+    router: str = "softmax_topk"  # one of ROUTERS
+    n_group: int = 1  # sigmoid_grouped: expert groups, of which topk_group are kept
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights
+    num_shared_experts: int = 0  # experts every token uses besides its top-k (never returned)
+    shared_expert_intermediate_size: int = 0  # their total width
+    shared_expert_gated: bool = False  # Qwen2-MoE: scaled by sigmoid(x @ shared_expert_gate)
+    attention: str = "gqa"  # "gqa" or "mla" (multi-head latent attention)
+    qk_norm: bool = True  # RMSNorm of each q and k head before RoPE
+    qkv_bias: bool = False  # biases on the q, k and v projections
+    rotary_dim: int = 0  # leading dims of a head that RoPE rotates (partial rotary); 0: head_dim
+    rope_interleaved: bool = False  # rotation pairs are (even, odd) dims, not the two halves
+    rope_scaling: RopeScaling | None = None
+    # MLA (attention == "mla")
+    q_lora_rank: int | None = None  # None: q_proj directly from the hidden state
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i, moe in enumerate(self.moe_layers) if moe)
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    # -- the KV cache: per layer [pages, page_size, kv_cache_heads, kv_cache_head_dim] ---------
+    @property
+    def kv_cache_heads(self) -> int:
+        """GQA: K and V of each KV head, interleaved (attention/base.py). MLA: one latent row
+        (the compressed KV and the shared RoPE key) that every head reads."""
+        return 1 if self.attention == "mla" else 2 * self.num_key_value_heads
+
+    @property
+    def kv_cache_head_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def kv_cache_sharded(self) -> bool:
+        """Split over the "tensor" axis by head (GQA); MLA's latent row is replicated."""
+        return self.attention != "mla"
+
+    def routing_info(self) -> dict[str, Any]:
+        """What a client needs to reshape and interpret routed-experts rows (/get_model_info)."""
+        return {
+            "family": self.family,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_layers": list(self.moe_layer_ids),
+            "router": self.router,
+            "norm_topk_prob": self.norm_topk_prob,
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "num_shared_experts": self.num_shared_experts,
+        }
 
     @staticmethod
     def from_hf(model_path: str | None = None, context_length: int | None = None) -> ModelConfig:
@@ -94,33 +187,32 @@ class ModelConfig:
                 f"unsupported architecture {architectures!r} in {model_path}/config.json; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-
-        def need(key: str) -> Any:
-            if key not in hf:
-                raise ValueError(f"{model_path}/config.json lacks the field {key!r}")
-            return hf[key]
-
-        num_layers = int(need("num_hidden_layers"))
-        num_heads = int(need("num_attention_heads"))
-        num_kv_heads = int(hf.get("num_key_value_heads", num_heads))
-        hidden = int(need("hidden_size"))
-        head_dim = int(hf.get("head_dim") or hidden // num_heads)
-        num_experts = int(need("num_experts"))
-        top_k = int(need("num_experts_per_tok"))
-        sparse_step = int(hf.get("decoder_sparse_step", 1))
-        mlp_only = tuple(int(i) for i in hf.get("mlp_only_layers") or ())
-        if num_heads % num_kv_heads:
+        quant = hf.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+            raise ValueError(
+                f"{model_path}/config.json describes a quantised checkpoint (quantization_config "
+                f"{method!r}), which is not supported: serve unquantised float32, bfloat16 or "
+                f"float16 weights of {', '.join(SUPPORTED_ARCHITECTURES)} (dequantise first)"
+            )
+        read = _ConfigReader(hf, model_path)
+        fields = _FAMILY_READERS[arch](read)
+        num_layers = read.int("num_hidden_layers")
+        num_heads = read.int("num_attention_heads")
+        num_kv_heads = read.int("num_key_value_heads", num_heads)
+        hidden = read.int("hidden_size")
+        fields.setdefault("head_dim", int(hf.get("head_dim") or hidden // num_heads))
+        num_experts, top_k = fields["num_experts"], fields["num_experts_per_tok"]
+        if fields.get("attention", "gqa") == "gqa" and num_heads % num_kv_heads:
             raise ValueError(
                 f"num_attention_heads={num_heads} is not a multiple of "
                 f"num_key_value_heads={num_kv_heads}"
             )
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
-        if sparse_step < 1:
-            raise ValueError(f"decoder_sparse_step={sparse_step} must be >= 1")
-        rope_scaling = hf.get("rope_scaling")
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) != "default":
-            raise ValueError(f"rope_scaling {rope_scaling!r} is not supported yet")
+        moe_rule = fields.pop("moe_rule")
+        moe_layers = tuple(bool(moe_rule(i)) for i in range(num_layers))
+        _check_groups(fields, model_path)
 
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -128,20 +220,13 @@ class ModelConfig:
         return ModelConfig(
             model_path=model_path,
             architecture=arch,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=read.int("vocab_size"),
             hidden_size=hidden,
             intermediate_size=int(hf.get("intermediate_size", 0)),
-            moe_intermediate_size=int(need("moe_intermediate_size")),
             num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads,
-            head_dim=head_dim,
-            num_experts=num_experts,
-            num_experts_per_tok=top_k,
-            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-            moe_layers=tuple(
-                is_moe_layer(i, num_experts, sparse_step, mlp_only) for i in range(num_layers)
-            ),
+            moe_layers=moe_layers,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(hf.get("rope_theta", 10000.0)),
             context_len=int(context_length or max_pos),
@@ -149,4 +234,169 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
             torch_dtype=str(hf.get("torch_dtype", "float32")),
+            **fields,
         )
+
+
+class _ConfigReader:
+    """Typed reads of config.json fields, with errors that name the field."""
+
+    def __init__(self, hf: dict[str, Any], model_path: str) -> None:
+        self.hf, self.model_path = hf, model_path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.hf.get(key)
+        return default if value is None else value
+
+    def need(self, key: str) -> Any:
+        if self.hf.get(key) is None:
+            raise ValueError(f"{self.model_path}/config.json lacks the field {key!r}")
+        return self.hf[key]
+
+    def int(self, key: str, default: int | None = None) -> int:
+        return int(self.need(key) if default is None else self.get(key, default))
+
+    def default_rope_only(self) -> None:
+        scaling = self.hf.get("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type")) != "default":
+            raise ValueError(f"rope_scaling {scaling!r} is not supported for this architecture")
+
+
+def _qwen_moe(read: _ConfigReader, qwen2: bool) -> dict[str, Any]:
+    read.default_rope_only()
+    if read.get("use_sliding_window", False):
+        raise ValueError("use_sliding_window=true is not supported (sliding-window attention)")
+    num_experts = read.int("num_experts")
+    sparse_step = read.int("decoder_sparse_step", 1)
+    if sparse_step < 1:
+        raise ValueError(f"decoder_sparse_step={sparse_step} must be >= 1")
+    mlp_only = tuple(int(i) for i in read.get("mlp_only_layers", ()))
+    fields: dict[str, Any] = {
+        "num_experts": num_experts,
+        "num_experts_per_tok": read.int("num_experts_per_tok"),
+        "moe_intermediate_size": read.int("moe_intermediate_size"),
+        "norm_topk_prob": bool(read.get("norm_topk_prob", False)),
+        "moe_rule": lambda i: is_moe_layer(i, num_experts, sparse_step, mlp_only),
+    }
+    if qwen2:
+        shared = read.int("shared_expert_intermediate_size", 0)
+        fields.update(
+            family="qwen2_moe", qk_norm=False, qkv_bias=bool(read.get("qkv_bias", True)),
+            num_shared_experts=1 if shared else 0, shared_expert_intermediate_size=shared,
+            shared_expert_gated=True,
+        )
+    return fields
+
+
+def _mixtral(read: _ConfigReader) -> dict[str, Any]:
+    read.default_rope_only()
+    if read.get("sliding_window") is not None:
+        raise ValueError("sliding_window is not supported (sliding-window attention): set it null")
+    return {
+        "family": "mixtral", "router": "topk_softmax", "qk_norm": False,
+        "num_experts": read.int("num_local_experts"),
+        "num_experts_per_tok": read.int("num_experts_per_tok"),
+        "moe_intermediate_size": read.int("intermediate_size"),
+        "norm_topk_prob": True,  # the k weights are a softmax over the selected logits
+        "moe_rule": lambda i: True,
+    }
+
+
+def _grouped_sigmoid(read: _ConfigReader) -> dict[str, Any]:
+    """The router and shared experts DeepSeek-V3 and GLM-4.5 have in common."""
+    num_shared = read.int("n_shared_experts", 0)
+    moe_width = read.int("moe_intermediate_size")
+    return {
+        "router": "sigmoid_grouped",
+        "num_experts": read.int("n_routed_experts"),
+        "num_experts_per_tok": read.int("num_experts_per_tok"),
+        "moe_intermediate_size": moe_width,
+        "norm_topk_prob": bool(read.get("norm_topk_prob", True)),
+        "n_group": read.int("n_group", 1),
+        "topk_group": read.int("topk_group", 1),
+        "routed_scaling_factor": float(read.get("routed_scaling_factor", 1.0)),
+        "num_shared_experts": num_shared,
+        "shared_expert_intermediate_size": num_shared * moe_width,
+    }
+
+
+def _deepseek_v3(read: _ConfigReader) -> dict[str, Any]:
+    method = read.get("topk_method", "noaux_tc")
+    scoring = read.get("scoring_func", "sigmoid")
+    if (method, scoring) != ("noaux_tc", "sigmoid"):
+        raise ValueError(
+            f"topk_method={method!r} with scoring_func={scoring!r} is not supported; "
+            "DeepseekV3ForCausalLM supports topk_method='noaux_tc' with scoring_func='sigmoid'"
+        )
+    first_dense = read.int("first_k_dense_replace", 0)
+    freq = read.int("moe_layer_freq", 1)
+    nope, rope = read.int("qk_nope_head_dim"), read.int("qk_rope_head_dim")
+    q_lora = read.get("q_lora_rank")
+    fields = _grouped_sigmoid(read)
+    fields.update(
+        family="deepseek_v3", attention="mla", qk_norm=False,
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=read.int("kv_lora_rank"), qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+        v_head_dim=read.int("v_head_dim"), head_dim=nope + rope, rotary_dim=rope,
+        rope_interleaved=bool(read.get("rope_interleave", True)),
+        rope_scaling=_yarn(read),
+        moe_rule=lambda i: i >= first_dense and i % freq == 0,
+    )
+    return fields
+
+
+def _yarn(read: _ConfigReader) -> RopeScaling | None:
+    scaling = read.get("rope_scaling")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "default":
+        return None
+    if kind != "yarn":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: yarn, default")
+    return RopeScaling(
+        factor=float(scaling["factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        beta_fast=float(scaling.get("beta_fast", 32)),
+        beta_slow=float(scaling.get("beta_slow", 1)),
+        mscale=float(scaling.get("mscale", 1)),
+        mscale_all_dim=float(scaling.get("mscale_all_dim", 0)),
+    )
+
+
+def _glm4_moe(read: _ConfigReader) -> dict[str, Any]:
+    read.default_rope_only()
+    first_dense = read.int("first_k_dense_replace", 0)
+    hidden, heads = read.int("hidden_size"), read.int("num_attention_heads")
+    head_dim = int(read.get("head_dim", hidden // heads))
+    fields = _grouped_sigmoid(read)
+    fields.update(
+        family="glm4_moe", head_dim=head_dim,
+        qk_norm=bool(read.get("use_qk_norm", False)),
+        qkv_bias=bool(read.get("attention_bias", False)),
+        rotary_dim=int(head_dim * float(read.get("partial_rotary_factor", 0.5))),
+        moe_rule=lambda i: i >= first_dense,
+    )
+    return fields
+
+
+def _check_groups(fields: dict[str, Any], model_path: str) -> None:
+    experts, groups, keep = fields["num_experts"], fields.get("n_group", 1), fields.get("topk_group", 1)
+    if groups < 1 or experts % groups:
+        raise ValueError(f"n_group={groups} must divide the {experts} routed experts")
+    if not 1 <= keep <= groups:
+        raise ValueError(f"topk_group={keep} must be in [1, n_group={groups}]")
+    if fields["num_experts_per_tok"] > keep * (experts // groups):
+        raise ValueError(
+            f"num_experts_per_tok={fields['num_experts_per_tok']} exceeds the experts of the "
+            f"topk_group={keep} kept groups ({keep * (experts // groups)})"
+        )
+
+
+_FAMILY_READERS = {
+    "Qwen3MoeForCausalLM": lambda read: _qwen_moe(read, qwen2=False),
+    "Qwen2MoeForCausalLM": lambda read: _qwen_moe(read, qwen2=True),
+    "MixtralForCausalLM": _mixtral,
+    "DeepseekV3ForCausalLM": _deepseek_v3,
+    "Glm4MoeForCausalLM": _glm4_moe,
+}

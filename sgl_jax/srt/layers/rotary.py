@@ -1,19 +1,65 @@
-"""Rotary position embedding, non-interleaved ("rotate half") as in Qwen / Llama."""
+"""Rotary position embedding: full or partial, half-split or interleaved pairs, optional YaRN.
+
+``rotary_dim`` leading dims of a head rotate (GLM-4.5 rotates half of each head, the rest
+passes unchanged). Pairs are dims ``(i, i + rotary_dim/2)`` ("rotate half", Qwen / Llama /
+Mixtral / GLM-4.5) or ``(2i, 2i+1)`` (``interleaved``: DeepSeek-V3's ``rope_interleave``); pair
+``i`` turns by ``position * inv_freq[i]``. YaRN (DeepSeek-V3's ``rope_scaling``) changes the
+frequencies and scales cos and sin. Angles and rotation are computed in float32.
+"""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from sgl_jax.srt.configs.model_config import RopeScaling
 
 
-def apply_rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """x: [T, heads, head_dim]; positions: [T]. Angles are computed in float32."""
+def inv_frequencies(rotary_dim: int, theta: float, yarn: RopeScaling | None = None) -> np.ndarray:
+    """``[rotary_dim / 2]`` float64 inverse frequencies (static: computed at trace time)."""
+    exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
+    inv_freq = 1.0 / theta**exponents
+    if yarn is None:
+        return inv_freq
+    # YaRN: dims that turn fewer than beta_slow times over the original context are
+    # interpolated (divided by factor), those that turn more than beta_fast times keep their
+    # frequency, and a linear ramp blends the two in between.
+    def correction_dim(rotations: float) -> float:
+        return (rotary_dim * math.log(yarn.original_max_position_embeddings
+                                      / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), rotary_dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = np.clip((np.arange(rotary_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolate = 1.0 - ramp
+    return inv_freq / yarn.factor * (1 - extrapolate) + inv_freq * extrapolate
+
+
+def apply_rotary(
+    x: jax.Array, positions: jax.Array, theta: float, rotary_dim: int | None = None,
+    interleaved: bool = False, yarn: RopeScaling | None = None,
+) -> jax.Array:
+    """x: [T, heads, head_dim]; positions: [T]. The first ``rotary_dim`` dims rotate."""
     head_dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, head_dim/2]
-    cos = jnp.cos(angles)[:, None, :]
-    sin = jnp.sin(angles)[:, None, :]
+    rot = rotary_dim or head_dim
+    inv_freq = jnp.asarray(inv_frequencies(rot, theta, yarn), jnp.float32)
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, rot/2]
+    scale = 1.0 if yarn is None else yarn.attention_factor
+    cos = (jnp.cos(angles) * scale)[:, None, :]
+    sin = (jnp.sin(angles) * scale)[:, None, :]
     x32 = x.astype(jnp.float32)
-    x1, x2 = x32[..., : head_dim // 2], x32[..., head_dim // 2 :]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    part, rest = x32[..., :rot], x32[..., rot:]
+    if interleaved:
+        x1, x2 = part[..., 0::2], part[..., 1::2]
+        turned = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        turned = turned.reshape(part.shape)
+    else:
+        x1, x2 = part[..., : rot // 2], part[..., rot // 2 :]
+        turned = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    out = jnp.concatenate([turned, rest], axis=-1) if rot < head_dim else turned
     return out.astype(x.dtype)

@@ -126,6 +126,11 @@ class ModelRunner:
         self.platform = devices[0].platform
         self.dtype = resolve_dtype(server_args.dtype, self.platform)
         # Chosen (and checked) before loading; bundled with the capturer in self.backends.
+        if model_config.attention == "mla" and server_args.attention_backend != "native":
+            raise ValueError(
+                f"{model_config.architecture} uses multi-head latent attention, which runs on "
+                f"--attention-backend native only (got {server_args.attention_backend!r})"
+            )
         attention = create_attention_backend(
             server_args.attention_backend, self.platform, model_config.head_dim,
             server_args.attention_block_size,
@@ -168,10 +173,11 @@ class ModelRunner:
         num_slots = self.token_to_kv_pool_allocator.num_slots
         replicated = NamedSharding(self.mesh, PartitionSpec())
         cfg = model_config
+        head_axis = "tensor" if cfg.kv_cache_sharded else None
         self.kv_caches = [
             self._device_zeros(
-                kv_cache_shape(num_slots, self.page_size, cfg.num_key_value_heads, cfg.head_dim),
-                self.dtype, NamedSharding(self.mesh, PartitionSpec(None, None, "tensor", None)),
+                kv_cache_shape(num_slots, self.page_size, cfg.kv_cache_heads, cfg.kv_cache_head_dim),
+                self.dtype, NamedSharding(self.mesh, PartitionSpec(None, None, head_axis, None)),
             )
             for _ in range(cfg.num_hidden_layers)
         ]
@@ -226,7 +232,7 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         cfg = self.model_config
         itemsize = jnp.dtype(self.dtype).itemsize
-        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
+        return cfg.num_hidden_layers * cfg.kv_cache_heads * cfg.kv_cache_head_dim * itemsize
 
     def _resolve_max_total_tokens(self) -> int:
         if self.server_args.max_total_tokens is not None:

@@ -69,20 +69,27 @@ class SafetensorsCheckpoint:
 
 
 def hf_sources(
-    path: Path, num_experts: int, expert_order: Sequence[int] | None = None
+    path: Path, var: nnx.Variable, num_experts: int, expert_order: Sequence[int] | None = None
 ) -> tuple[list[str], bool]:
     """The HF tensor names a parameter is made of, and whether they are transposed.
 
-    Stacked experts are read in ``expert_order`` (the layer's physical order under the
+    The name is the parameter's path, with ``.weight`` added to linear layers and the
+    embedding (HF stores linear weights ``[out, in]``: transposed), unless the parameter's
+    ``hf`` metadata gives its name relative to its parent and its orientation
+    (``models/common.param``). Stacked experts (``w_gate``/``w_up``/``w_down``, whose ``hf`` names
+    the projection) are read in ``expert_order`` (the layer's physical order under the
     device-expert mapping, default 0..E-1), so each expert-axis device's shard holds its experts.
     """
     name = ".".join(str(p) for p in path)
+    prefix = ".".join(str(p) for p in path[:-1])
     leaf = path[-1]
+    hf = var.get_metadata().get("hf")
     if leaf in _STACKED_EXPERTS:
-        prefix = ".".join(str(p) for p in path[:-1])
-        proj = _STACKED_EXPERTS[str(leaf)]
+        proj = hf[0] if hf else _STACKED_EXPERTS[str(leaf)]
         order = range(num_experts) if expert_order is None else expert_order
         return [f"{prefix}.experts.{e}.{proj}.weight" for e in order], True
+    if hf:
+        return [f"{prefix}.{hf[0]}" if prefix else hf[0]], bool(hf[1])
     if leaf == "weight":  # norms
         return [name], False
     if leaf == "embed_tokens":
@@ -165,7 +172,7 @@ def read_params(
     for path, var in _flat_params(state):
         stacked = path[-1] in _STACKED_EXPERTS
         order = mapping.physical_order(layer_of(path)) if stacked else None
-        names, transpose = hf_sources(path, config.num_experts, order)
+        names, transpose = hf_sources(path, var, config.num_experts, order)
         expected.update(names)
         given = [n for n in names if n in present]
         if partial and not given:
@@ -179,6 +186,13 @@ def read_params(
         plan.append((path, var, names, transpose))
     missing = sorted(expected - present)
     unexpected = sorted(present - expected)
+    beyond = [n for n in unexpected if _layer_index(n) >= config.num_hidden_layers]
+    if beyond:
+        # DeepSeek-V3 and GLM-4.5 ship their multi-token-prediction (MTP) layers as extra
+        # decoder layers past num_hidden_layers; serving does not use them.
+        logger.info("Ignoring %d tensor(s) of layers past num_hidden_layers=%d (MTP layers)",
+                    len(beyond), config.num_hidden_layers)
+        unexpected = sorted(set(unexpected) - set(beyond))
     where = "the arrays" if isinstance(source, ArraySource) else config.model_path
     if missing and not partial:
         raise CheckpointError(f"{where}: {len(missing)} tensor(s) missing, e.g. {missing[:5]}")
@@ -195,6 +209,14 @@ def read_params(
                             config.architecture)
     logger.info("Read %d tensors from %s", sum(len(p[2]) for p in plan), where)
     return pure
+
+
+def _layer_index(name: str) -> int:
+    """The decoder layer of a tensor name ``model.layers.<i>...`` (-1 for other tensors)."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        return int(parts[2])
+    return -1
 
 
 def _place(var: nnx.Variable, mesh: Mesh, names: list[str], arrays: list[Any], transpose: bool,

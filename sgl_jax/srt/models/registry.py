@@ -5,9 +5,17 @@ from __future__ import annotations
 from flax import nnx
 
 from sgl_jax.srt.configs.model_config import SUPPORTED_ARCHITECTURES
+from sgl_jax.srt.models.deepseek_v3 import DeepseekV3ForCausalLM
+from sgl_jax.srt.models.glm4_moe import Glm4MoeForCausalLM
+from sgl_jax.srt.models.mixtral import MixtralForCausalLM
+from sgl_jax.srt.models.qwen2_moe import Qwen2MoeForCausalLM
 from sgl_jax.srt.models.qwen3_moe import Qwen3MoeForCausalLM
 
-_MODELS: dict[str, type[nnx.Module]] = {"Qwen3MoeForCausalLM": Qwen3MoeForCausalLM}
+_MODELS: dict[str, type[nnx.Module]] = {
+    cls.__name__: cls
+    for cls in (Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM,
+                DeepseekV3ForCausalLM, Glm4MoeForCausalLM)
+}
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES)
 
 

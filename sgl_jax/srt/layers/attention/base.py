@@ -61,11 +61,13 @@ class AttentionMetadata:
 
 
 def kv_cache_shape(
-    num_slots: int, page_size: int, num_kv_heads: int, head_dim: int
+    num_slots: int, page_size: int, cache_heads: int, head_dim: int
 ) -> tuple[int, int, int, int]:
+    """One layer's cache: ``cache_heads`` is ``ModelConfig.kv_cache_heads`` (2 x KV heads for
+    GQA, K and V interleaved; 1 latent row for MLA)."""
     if num_slots % page_size:
         raise ValueError(f"{num_slots} KV slots are not whole pages of {page_size}")
-    return (num_slots // page_size, page_size, 2 * num_kv_heads, head_dim)
+    return (num_slots // page_size, page_size, cache_heads, head_dim)
 
 
 def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:

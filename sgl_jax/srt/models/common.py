@@ -1,0 +1,239 @@
+"""The decoder every supported MoE family is built from, configured by ``ModelConfig``.
+
+Parameter paths mirror the Hugging Face names (``model.layers.3.self_attn.q_proj``), with
+differences the loader resolves (``model_loader/loader.py``): linear weights are stored
+``[in, out]`` (the forward is ``x @ w``); the experts of a layer are stacked into ``w_gate`` /
+``w_up`` ``[E, H, I]`` and ``w_down`` ``[E, I, H]``; a parameter whose HF name does not follow
+from its path says so in its ``hf`` metadata ``(name relative to its parent, transposed)``.
+Every parameter carries a partition spec over the mesh axes ``expert`` and ``tensor``; with a
+1-device mesh they are all trivially replicated.
+
+What differs between families is data, not code paths: the router rule
+(``layers/moe/router.py``), shared experts (gated or not), biases and norms of the attention
+projections, partial rotary, which layers are dense, and the attention module itself (GQA
+here; multi-head latent attention in ``deepseek_v3.py``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.forward_batch_info import ForwardBatch
+from sgl_jax.srt.layers.attention import AttentionMetadata, write_kv
+from sgl_jax.srt.layers.moe.ep_moe import W_DOWN_SPEC, W_GATE_UP_SPEC, ep_moe_forward
+from sgl_jax.srt.layers.moe.router import create_router
+from sgl_jax.srt.layers.norm import RMSNorm
+from sgl_jax.srt.layers.rotary import apply_rotary
+from sgl_jax.srt.models.backends import ModelBackends
+
+KVCache = list[jax.Array]  # per layer: [pages, page_size, kv_cache_heads, kv_cache_head_dim]
+
+
+def param(
+    shape: tuple[int, ...], dtype: jnp.dtype, sharding: tuple[str | None, ...],
+    hf: tuple[str, bool] | None = None,
+) -> nnx.Param:
+    """A parameter (placeholder values: the model is built under ``nnx.eval_shape`` and the
+    loader fills it). ``hf``: its Hugging Face name relative to the parent module and whether
+    it is stored transposed, when the path alone does not say (``model_loader.hf_sources``)."""
+    extra = {} if hf is None else {"hf": hf}
+    return nnx.Param(jnp.zeros(shape, dtype=dtype), out_sharding=sharding, eager_sharding=False,
+                     **extra)
+
+
+class DenseMLP(nnx.Module):
+    """SwiGLU MLP: the dense layers, and the shared experts of a MoE layer."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype: jnp.dtype) -> None:
+        self.gate_proj = param((hidden, intermediate), dtype, (None, "tensor"))
+        self.up_proj = param((hidden, intermediate), dtype, (None, "tensor"))
+        self.down_proj = param((intermediate, hidden), dtype, ("tensor", None))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        act = jax.nn.silu(x @ self.gate_proj[...]) * (x @ self.up_proj[...])
+        return act @ self.down_proj[...]
+
+
+class GqaAttention(nnx.Module):
+    """Grouped-query attention over the paged KV cache, with the families' options: biases on
+    q/k/v (Qwen2-MoE, GLM-4.5), RMSNorm of each q/k head (Qwen3-MoE, GLM-4.5 with use_qk_norm)
+    and partial rotary (GLM-4.5)."""
+
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype) -> None:
+        hidden, heads, kv_heads, head_dim = (
+            config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+            config.head_dim,
+        )
+        self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.rope_theta, self.rotary_dim = config.rope_theta, config.rope_dim
+        self.q_proj = param((hidden, heads * head_dim), dtype, (None, "tensor"))
+        self.k_proj = param((hidden, kv_heads * head_dim), dtype, (None, "tensor"))
+        self.v_proj = param((hidden, kv_heads * head_dim), dtype, (None, "tensor"))
+        self.o_proj = param((heads * head_dim, hidden), dtype, ("tensor", None))
+        self.has_bias = config.qkv_bias
+        if self.has_bias:
+            self.q_proj_bias = param((heads * head_dim,), dtype, ("tensor",), ("q_proj.bias", False))
+            self.k_proj_bias = param((kv_heads * head_dim,), dtype, ("tensor",), ("k_proj.bias", False))
+            self.v_proj_bias = param((kv_heads * head_dim,), dtype, ("tensor",), ("v_proj.bias", False))
+        self.has_qk_norm = config.qk_norm
+        if self.has_qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
+
+    def _project(self, x: jax.Array, name: str, heads: int) -> jax.Array:
+        y = x @ getattr(self, name)[...]
+        if self.has_bias:
+            y = y + getattr(self, f"{name}_bias")[...]
+        return y.reshape(x.shape[0], heads, self.head_dim)
+
+    def __call__(
+        self, x: jax.Array, batch: ForwardBatch, meta: AttentionMetadata, kv: jax.Array,
+        backends: ModelBackends,
+    ) -> tuple[jax.Array, jax.Array]:
+        q = self._project(x, "q_proj", self.num_heads)
+        k = self._project(x, "k_proj", self.num_kv_heads)
+        v = self._project(x, "v_proj", self.num_kv_heads)
+        if self.has_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, meta.positions, self.rope_theta, self.rotary_dim)
+        k = apply_rotary(k, meta.positions, self.rope_theta, self.rotary_dim)
+        # Write first, then read everything (prefix and new tokens) from the written cache:
+        # the reads depend on the scatter, so XLA updates the donated cache in place.
+        kv = write_kv(kv, k, v, batch.out_cache_loc)
+        out = backends.attention.attend(q, kv, meta, self.head_dim**-0.5)
+        return out.reshape(x.shape[0], -1) @ self.o_proj[...], kv
+
+
+class SparseMoeBlock(nnx.Module):
+    """Router, routed experts (``ep_moe_forward`` with the M8 backends) and shared experts.
+
+    Experts are stacked in the layer's physical order (``ep_moe.py``): row i holds logical
+    expert ``expert_order[i]``, and the rows of expert-axis device d are mapping[d]. The loader
+    sets the order it stacked them in; default: identity (contiguous mapping).
+    """
+
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: jnp.dtype,
+                 expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+        hidden, experts, inter = (
+            config.hidden_size, config.num_experts, config.moe_intermediate_size,
+        )
+        self.layer_id = layer_id
+        self.gate = create_router(config)
+        gate_name, up_name, down_name = expert_names
+        self.w_gate = param((experts, hidden, inter), dtype, W_GATE_UP_SPEC, (gate_name, True))
+        self.w_up = param((experts, hidden, inter), dtype, W_GATE_UP_SPEC, (up_name, True))
+        self.w_down = param((experts, inter, hidden), dtype, W_DOWN_SPEC, (down_name, True))
+        self.expert_order: tuple[int, ...] = tuple(range(experts))
+        # Shared experts: every token's, never routed and never in the returned rows.
+        # Qwen2-MoE has one ("shared_expert") scaled by a sigmoid gate; DeepSeek-V3 and
+        # GLM-4.5 add theirs ("shared_experts", n of them as one MLP of n times the width).
+        self.shared_name = None
+        if config.num_shared_experts:
+            self.shared_name = "shared_expert" if config.shared_expert_gated else "shared_experts"
+            setattr(self, self.shared_name,
+                    DenseMLP(hidden, config.shared_expert_intermediate_size, dtype))
+        self.gated_shared = config.shared_expert_gated and self.shared_name is not None
+        if self.gated_shared:
+            self.shared_expert_gate = param((hidden, 1), dtype, (None, None))
+
+    def __call__(self, x: jax.Array, backends: ModelBackends) -> jax.Array:
+        topk_weights, topk_ids = self.gate(x)
+        # Logical ids, captured once, before any device-expert mapping is applied.
+        backends.capturer.capture(self.layer_id, topk_ids, topk_weights)
+        out = ep_moe_forward(
+            x, topk_ids, topk_weights, self.w_gate[...], self.w_up[...], self.w_down[...],
+            self.expert_order, backend=backends.moe,
+        )
+        if self.shared_name is not None:
+            shared = getattr(self, self.shared_name)(x)
+            if self.gated_shared:
+                shared = jax.nn.sigmoid(x @ self.shared_expert_gate[...]) * shared
+            out = out + shared
+        return out
+
+
+class DecoderLayer(nnx.Module):
+    # The MoE block's attribute (and HF name): Mixtral calls it "block_sparse_moe".
+    def __init__(self, config: ModelConfig, layer_id: int, dtype: jnp.dtype,
+                 attention_cls: type[nnx.Module], moe_name: str = "mlp",
+                 expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = attention_cls(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.ffn_name = moe_name if config.moe_layers[layer_id] else "mlp"
+        if config.moe_layers[layer_id]:
+            ffn = SparseMoeBlock(config, layer_id, dtype, expert_names)
+        else:
+            ffn = DenseMLP(config.hidden_size, config.intermediate_size, dtype)
+        setattr(self, self.ffn_name, ffn)
+        self.is_moe = config.moe_layers[layer_id]
+
+    def __call__(
+        self, h: jax.Array, batch: ForwardBatch, meta: AttentionMetadata, kv: jax.Array,
+        backends: ModelBackends,
+    ) -> tuple[jax.Array, jax.Array]:
+        attn_out, kv = self.self_attn(self.input_layernorm(h), batch, meta, kv, backends)
+        h = h + attn_out
+        x = self.post_attention_layernorm(h)
+        ffn = getattr(self, self.ffn_name)
+        h = h + (ffn(x, backends) if self.is_moe else ffn(x))
+        return h, kv
+
+
+class MoeModel(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, attention_cls: type[nnx.Module],
+                 moe_name: str, expert_names: tuple[str, str, str]) -> None:
+        self.embed_tokens = param((config.vocab_size, config.hidden_size), dtype, (None, None))
+        self.layers = nnx.List([
+            DecoderLayer(config, i, dtype, attention_cls, moe_name, expert_names)
+            for i in range(config.num_hidden_layers)
+        ])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def __call__(
+        self, batch: ForwardBatch, meta: AttentionMetadata, kv_caches: KVCache,
+        backends: ModelBackends,
+    ) -> tuple[jax.Array, KVCache]:
+        h = jnp.take(self.embed_tokens[...], batch.input_ids, axis=0)
+        new_caches = []
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            h, kv = layer(h, batch, meta, kv, backends)
+            new_caches.append(kv)
+        return h, new_caches
+
+
+class MoeForCausalLM(nnx.Module):
+    """A family is this class with its attention module and HF names (see the subclasses)."""
+
+    attention_cls: type[nnx.Module] = GqaAttention
+    moe_name = "mlp"  # HF attribute of a layer's MoE block
+    expert_names = ("gate_proj", "up_proj", "down_proj")  # HF names of an expert's projections
+
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype) -> None:
+        self.config = config
+        self.model = MoeModel(config, dtype, self.attention_cls, self.moe_name, self.expert_names)
+        if not config.tie_word_embeddings:
+            self.lm_head = param((config.hidden_size, config.vocab_size), dtype, (None, "tensor"))
+
+    def __call__(
+        self, batch: ForwardBatch, meta: AttentionMetadata, kv_caches: KVCache,
+        backends: ModelBackends,
+    ) -> tuple[jax.Array, KVCache]:
+        """Returns float32 logits ``[len(batch.logits_indices), vocab]``: each row's last new
+        token, then any input-logprob tokens."""
+        h, kv_caches = self.model(batch, meta, kv_caches, backends)
+        head = self.model.embed_tokens[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+        indices = batch.logits_indices
+        rows = batch.batch_size
+        if backends.batch_invariant and indices.shape[0] > rows:
+            # The sampled rows keep their shapes (norm and LM head) whether or not a batch-mate
+            # asked for input logprobs (the extra rows): kernels depend on the row count.
+            parts = [self.model.norm(jnp.take(h, ix, axis=0)) @ head
+                     for ix in (indices[:rows], indices[rows:])]
+            logits = jnp.concatenate(parts)
+        else:
+            logits = self.model.norm(jnp.take(h, indices, axis=0)) @ head
+        return logits.astype(jnp.float32), kv_caches

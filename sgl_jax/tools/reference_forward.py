@@ -1,20 +1,32 @@
-"""Independent numpy float64 reference forward of Qwen3-MoE.
+"""Independent numpy float64 reference forward of the supported MoE families.
 
 This module is the yardstick the engine is tested against, so it deliberately shares no code
 with ``sgl_jax.srt``: it reads a Hugging Face checkpoint directory itself (``config.json`` plus
-``*.safetensors``), converts every weight to float64 and implements the architecture directly
-from its definition (HF transformers' ``modeling_qwen3_moe``):
+``*.safetensors``), converts every weight to float64 and implements each architecture directly
+from its definition (HF transformers' modeling files), dispatching on ``architectures[0]``:
+
+============================  ===========  ===============  ===================================
+architecture                  family       router           attention / MLP extras
+============================  ===========  ===============  ===================================
+Qwen3MoeForCausalLM           qwen3_moe    softmax_topk     GQA, q_norm/k_norm
+Qwen2MoeForCausalLM           qwen2_moe    softmax_topk     GQA, q/k/v bias; gated shared expert
+MixtralForCausalLM            mixtral      topk_softmax     GQA; every layer MoE
+DeepseekV3ForCausalLM         deepseek_v3  sigmoid_grouped  MLA (YaRN, rope_interleave); shared
+Glm4MoeForCausalLM            glm4_moe     sigmoid_grouped  GQA, partial rotary, opt. bias/qk norm
+============================  ===========  ===============  ===================================
 
     h = embed_tokens[ids]
-    per layer:  h += o_proj(attn(rope(q_norm(q)), rope(k_norm(k)), v))   on RMSNorm(h)
-                h += mlp(RMSNorm(h))       mlp = routed experts (MoE layer) or dense SwiGLU
-    logits = RMSNorm(h) @ lm_head^T        (embed_tokens^T when tie_word_embeddings)
+    per layer:  h += o_proj(attn(...))         on RMSNorm(h)
+                h += mlp(RMSNorm(h))           mlp = MoE (routed [+ shared]) or dense SwiGLU
+    logits = RMSNorm(h) @ lm_head^T            (embed_tokens^T when tie_word_embeddings)
 
-Routing follows HF: softmax over all experts (here in float64), top-k by descending
-probability with ties toward the lower expert id, optional renormalisation of the k weights.
-Besides logits it records, per token and layer, the router logits, the chosen ids and weights,
-and ``topk_gap`` (k-th minus (k+1)-th largest router logit): a float32 engine can only be
-expected to reproduce the ids where that gap is clearly above float32 rounding noise.
+Router rules and the gaps are in :mod:`sgl_jax.tools.reference_routing`. Besides logits the
+forward records, per token and layer, the router logits, the chosen ids (descending selection
+score, ties to the lower id) and weights, ``topk_gap`` (k-th minus (k+1)-th selection score;
+router logits for the softmax routers) and ``selection_gap`` (the smallest score difference
+that decides the ids and their order, including the group boundary of grouped routers): a
+float32 engine can only be expected to reproduce the ids where that gap is clearly above
+float32 rounding noise.
 
 Usage::
 
@@ -29,6 +41,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -36,7 +49,24 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 from safetensors.numpy import load_file
 
+from sgl_jax.tools.reference_layers import (
+    apply_rope,
+    causal_attention,
+    default_inv_freq,
+    rms_norm,
+    swiglu,
+    yarn_get_mscale,
+    yarn_inv_freq,
+)
+from sgl_jax.tools.reference_routing import (
+    RouterResult,
+    sigmoid_grouped,
+    softmax_topk,
+    topk_softmax,
+)
+
 __all__ = [
+    "FAMILIES",
     "ReferenceModel",
     "ReferenceOutput",
     "apply_rope",
@@ -46,6 +76,15 @@ __all__ = [
     "select_topk",
 ]
 
+# architectures[0] -> family.
+FAMILIES: dict[str, str] = {
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4MoeForCausalLM": "glm4_moe",
+}
+
 
 @dataclass
 class ReferenceOutput:
@@ -53,9 +92,10 @@ class ReferenceOutput:
 
     logits: np.ndarray  # [T, vocab] float64
     topk_ids: np.ndarray  # [T, L, k] int32; -1 on dense (router-less) layers
-    topk_weights: np.ndarray  # [T, L, k] float64, after optional renormalisation; 0 on dense layers
+    topk_weights: np.ndarray  # [T, L, k] float64, the weights applied; 0 on dense layers
     router_logits: np.ndarray  # [T, L, E] float64; nan on dense layers
-    topk_gap: np.ndarray  # [T, L] float64; inf on dense layers and when k == E
+    topk_gap: np.ndarray  # [T, L] float64; inf on dense layers and when k == candidates
+    selection_gap: np.ndarray  # [T, L] float64; inf on dense layers (see reference_routing)
 
 
 # --------------------------------------------------------------------------------------------
@@ -107,62 +147,15 @@ def load_safetensors_f64(path: str) -> dict[str, np.ndarray]:
     return {name: np.asarray(t, dtype=np.float64) for name, t in tensors.items()}
 
 
-# --------------------------------------------------------------------------------------------
-# Building blocks (module level so tests can probe them in isolation)
-# --------------------------------------------------------------------------------------------
-
-
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """x / sqrt(mean(x^2) + eps) * weight, over the last axis."""
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
-
-
-def _silu(x: np.ndarray) -> np.ndarray:
-    return x / (1.0 + np.exp(-x))
-
-
-def _softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
-    z = np.exp(x - np.max(x, axis=axis, keepdims=True))
-    return z / np.sum(z, axis=axis, keepdims=True)
-
-
-def apply_rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
-    """Non-interleaved ("rotate_half") RoPE on x [T, heads, head_dim] at integer positions [T].
-
-    Dimension i of the first half and i + head_dim/2 of the second half form one rotation pair
-    with frequency theta^(-2i/head_dim).
-    """
-    head_dim = x.shape[-1]
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # [T, head_dim/2]
-    cos = np.concatenate([np.cos(angles)] * 2, axis=-1)[:, None, :]  # broadcast over heads
-    sin = np.concatenate([np.sin(angles)] * 2, axis=-1)[:, None, :]
-    half = head_dim // 2
-    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
-
-
 def select_topk(
     router_logits: np.ndarray, k: int, norm_topk_prob: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Router selection for [T, E] logits -> (ids [T, k] int32, weights [T, k], gap [T]).
+    """Qwen-MoE selection for [T, E] logits -> (ids [T, k] int32, weights [T, k], topk_gap [T]).
 
-    Order: descending softmax probability; a stable sort on -prob keeps equal probabilities in
-    ascending expert id, i.e. ties go to the lower id (as torch.topk on CPU and the engine do).
+    Kept for callers of the original API; see reference_routing.softmax_topk.
     """
-    num_experts = router_logits.shape[-1]
-    probs = _softmax(router_logits, axis=-1)
-    order = np.argsort(-probs, axis=-1, kind="stable")
-    ids = order[:, :k]
-    weights = np.take_along_axis(probs, ids, axis=-1)
-    if norm_topk_prob:
-        weights = weights / np.sum(weights, axis=-1, keepdims=True)
-    if k < num_experts:
-        desc = -np.sort(-router_logits, axis=-1)
-        gap = desc[:, k - 1] - desc[:, k]
-    else:
-        gap = np.full(router_logits.shape[0], np.inf)
-    return ids.astype(np.int32), weights, gap
+    r = softmax_topk(router_logits, k, norm_topk_prob)
+    return r.ids, r.weights, r.topk_gap
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,33 +164,37 @@ def select_topk(
 
 
 @dataclass
-class _Layer:
-    """Weights of one decoder layer, float64, HF orientation ([out_features, in_features])."""
+class _Mlp:
+    """SwiGLU weights, HF orientation: gate/up [I, H], down [H, I]."""
 
-    input_norm: np.ndarray
-    post_attn_norm: np.ndarray
-    wq: np.ndarray
-    wk: np.ndarray
-    wv: np.ndarray
-    wo: np.ndarray
-    bq: np.ndarray | None
-    bk: np.ndarray | None
-    bv: np.ndarray | None
-    bo: np.ndarray | None
-    q_norm: np.ndarray
-    k_norm: np.ndarray
-    is_moe: bool
-    # MoE: router [E, H]; experts stacked gate/up [E, I, H], down [E, H, I].
-    # Dense: gate/up [I, H], down [H, I]; router None.
-    router: np.ndarray | None
     gate: np.ndarray
     up: np.ndarray
     down: np.ndarray
 
 
 @dataclass
+class _Moe:
+    router: np.ndarray  # [E, H]
+    correction_bias: np.ndarray | None  # [E] (sigmoid_grouped)
+    gate: np.ndarray  # [E, I, H]
+    up: np.ndarray  # [E, I, H]
+    down: np.ndarray  # [E, H, I]
+    shared: _Mlp | None
+    shared_gate: np.ndarray | None  # [1, H] (qwen2_moe)
+
+
+@dataclass
+class _Layer:
+    input_norm: np.ndarray
+    post_attn_norm: np.ndarray
+    attn: dict[str, np.ndarray]  # HF self_attn.* names without the prefix (e.g. "q_proj.weight")
+    mlp: _Mlp | None  # dense layer
+    moe: _Moe | None  # MoE layer
+
+
+@dataclass
 class _KVCache:
-    """Per-layer K (after k_norm and RoPE) and V, [positions so far, kv_heads, head_dim]."""
+    """Per-layer K (after norms and RoPE) and V, [positions so far, kv_heads, head_dim]."""
 
     k: list[np.ndarray] = field(default_factory=list)
     v: list[np.ndarray] = field(default_factory=list)
@@ -207,14 +204,35 @@ class _KVCache:
         return 0 if not self.k else self.k[0].shape[0]
 
 
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+# transformers' DeepSeek-V3 builds q_a_layernorm / kv_a_layernorm without passing
+# rms_norm_eps, so they use the RMSNorm default (DeepSeek's own inference code does too).
+MLA_LORA_NORM_EPS = 1e-6
+
+_SUPPORTED_DTYPES = "float32, float16, bfloat16 or float64 safetensors"
+
+
+def _rope_params(cfg: dict) -> dict:
+    """rope_scaling (HF configs up to transformers 4) merged with rope_parameters (5)."""
+    return {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+
+
 class ReferenceModel:
-    """Float64 numpy Qwen3-MoE (Qwen3MoeForCausalLM) read from an HF checkpoint directory."""
+    """Float64 numpy forward of an HF MoE checkpoint directory (families: see FAMILIES)."""
 
     def __init__(self, path: str) -> None:
         with open(os.path.join(path, "config.json")) as f:
             self.config: dict = json.load(f)
         cfg = self.config
-        self._check_supported(cfg)
+        archs = cfg.get("architectures") or ["Qwen3MoeForCausalLM"]
+        if archs[0] not in FAMILIES:
+            raise NotImplementedError(
+                f"reference forward does not implement {archs[0]!r}; supported: {sorted(FAMILIES)}"
+            )
+        self.family: str = FAMILIES[archs[0]]
+        fam = self.family
+        self._check_supported(cfg, fam)
 
         self.vocab_size: int = int(cfg["vocab_size"])
         self.hidden_size: int = int(cfg["hidden_size"])
@@ -223,20 +241,71 @@ class ReferenceModel:
         self.num_kv_heads: int = int(cfg.get("num_key_value_heads") or self.num_heads)
         self.head_dim: int = int(cfg.get("head_dim") or self.hidden_size // self.num_heads)
         self.eps: float = float(cfg.get("rms_norm_eps", 1e-6))
-        rope_params = cfg.get("rope_parameters") or {}
-        self.rope_theta: float = float(cfg.get("rope_theta") or rope_params.get("rope_theta", 1e4))
-        self.num_experts: int = int(cfg.get("num_experts") or 0)
-        self.top_k: int = int(cfg.get("num_experts_per_tok") or 0)
-        self.norm_topk_prob: bool = bool(cfg.get("norm_topk_prob", False))
-        if self.num_heads % self.num_kv_heads:
+        if fam != "deepseek_v3" and self.num_heads % self.num_kv_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+        experts_key = {"mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts"}
+        experts_key["glm4_moe"] = "n_routed_experts"
+        self.num_experts: int = int(cfg.get(experts_key.get(fam, "num_experts")) or 0)
+        self.top_k: int = int(cfg.get("num_experts_per_tok") or 0)
+        grouped = fam in ("deepseek_v3", "glm4_moe")
+        self.router_rule: str = (
+            "sigmoid_grouped" if grouped else "topk_softmax" if fam == "mixtral" else "softmax_topk"
+        )
+        self.norm_topk_prob: bool = bool(cfg.get("norm_topk_prob", grouped))
+        self.n_group: int = int(cfg.get("n_group") or 1) if grouped else 1
+        self.topk_group: int = int(cfg.get("topk_group") or 1) if grouped else 1
+        self.routed_scaling_factor: float = (
+            float(cfg.get("routed_scaling_factor") or 1.0) if grouped else 1.0
+        )
+
+        # RoPE.
+        rope = _rope_params(cfg)
+        default_theta = 1e6 if fam == "mixtral" else 1e4
+        self.rope_theta: float = float(
+            cfg.get("rope_theta") or rope.get("rope_theta") or default_theta
+        )
+        self.rope_interleave: bool = fam == "deepseek_v3" and bool(cfg.get("rope_interleave", True))
+        if fam == "deepseek_v3":
+            self.q_lora_rank: int | None = cfg.get("q_lora_rank")
+            self.kv_lora_rank: int = int(cfg["kv_lora_rank"])
+            self.qk_nope_head_dim: int = int(cfg["qk_nope_head_dim"])
+            self.qk_rope_head_dim: int = int(cfg["qk_rope_head_dim"])
+            self.v_head_dim: int = int(cfg["v_head_dim"])
+            self.rotary_dim: int = self.qk_rope_head_dim
+            qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+            self.attn_scale: float = qk_head_dim**-0.5
+        else:
+            factor = 1.0
+            if fam == "glm4_moe":
+                factor = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor")
+                factor = 0.5 if factor is None else float(factor)
+            self.rotary_dim = int(self.head_dim * factor)
+            self.attn_scale = self.head_dim**-0.5
+        if self._rope_type(cfg) == "yarn":
+            max_pos = int(cfg.get("max_position_embeddings") or 0)
+            self.inv_freq, self.rope_attention_factor, yarn_factor = yarn_inv_freq(
+                self.rotary_dim, self.rope_theta, rope, max_pos
+            )
+            # transformers' DeepSeek-V3 attention: softmax scale times mscale(factor,
+            # mscale_all_dim)^2 (when mscale_all_dim is set).
+            if rope.get("mscale_all_dim"):
+                mscale = yarn_get_mscale(yarn_factor, float(rope["mscale_all_dim"]))
+                self.attn_scale *= mscale * mscale
+        else:
+            self.inv_freq = default_inv_freq(self.rotary_dim, self.rope_theta)
+            self.rope_attention_factor = 1.0
 
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {path}")
         w: dict[str, np.ndarray] = {}
         for file in files:
-            w.update(load_safetensors_f64(file))
+            for name, tensor in load_safetensors_f64(file).items():
+                m = _LAYER_INDEX.match(name)
+                if m and int(m.group(1)) >= self.num_layers:
+                    continue  # multi-token-prediction layers (DeepSeek-V3, GLM-4.5): unused
+                w[name] = tensor
 
         self.embed: np.ndarray = w["model.embed_tokens.weight"]
         self.final_norm: np.ndarray = w["model.norm.weight"]
@@ -251,87 +320,204 @@ class ReferenceModel:
     # -- loading ---------------------------------------------------------------------------
 
     @staticmethod
-    def _check_supported(cfg: dict) -> None:
+    def _rope_type(cfg: dict) -> str:
+        rope = _rope_params(cfg)
+        return rope.get("rope_type") or rope.get("type") or "default"
+
+    @classmethod
+    def _check_supported(cls, cfg: dict, fam: str) -> None:
         # Better to refuse than to silently produce a wrong reference.
-        scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type not in (None, "default"):
-            raise NotImplementedError(f"reference supports default RoPE only, got {rope_type!r}")
-        if cfg.get("use_sliding_window", False):
+        if cfg.get("quantization_config"):
+            method = cfg["quantization_config"].get("quant_method", "?")
+            raise NotImplementedError(
+                f"reference forward does not implement quantized checkpoints (quant_method="
+                f"{method!r}); use unquantized {_SUPPORTED_DTYPES}"
+            )
+        rope_type = cls._rope_type(cfg)
+        allowed = ("default", "yarn") if fam == "deepseek_v3" else ("default",)
+        if rope_type not in allowed:
+            raise NotImplementedError(
+                f"reference supports RoPE types {allowed} for {fam}, got {rope_type!r}"
+            )
+        if cfg.get("use_sliding_window", False) or (
+            fam == "mixtral" and cfg.get("sliding_window") is not None
+        ):
             raise NotImplementedError("reference does not implement sliding-window attention")
+        if "sliding_attention" in (cfg.get("layer_types") or []):
+            raise NotImplementedError("reference does not implement sliding-window attention")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"reference implements silu only, got {cfg['hidden_act']!r}")
+        if fam == "deepseek_v3":
+            if cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+                raise NotImplementedError("DeepSeek-V3 reference implements topk_method 'noaux_tc'")
+            if cfg.get("scoring_func", "sigmoid") != "sigmoid":
+                raise NotImplementedError("DeepSeek-V3 reference implements scoring_func 'sigmoid'")
 
     def is_moe_layer(self, i: int) -> bool:
-        """HF Qwen3-MoE rule for which decoder layers carry a router."""
-        sparse_step = int(self.config.get("decoder_sparse_step", 1) or 1)
-        mlp_only = set(self.config.get("mlp_only_layers") or [])
-        return i not in mlp_only and self.num_experts > 0 and (i + 1) % sparse_step == 0
+        """Which decoder layers carry a router (per family, as HF builds them)."""
+        cfg, fam = self.config, self.family
+        if self.num_experts <= 0:
+            return False
+        if fam == "mixtral":
+            return True
+        if fam in ("deepseek_v3", "glm4_moe"):
+            first_dense = int(cfg.get("first_k_dense_replace") or 0)
+            freq = int(cfg.get("moe_layer_freq") or 1) if fam == "deepseek_v3" else 1
+            return i >= first_dense and i % freq == 0
+        sparse_step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        mlp_only = set(cfg.get("mlp_only_layers") or [])
+        return i not in mlp_only and (i + 1) % sparse_step == 0
+
+    def _experts(self, w: dict[str, np.ndarray], p: str) -> tuple[np.ndarray, ...]:
+        """Stacked expert weights (gate [E, I, H], up [E, I, H], down [E, H, I]) under prefix p
+        ("...mlp." or "...block_sparse_moe.")."""
+        ne = self.num_experts
+        if p + "experts.gate_up_proj" in w:
+            # Fused layout (transformers >= 5 in-memory naming): gate_up [E, 2I, H] with the
+            # gate rows first, down [E, H, I].
+            gate_up = w[p + "experts.gate_up_proj"]
+            inter = gate_up.shape[1] // 2
+            return gate_up[:, :inter], gate_up[:, inter:], w[p + "experts.down_proj"]
+        names = (
+            ("w1", "w3", "w2")
+            if self.family == "mixtral"
+            else ("gate_proj", "up_proj", "down_proj")
+        )
+        return tuple(np.stack([w[f"{p}experts.{e}.{n}.weight"] for e in range(ne)]) for n in names)
 
     def _load_layer(self, w: dict[str, np.ndarray], i: int) -> _Layer:
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        is_moe = self.is_moe_layer(i)
-        if is_moe:
-            router = w[p + "mlp.gate.weight"]
-            if p + "mlp.experts.gate_up_proj" in w:
-                # Fused layout (transformers >= 5 in-memory naming): gate_up [E, 2I, H] with
-                # the gate rows first, down [E, H, I].
-                gate_up = w[p + "mlp.experts.gate_up_proj"]
-                inter = gate_up.shape[1] // 2
-                gate, up = gate_up[:, :inter], gate_up[:, inter:]
-                down = w[p + "mlp.experts.down_proj"]
-            else:
-                e = p + "mlp.experts.{}.{}_proj.weight"
-                gate = np.stack([w[e.format(j, "gate")] for j in range(self.num_experts)])
-                up = np.stack([w[e.format(j, "up")] for j in range(self.num_experts)])
-                down = np.stack([w[e.format(j, "down")] for j in range(self.num_experts)])
+        attn = {n[len(a) :]: t for n, t in w.items() if n.startswith(a)}
+        self._check_attention_weights(attn, i)
+        mlp = moe = None
+        if self.is_moe_layer(i):
+            mp = p + "mlp."
+            if self.family == "mixtral" and p + "block_sparse_moe.gate.weight" in w:
+                mp = p + "block_sparse_moe."
+            gate, up, down = self._experts(w, mp)
+            router = w[mp + "gate.weight"]
             if router.shape[0] != self.num_experts or gate.shape[0] != self.num_experts:
-                raise ValueError(f"layer {i}: expert count does not match num_experts")
+                raise ValueError(f"layer {i}: expert count does not match the config")
+            shared = shared_gate = None
+            if self.family == "qwen2_moe":
+                s = mp + "shared_expert."
+                shared = _Mlp(
+                    w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"]
+                )
+                shared_gate = w[mp + "shared_expert_gate.weight"]
+            elif self.family in ("deepseek_v3", "glm4_moe") and self.config.get("n_shared_experts"):
+                s = mp + "shared_experts."
+                shared = _Mlp(
+                    w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"]
+                )
+            bias = w.get(mp + "gate.e_score_correction_bias")
+            moe = _Moe(router, bias, gate, up, down, shared, shared_gate)
         else:
-            router = None
-            gate = w[p + "mlp.gate_proj.weight"]
-            up = w[p + "mlp.up_proj.weight"]
-            down = w[p + "mlp.down_proj.weight"]
+            mp = p + "mlp."
+            mlp = _Mlp(
+                w[mp + "gate_proj.weight"], w[mp + "up_proj.weight"], w[mp + "down_proj.weight"]
+            )
         return _Layer(
             input_norm=w[p + "input_layernorm.weight"],
             post_attn_norm=w[p + "post_attention_layernorm.weight"],
-            wq=w[a + "q_proj.weight"],
-            wk=w[a + "k_proj.weight"],
-            wv=w[a + "v_proj.weight"],
-            wo=w[a + "o_proj.weight"],
-            bq=w.get(a + "q_proj.bias"),
-            bk=w.get(a + "k_proj.bias"),
-            bv=w.get(a + "v_proj.bias"),
-            bo=w.get(a + "o_proj.bias"),
-            q_norm=w[a + "q_norm.weight"],
-            k_norm=w[a + "k_norm.weight"],
-            is_moe=is_moe,
-            router=router,
-            gate=gate,
-            up=up,
-            down=down,
+            attn=attn,
+            mlp=mlp,
+            moe=moe,
         )
+
+    def _check_attention_weights(self, attn: dict[str, np.ndarray], i: int) -> None:
+        """Refuse a checkpoint whose attention tensors do not match what the config implies."""
+        fam, cfg = self.family, self.config
+        if fam == "deepseek_v3":
+            need = ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight"]
+            need += ["o_proj.weight"]
+            if self.q_lora_rank is None:
+                need += ["q_proj.weight"]
+            else:
+                need += ["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"]
+        else:
+            need = ["q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"]
+            if fam == "qwen3_moe" or (fam == "glm4_moe" and cfg.get("use_qk_norm")):
+                need += ["q_norm.weight", "k_norm.weight"]
+            if (fam == "qwen2_moe" and cfg.get("qkv_bias", True)) or (
+                fam == "glm4_moe" and cfg.get("attention_bias")
+            ):
+                need += ["q_proj.bias", "k_proj.bias", "v_proj.bias"]
+        missing = [n for n in need if n not in attn]
+        if missing:
+            raise KeyError(f"layer {i}: missing self_attn tensors {missing}")
 
     # -- forward ---------------------------------------------------------------------------
 
     @staticmethod
-    def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-        y = x @ weight.T
+    def _linear(x: np.ndarray, attn: dict[str, np.ndarray], name: str) -> np.ndarray:
+        y = x @ attn[name + ".weight"].T
+        bias = attn.get(name + ".bias")
         return y if bias is None else y + bias
+
+    def _rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        return apply_rope(
+            x,
+            positions,
+            inv_freq=self.inv_freq,
+            interleave=self.rope_interleave,
+            attention_factor=self.rope_attention_factor,
+        )
+
+    @property
+    def _use_qk_norm(self) -> bool:
+        return self.family == "qwen3_moe" or (
+            self.family == "glm4_moe" and bool(self.config.get("use_qk_norm"))
+        )
+
+    def _qkv_gqa(self, attn: dict[str, np.ndarray], x: np.ndarray, positions: np.ndarray):
+        """GQA q [n, H, d], k and v [n, Hkv, d]: projections (+bias), q/k norm, partial RoPE."""
+        n, hd = x.shape[0], self.head_dim
+        q = self._linear(x, attn, "q_proj").reshape(n, self.num_heads, hd)
+        k = self._linear(x, attn, "k_proj").reshape(n, self.num_kv_heads, hd)
+        v = self._linear(x, attn, "v_proj").reshape(n, self.num_kv_heads, hd)
+        if self._use_qk_norm:
+            q = rms_norm(q, attn["q_norm.weight"], self.eps)
+            k = rms_norm(k, attn["k_norm.weight"], self.eps)
+        return self._rope(q, positions), self._rope(k, positions), v
+
+    def _qkv_mla(self, attn: dict[str, np.ndarray], x: np.ndarray, positions: np.ndarray):
+        """MLA in its plain per-head form: q [n, H, nope+rope], k [n, H, nope+rope], v [n, H, v].
+
+        The k RoPE part is one vector per token shared by all heads.
+        """
+        n, nh, nope, rdim = x.shape[0], self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
+        if self.q_lora_rank is None:
+            q = self._linear(x, attn, "q_proj")
+        else:
+            qa = rms_norm(
+                self._linear(x, attn, "q_a_proj"), attn["q_a_layernorm.weight"], MLA_LORA_NORM_EPS
+            )
+            q = self._linear(qa, attn, "q_b_proj")
+        q = q.reshape(n, nh, nope + rdim)
+        ckv = self._linear(x, attn, "kv_a_proj_with_mqa")
+        c, k_rope = ckv[:, : self.kv_lora_rank], ckv[:, self.kv_lora_rank :]
+        c = rms_norm(c, attn["kv_a_layernorm.weight"], MLA_LORA_NORM_EPS)
+        kv = self._linear(c, attn, "kv_b_proj").reshape(n, nh, nope + self.v_head_dim)
+        k_nope, v = kv[..., :nope], kv[..., nope:]
+        q_rope = self._rope(q[..., nope:], positions)
+        k_rope = self._rope(k_rope[:, None, :], positions)
+        q = np.concatenate([q[..., :nope], q_rope], axis=-1)
+        k = np.concatenate([k_nope, np.broadcast_to(k_rope, (n, nh, rdim))], axis=-1)
+        return q, k, v
 
     def _attention(
         self, layer: _Layer, x: np.ndarray, cache: _KVCache, li: int, start: int
     ) -> np.ndarray:
-        """Causal GQA attention of new tokens x [n, H] at positions start.. over cache + new.
+        """Causal attention of new tokens x [n, H] at positions start.. over cache + new.
 
         Appends this layer's new K/V to the cache (layer li's cache holds `start` positions).
         """
-        n, hd = x.shape[0], self.head_dim
+        n = x.shape[0]
         positions = np.arange(start, start + n)
-        q = self._linear(x, layer.wq, layer.bq).reshape(n, self.num_heads, hd)
-        k = self._linear(x, layer.wk, layer.bk).reshape(n, self.num_kv_heads, hd)
-        v = self._linear(x, layer.wv, layer.bv).reshape(n, self.num_kv_heads, hd)
-        q = apply_rope(rms_norm(q, layer.q_norm, self.eps), positions, self.rope_theta)
-        k = apply_rope(rms_norm(k, layer.k_norm, self.eps), positions, self.rope_theta)
+        qkv = self._qkv_mla if self.family == "deepseek_v3" else self._qkv_gqa
+        q, k, v = qkv(layer.attn, x, positions)
         if li < len(cache.k):
             assert cache.k[li].shape[0] == start
             cache.k[li] = np.concatenate([cache.k[li], k])
@@ -339,36 +525,40 @@ class ReferenceModel:
         else:
             cache.k.append(k)
             cache.v.append(v)
-        keys, values = cache.k[li], cache.v[li]  # [S, kv_heads, hd], S = start + n
+        out = causal_attention(q, cache.k[li], cache.v[li], positions, self.attn_scale)
+        return self._linear(out.reshape(n, -1), layer.attn, "o_proj")
 
-        group = self.num_heads // self.num_kv_heads
-        # Query head h reads kv head h // group.
-        keys = np.repeat(keys, group, axis=1)
-        values = np.repeat(values, group, axis=1)
-        scores = np.einsum("qhd,shd->hqs", q, keys) / np.sqrt(hd)
-        key_pos = np.arange(keys.shape[0])
-        scores = np.where(key_pos[None, None, :] > positions[None, :, None], -np.inf, scores)
-        probs = _softmax(scores, axis=-1)
-        out = np.einsum("hqs,shd->qhd", probs, values).reshape(n, self.num_heads * hd)
-        return self._linear(out, layer.wo, layer.bo)
+    def route(self, router_logits: np.ndarray, correction_bias: np.ndarray | None) -> RouterResult:
+        """This model's router rule on float64 logits [T, E]."""
+        if self.router_rule == "softmax_topk":
+            return softmax_topk(router_logits, self.top_k, self.norm_topk_prob)
+        if self.router_rule == "topk_softmax":
+            return topk_softmax(router_logits, self.top_k)
+        return sigmoid_grouped(
+            router_logits,
+            correction_bias,
+            self.top_k,
+            self.n_group,
+            self.topk_group,
+            self.norm_topk_prob,
+            self.routed_scaling_factor,
+        )
 
-    @staticmethod
-    def _swiglu(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
-        return (_silu(x @ gate.T) * (x @ up.T)) @ down.T
-
-    def _moe(
-        self, layer: _Layer, x: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        assert layer.router is not None
-        router_logits = x @ layer.router.T  # [n, E]
-        ids, weights, gap = select_topk(router_logits, self.top_k, self.norm_topk_prob)
+    def _moe(self, moe: _Moe, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, RouterResult]:
+        router_logits = x @ moe.router.T  # [n, E]
+        r = self.route(router_logits, moe.correction_bias)
         out = np.zeros_like(x)
-        for e in np.unique(ids):
+        for e in np.unique(r.ids):
             # An expert appears at most once in a token's top-k, so rows are distinct.
-            rows, slots = np.nonzero(ids == e)
-            y = self._swiglu(x[rows], layer.gate[e], layer.up[e], layer.down[e])
-            out[rows] += weights[rows, slots][:, None] * y
-        return out, router_logits, ids, weights, gap
+            rows, slots = np.nonzero(r.ids == e)
+            y = swiglu(x[rows], moe.gate[e], moe.up[e], moe.down[e])
+            out[rows] += r.weights[rows, slots][:, None] * y
+        if moe.shared is not None:
+            s = swiglu(x, moe.shared.gate, moe.shared.up, moe.shared.down)
+            if moe.shared_gate is not None:
+                s = s / (1.0 + np.exp(-(x @ moe.shared_gate.T)))  # sigmoid gate [n, 1]
+            out = out + s
+        return out, router_logits, r
 
     def _run(self, input_ids: np.ndarray, cache: _KVCache) -> ReferenceOutput:
         """Forward the new tokens input_ids, at positions following what cache holds."""
@@ -381,6 +571,7 @@ class ReferenceModel:
         topk_weights = np.zeros((n, num_layers, k), dtype=np.float64)
         router_logits = np.full((n, num_layers, num_e), np.nan, dtype=np.float64)
         topk_gap = np.full((n, num_layers), np.inf, dtype=np.float64)
+        selection_gap = np.full((n, num_layers), np.inf, dtype=np.float64)
 
         # Read once: layer 0 extends the cache before later layers run.
         start = cache.length
@@ -389,18 +580,27 @@ class ReferenceModel:
             x = rms_norm(h, layer.input_norm, self.eps)
             h = h + self._attention(layer, x, cache, li, start)
             x = rms_norm(h, layer.post_attn_norm, self.eps)
-            if layer.is_moe:
-                y, rl, ids, w, gap = self._moe(layer, x)
+            if layer.moe is not None:
+                y, rl, r = self._moe(layer.moe, x)
                 router_logits[:, li] = rl
-                topk_ids[:, li] = ids
-                topk_weights[:, li] = w
-                topk_gap[:, li] = gap
+                topk_ids[:, li] = r.ids
+                topk_weights[:, li] = r.weights
+                topk_gap[:, li] = r.topk_gap
+                selection_gap[:, li] = r.selection_gap
             else:
-                y = self._swiglu(x, layer.gate, layer.up, layer.down)
+                assert layer.mlp is not None
+                y = swiglu(x, layer.mlp.gate, layer.mlp.up, layer.mlp.down)
             h = h + y
         h = rms_norm(h, self.final_norm, self.eps)
         logits = h @ self.lm_head.T
-        return ReferenceOutput(logits, topk_ids, topk_weights, router_logits, topk_gap)
+        return ReferenceOutput(
+            logits=logits,
+            topk_ids=topk_ids,
+            topk_weights=topk_weights,
+            router_logits=router_logits,
+            topk_gap=topk_gap,
+            selection_gap=selection_gap,
+        )
 
     def forward(self, input_ids: Sequence[int], chunk_size: int | None = None) -> ReferenceOutput:
         """Outputs for every position of one sequence (positions 0..T-1, causal attention).

@@ -56,7 +56,7 @@ def test_round_trip_every_tensor_equal(ckpt):
 
 def test_bfloat16_keeps_router_float32(ckpt):
     model = load(ckpt, jnp.bfloat16)
-    assert model.model.layers[0].mlp.gate[...].dtype == jnp.float32
+    assert model.model.layers[0].mlp.gate.weight[...].dtype == jnp.float32
     assert model.model.layers[0].mlp.w_up[...].dtype == jnp.bfloat16
 
 

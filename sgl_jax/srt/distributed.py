@@ -42,12 +42,15 @@ def parallel_layout_errors(
     if not has_moe and ep_size > 1:
         errors.append(f"ep_size={ep_size} > 1 but the model has no MoE layer")
     # (dimension, what it is) pairs split over the "tensor" axis.
-    split_by_tp = [
-        (cfg.num_attention_heads, "num_attention_heads"),
-        (cfg.num_key_value_heads, "num_key_value_heads (the KV cache is sharded by KV head)"),
-    ]
+    split_by_tp = [(cfg.num_attention_heads, "num_attention_heads")]
+    if cfg.kv_cache_sharded:  # MLA's latent cache is replicated
+        split_by_tp.append(
+            (cfg.num_key_value_heads, "num_key_value_heads (the KV cache is sharded by KV head)")
+        )
     if has_moe:
         split_by_tp.append((cfg.moe_intermediate_size, "moe_intermediate_size"))
+    if has_moe and cfg.num_shared_experts:
+        split_by_tp.append((cfg.shared_expert_intermediate_size, "the shared experts' width"))
     if has_dense:
         split_by_tp.append((cfg.intermediate_size, "intermediate_size"))
     if not cfg.tie_word_embeddings:

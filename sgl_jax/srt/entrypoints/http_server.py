@@ -165,10 +165,9 @@ def create_app(ctx: ServerContext) -> FastAPI:
             "model_path": cfg.model_path,
             "served_model_name": ctx.served_model_name,
             "architecture": cfg.architecture,
-            "num_hidden_layers": cfg.num_hidden_layers,
-            "num_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.num_experts_per_tok,
-            "moe_layers": list(cfg.moe_layer_ids),
+            # family, num_hidden_layers, num_experts, num_experts_per_tok, moe_layers, router
+            # rule and its parameters: what a client needs to reshape and read the rows.
+            **cfg.routing_info(),
             "vocab_size": cfg.vocab_size,
             "context_length": cfg.context_len,
             "is_generation": True,

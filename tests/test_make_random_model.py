@@ -352,7 +352,8 @@ def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         ]
     )
     printed = capsys.readouterr().out
-    assert "parameters:" in printed and "min router gap" in printed
+    assert "parameters:" in printed and "min router selection gap" in printed
+    assert "incl. group scores" in printed
     cfg = _read_json(tmp_path / "config.json")
     assert cfg["num_hidden_layers"] == 2 and cfg["mlp_only_layers"] == [0]
 

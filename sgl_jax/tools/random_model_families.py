@@ -1,0 +1,445 @@
+"""Model families of the random-checkpoint tool: config.json shape, checks and HF tensors.
+
+One :class:`Family` per Hugging Face architecture (see ``make_random_model`` for how the
+weights are scaled and seeded). Tensor names and shapes are exactly Hugging Face's:
+
+- qwen3_moe (Qwen3MoeForCausalLM): GQA with q_norm/k_norm, ``mlp.gate`` + ``mlp.experts.{e}``.
+- qwen2_moe (Qwen2MoeForCausalLM): GQA with q/k/v biases, plus a gated shared expert
+  (``mlp.shared_expert.*``, ``mlp.shared_expert_gate.weight`` [1, H]).
+- mixtral (MixtralForCausalLM): ``block_sparse_moe.gate`` + ``block_sparse_moe.experts.{e}.w1/w3``
+  (gate/up [I, H]) and ``w2`` (down [H, I]); every layer MoE.
+- deepseek_v3 (DeepseekV3ForCausalLM): MLA attention, sigmoid router with
+  ``mlp.gate.e_score_correction_bias`` [E], ungated ``mlp.shared_experts.*``; the first
+  ``first_k_dense_replace`` layers (and those off ``moe_layer_freq``) dense.
+- glm4_moe (Glm4MoeForCausalLM): GQA with optional q/k/v biases and q/k norms, partial rotary,
+  the DeepSeek-V3 router and shared experts; the first ``first_k_dense_replace`` layers dense.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+Tensors = dict[str, np.ndarray]
+
+
+def rng(seed: int, name: str, attempt: int | None = None) -> np.random.Generator:
+    """The generator of one tensor: seeded by (seed, crc32(name)[, router attempt])."""
+    key = [seed, zlib.crc32(name.encode())]
+    return np.random.default_rng(key if attempt is None else key + [attempt])
+
+
+def normal(seed: int, name: str, shape: tuple[int, ...], std: float) -> np.ndarray:
+    return (rng(seed, name).standard_normal(shape) * std).astype(np.float32)
+
+
+def norm_weight(seed: int, name: str, size: int) -> np.ndarray:
+    return (1.0 + 0.1 * rng(seed, name).standard_normal(size)).astype(np.float32)
+
+
+# Biases (q/k/v projections) are N(0, BIAS_STD^2): small next to the O(1) projections, but
+# large enough that a kernel dropping them is caught.
+BIAS_STD = 0.1
+
+
+# --------------------------------------------------------------------------------------------
+# Base configs: every key transformers' config class reads, with the family's released values
+# (the preset then sets the shape). torch_dtype float32: random checkpoints are exact.
+# --------------------------------------------------------------------------------------------
+
+QWEN3_MOE_BASE: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "decoder_sparse_step": 1,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-6,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "use_cache": True,
+    "use_sliding_window": False,
+}
+
+# Qwen2-57B-A14B's values (transformers' Qwen2MoeConfig keys).
+QWEN2_MOE_BASE: dict[str, Any] = {
+    "architectures": ["Qwen2MoeForCausalLM"],
+    "model_type": "qwen2_moe",
+    "attention_dropout": 0.0,
+    "decoder_sparse_step": 1,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_window_layers": 28,
+    "mlp_only_layers": [],
+    "norm_topk_prob": False,
+    "output_router_logits": False,
+    "qkv_bias": True,
+    "rms_norm_eps": 1e-6,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "use_cache": True,
+    "use_sliding_window": False,
+}
+
+# Mixtral-8x7B-v0.1's values (transformers' MixtralConfig keys; head_dim = hidden / heads).
+MIXTRAL_BASE: dict[str, Any] = {
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "attention_dropout": 0.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.02,
+    "router_jitter_noise": 0.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "use_cache": True,
+}
+
+# DeepSeek-V3's released values (no quantization_config, no auto_map). The random checkpoints
+# hold no multi-token-prediction layers: num_nextn_predict_layers 0.
+DEEPSEEK_V3_BASE: dict[str, Any] = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001,
+    "ep_size": 1,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_nextn_predict_layers": 0,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-6,
+    "rope_interleave": True,
+    "rope_scaling": None,
+    "rope_theta": 10000.0,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "seq_aux": True,
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "float32",
+    "use_cache": True,
+}
+
+# GLM-4.5-Air's released values.
+GLM4_MOE_BASE: dict[str, Any] = {
+    "architectures": ["Glm4MoeForCausalLM"],
+    "model_type": "glm4_moe",
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "first_k_dense_replace": 1,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "n_group": 1,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_nextn_predict_layers": 0,
+    "partial_rotary_factor": 0.5,
+    "rms_norm_eps": 1e-5,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "routed_scaling_factor": 1.0,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "torch_dtype": "float32",
+    "use_cache": True,
+    "use_qk_norm": False,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Per-family rules
+# --------------------------------------------------------------------------------------------
+
+
+def _qwen_moe_layer(config: dict[str, Any], layer: int) -> bool:
+    """Qwen-MoE's rule: a layer has a router unless listed dense or off the sparse step."""
+    return (
+        layer not in set(config["mlp_only_layers"])
+        and config["num_experts"] > 0
+        and (layer + 1) % config["decoder_sparse_step"] == 0
+    )
+
+
+def _deepseek_moe_layer(config: dict[str, Any], layer: int) -> bool:
+    freq = int(config.get("moe_layer_freq", 1) or 1)
+    return (
+        config["n_routed_experts"] > 0
+        and layer >= config["first_k_dense_replace"]
+        and layer % freq == 0
+    )
+
+
+def _glm_moe_layer(config: dict[str, Any], layer: int) -> bool:
+    return config["n_routed_experts"] > 0 and layer >= config["first_k_dense_replace"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """What differs between model families (HF architecture -> tensors and rules)."""
+
+    model_type: str
+    base_config: dict[str, Any]
+    experts_key: str  # config key of the routed-expert count
+    router_rule: str  # softmax_topk | topk_softmax | sigmoid_grouped (spec's router rules)
+    is_moe_layer: Callable[[dict[str, Any], int], bool]
+    mlp_prefix: str = "mlp"  # module of a MoE layer's router and experts
+
+    def num_experts(self, config: dict[str, Any]) -> int:
+        return int(config[self.experts_key])
+
+    def router_name(self, layer: int) -> str:
+        return f"model.layers.{layer}.{self.mlp_prefix}.gate.weight"
+
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Family("qwen3_moe", QWEN3_MOE_BASE, "num_experts", "softmax_topk", _qwen_moe_layer),
+        Family("qwen2_moe", QWEN2_MOE_BASE, "num_experts", "softmax_topk", _qwen_moe_layer),
+        Family(
+            "mixtral",
+            MIXTRAL_BASE,
+            "num_local_experts",
+            "topk_softmax",
+            lambda c, i: c["num_local_experts"] > 0,
+            mlp_prefix="block_sparse_moe",
+        ),
+        Family(
+            "deepseek_v3",
+            DEEPSEEK_V3_BASE,
+            "n_routed_experts",
+            "sigmoid_grouped",
+            _deepseek_moe_layer,
+        ),
+        Family("glm4_moe", GLM4_MOE_BASE, "n_routed_experts", "sigmoid_grouped", _glm_moe_layer),
+    )
+}
+
+
+def family_of(config: dict[str, Any]) -> Family:
+    model_type = config.get("model_type", "qwen3_moe")
+    if model_type not in FAMILIES:
+        raise ValueError(f"unknown model_type {model_type!r}; choose from {sorted(FAMILIES)}")
+    return FAMILIES[model_type]
+
+
+def head_dim(config: dict[str, Any]) -> int:
+    """GQA head width: head_dim when set, else hidden_size / num_attention_heads."""
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+def rotary_dim(config: dict[str, Any]) -> int:
+    """Dims of a q/k head RoPE rotates (GLM's partial rotary; MLA: qk_rope_head_dim)."""
+    if config["model_type"] == "deepseek_v3":
+        return int(config["qk_rope_head_dim"])
+    if config["model_type"] == "glm4_moe":
+        return int(head_dim(config) * config.get("partial_rotary_factor", 0.5))
+    return head_dim(config)
+
+
+def check_config(config: dict[str, Any], vocab_min: int, dtypes: tuple[str, ...]) -> None:
+    """Raise ValueError naming the field when a config cannot describe a valid checkpoint."""
+    fam = family_of(config)
+    n_layers = config["num_hidden_layers"]
+    experts = fam.num_experts(config)
+    if config["vocab_size"] < vocab_min:
+        raise ValueError(f"vocab_size={config['vocab_size']} < tokenizer size {vocab_min}")
+    if config["num_attention_heads"] % config["num_key_value_heads"]:
+        raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+    if not 1 <= config["num_experts_per_tok"] <= max(experts, 1):
+        raise ValueError(f"num_experts_per_tok must be in [1, {fam.experts_key}]")
+    if config["torch_dtype"] not in dtypes:
+        raise ValueError(f"torch_dtype must be one of {dtypes}")
+    if fam.model_type in ("qwen3_moe", "qwen2_moe"):
+        if config["decoder_sparse_step"] < 1:
+            raise ValueError("decoder_sparse_step must be >= 1")
+        if any(not 0 <= i < n_layers for i in config["mlp_only_layers"]):
+            raise ValueError(f"mlp_only_layers {config['mlp_only_layers']} outside [0, {n_layers})")
+    if fam.model_type in ("deepseek_v3", "glm4_moe"):
+        if not 0 <= config["first_k_dense_replace"] <= n_layers:
+            raise ValueError(f"first_k_dense_replace must be in [0, {n_layers}]")
+        if int(config.get("moe_layer_freq", 1) or 1) < 1:
+            raise ValueError("moe_layer_freq must be >= 1")
+        n_group, topk_group = config["n_group"], config["topk_group"]
+        if n_group < 1 or experts % n_group or experts // n_group < 2:
+            raise ValueError("n_group must divide the experts into groups of >= 2")
+        if not 1 <= topk_group <= n_group:
+            raise ValueError("topk_group must be in [1, n_group]")
+        if config["num_experts_per_tok"] > topk_group * (experts // n_group):
+            raise ValueError("num_experts_per_tok exceeds the experts of the kept groups")
+    if fam.model_type == "deepseek_v3":
+        if config.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ValueError("topk_method must be 'noaux_tc'")
+        if config.get("scoring_func", "sigmoid") != "sigmoid":
+            raise ValueError("scoring_func must be 'sigmoid'")
+        if config["q_lora_rank"] is not None and config["q_lora_rank"] < 1:
+            raise ValueError("q_lora_rank must be null or >= 1")
+        if config["num_key_value_heads"] != config["num_attention_heads"]:
+            raise ValueError("MLA: num_key_value_heads must equal num_attention_heads")
+    if rotary_dim(config) % 2 or rotary_dim(config) < 2:
+        raise ValueError("the rotary dims of a head must be even (RoPE rotates pairs)")
+
+
+# --------------------------------------------------------------------------------------------
+# Tensors
+# --------------------------------------------------------------------------------------------
+
+
+class _Writer:
+    """Collects tensors, each drawn from its own seed (see make_random_model)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.w: Tensors = {}
+
+    def normal(self, name: str, shape: tuple[int, ...], std: float) -> None:
+        self.w[name] = normal(self.seed, name, shape, std)
+
+    def linear(self, name: str, out_features: int, in_features: int) -> None:
+        """[out, in] with std 1/sqrt(in): O(1) inputs give O(1) outputs."""
+        self.normal(name, (out_features, in_features), 1 / np.sqrt(in_features))
+
+    def norm(self, name: str, size: int) -> None:
+        self.w[name] = norm_weight(self.seed, name, size)
+
+
+def _gqa_attention(wr: _Writer, config: dict[str, Any], p: str, bias: bool, qk_norm: bool) -> None:
+    h, hd = config["hidden_size"], head_dim(config)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    a = p + "self_attn."
+    wr.linear(a + "q_proj.weight", heads * hd, h)
+    wr.linear(a + "k_proj.weight", kv_heads * hd, h)
+    wr.linear(a + "v_proj.weight", kv_heads * hd, h)
+    wr.linear(a + "o_proj.weight", h, heads * hd)
+    if bias:
+        wr.normal(a + "q_proj.bias", (heads * hd,), BIAS_STD)
+        wr.normal(a + "k_proj.bias", (kv_heads * hd,), BIAS_STD)
+        wr.normal(a + "v_proj.bias", (kv_heads * hd,), BIAS_STD)
+    if qk_norm:
+        wr.norm(a + "q_norm.weight", hd)
+        wr.norm(a + "k_norm.weight", hd)
+
+
+def _mla_attention(wr: _Writer, config: dict[str, Any], p: str) -> None:
+    h, heads = config["hidden_size"], config["num_attention_heads"]
+    nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    q_lora, kv_lora = config["q_lora_rank"], config["kv_lora_rank"]
+    a = p + "self_attn."
+    if q_lora is None:
+        wr.linear(a + "q_proj.weight", heads * (nope + rope), h)
+    else:
+        wr.linear(a + "q_a_proj.weight", q_lora, h)
+        wr.norm(a + "q_a_layernorm.weight", q_lora)
+        wr.linear(a + "q_b_proj.weight", heads * (nope + rope), q_lora)
+    wr.linear(a + "kv_a_proj_with_mqa.weight", kv_lora + rope, h)
+    wr.norm(a + "kv_a_layernorm.weight", kv_lora)
+    wr.linear(a + "kv_b_proj.weight", heads * (nope + v), kv_lora)
+    wr.linear(a + "o_proj.weight", h, heads * v)
+
+
+def _swiglu(wr: _Writer, prefix: str, hidden: int, inter: int) -> None:
+    wr.linear(prefix + "gate_proj.weight", inter, hidden)
+    wr.linear(prefix + "up_proj.weight", inter, hidden)
+    wr.linear(prefix + "down_proj.weight", hidden, inter)
+
+
+def base_weights(config: dict[str, Any], gen: dict[str, Any], seed: int) -> Tensors:
+    """Every tensor except the routers (see router_weights), float32, HF names and orientation."""
+    fam = family_of(config)
+    h, v = config["hidden_size"], config["vocab_size"]
+    wr = _Writer(seed)
+    tied = bool(config["tie_word_embeddings"])
+    # Tied, the embedding doubles as the LM head, so it takes the head's scale; the first
+    # input_layernorm makes the embedding scale irrelevant to layer 0.
+    wr.normal("model.embed_tokens.weight", (v, h), gen["logit_std"] / np.sqrt(h) if tied else 1.0)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        wr.norm(p + "input_layernorm.weight", h)
+        wr.norm(p + "post_attention_layernorm.weight", h)
+        if fam.model_type == "deepseek_v3":
+            _mla_attention(wr, config, p)
+        elif fam.model_type == "glm4_moe":
+            _gqa_attention(wr, config, p, config["attention_bias"], config["use_qk_norm"])
+        else:
+            _gqa_attention(
+                wr, config, p, fam.model_type == "qwen2_moe", fam.model_type == "qwen3_moe"
+            )
+        if not fam.is_moe_layer(config, i):
+            _swiglu(wr, p + "mlp.", h, config["intermediate_size"])
+            continue
+        if fam.model_type == "mixtral":
+            inter = config["intermediate_size"]
+            for e in range(fam.num_experts(config)):
+                q = f"{p}block_sparse_moe.experts.{e}."
+                wr.linear(q + "w1.weight", inter, h)
+                wr.linear(q + "w2.weight", h, inter)
+                wr.linear(q + "w3.weight", inter, h)
+            continue
+        for e in range(fam.num_experts(config)):
+            _swiglu(wr, f"{p}mlp.experts.{e}.", h, config["moe_intermediate_size"])
+        if fam.model_type == "qwen2_moe" and config["shared_expert_intermediate_size"] > 0:
+            _swiglu(wr, p + "mlp.shared_expert.", h, config["shared_expert_intermediate_size"])
+            # Normed input ~N(0, 1): the gate's logit is ~N(0, 1), sigmoid spread over (0, 1).
+            wr.linear(p + "mlp.shared_expert_gate.weight", 1, h)
+        if fam.model_type in ("deepseek_v3", "glm4_moe") and config["n_shared_experts"] > 0:
+            inter = config["moe_intermediate_size"] * config["n_shared_experts"]
+            _swiglu(wr, p + "mlp.shared_experts.", h, inter)
+    wr.norm("model.norm.weight", h)
+    if not tied:
+        # Final-normed hidden entries are ~N(0, 1): logits get std ~logit_std.
+        wr.normal("lm_head.weight", (v, h), gen["logit_std"] / np.sqrt(h))
+    return wr.w
+
+
+def router_weights(
+    config: dict[str, Any], gen: dict[str, Any], seed: int, attempts: dict[int, int]
+) -> Tensors:
+    """Router tensors of every MoE layer; layer i uses router sub-seed attempts.get(i, 0).
+
+    The router's input is RMS-normalised (entries ~N(0, 1)), so a weight std of
+    router_std/sqrt(H) gives router logits of std ~router_std. Sigmoid routers also get their
+    ``e_score_correction_bias`` [E], N(0, score_bias_std^2), redrawn with the weight.
+    """
+    fam = family_of(config)
+    hidden, experts = config["hidden_size"], fam.num_experts(config)
+    out: Tensors = {}
+    for i in range(config["num_hidden_layers"]):
+        if not fam.is_moe_layer(config, i):
+            continue
+        name = fam.router_name(i)
+        attempt = attempts.get(i, 0)
+        w = rng(seed, name, attempt).standard_normal((experts, hidden))
+        out[name] = (w * gen["router_std"] / np.sqrt(hidden)).astype(np.float32)
+        if fam.router_rule == "sigmoid_grouped":
+            bias_name = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+            b = rng(seed, bias_name, attempt).standard_normal(experts)
+            out[bias_name] = (b * gen["score_bias_std"]).astype(np.float32)
+    return out

@@ -183,7 +183,7 @@ HF_FAMILIES: dict[str, tuple[str, dict]] = {
             qk_nope_head_dim=16,
             qk_rope_head_dim=8,
             v_head_dim=12,
-            rms_norm_eps=1e-5,  # != 1e-6: the q_a/kv_a norms keep 1e-6 (as transformers)
+            rms_norm_eps=1e-4,  # != 1e-6: the q_a/kv_a norms keep 1e-6 (as transformers)
             rope_interleave=True,
             max_position_embeddings=64,  # = factor * original_max_position_embeddings
             rope_scaling={
@@ -192,7 +192,7 @@ HF_FAMILIES: dict[str, tuple[str, dict]] = {
                 "original_max_position_embeddings": 16,
                 "beta_fast": 32,
                 "beta_slow": 1,
-                "mscale": 1.0,
+                "mscale": 0.7,  # != mscale_all_dim: cos/sin scaled by mscale(0.7)/mscale(1)
                 "mscale_all_dim": 1.0,
             },
         ),

@@ -1,8 +1,16 @@
-"""Hugging Face transformers reads the bundled checkpoint as a real Qwen3-MoE model.
+"""Hugging Face transformers agrees with our float64 reference forward.
 
 Optional: skipped unless both transformers and torch are installed (they are not project
-dependencies). This is the check that our "HF layout" really is HF's: the same weights give
-transformers' Qwen3MoeForCausalLM the logits and routing of our float64 reference.
+dependencies; use a side venv, e.g. /work/hfvenv with torch==2.13.0 CPU and transformers,
+plus PYTHONPATH=<repo>). Checked with transformers 5.23.0.
+
+- The bundled checkpoint is read by transformers as a real Qwen3-MoE model: same logits and
+  routing as the reference (our "HF layout" really is HF's), tokenizer and chat template.
+- For every other family (Qwen2-MoE, Mixtral, DeepSeek-V3 with MLA/YaRN, GLM-4.5 MoE) a tiny
+  random model is built and saved by transformers itself; the reference reads the saved
+  directory and must give the same logits (relative error < 1e-5, float32 HF vs float64) and
+  the same routed experts for every token and MoE layer (same order for the softmax routers;
+  the same set for the grouped sigmoid routers, whose HF topk is unsorted).
 """
 
 from __future__ import annotations

@@ -449,6 +449,7 @@ def test_reference_is_independent_of_engine() -> None:
 
     files = sorted(Path(module.__file__).parent.glob("reference_*.py"))
     assert {f.name for f in files} >= {
+        "reference_checkpoint.py",
         "reference_forward.py",
         "reference_layers.py",
         "reference_routing.py",

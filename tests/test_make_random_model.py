@@ -17,13 +17,17 @@ from tokenizers import Tokenizer
 
 from sgl_jax.tools.make_random_model import (
     BUNDLED_DIR,
+    PRESETS,
     build_config,
+    is_moe_layer,
     main,
     measure,
     order_gaps,
     parse_set,
     sample_prompts,
+    selection_gaps,
     write_random_model,
+    write_random_model_report,
 )
 from sgl_jax.tools.reference_forward import ReferenceModel
 from sgl_jax.tools.train_tokenizer import CORPUS_PATH, train_tokenizer
@@ -362,6 +366,393 @@ def test_order_gaps() -> None:
     logits = np.array([[5.0, 1.0, 4.0, 3.5, 0.0], [np.nan] * 5])
     np.testing.assert_allclose(order_gaps(logits, 2), [0.5, np.inf])
     np.testing.assert_allclose(order_gaps(logits[:1], 1), [1.0])
+
+
+# --------------------------------------------------------------------------------------------
+# Further families: Qwen2-MoE, Mixtral, DeepSeek-V3, GLM-4.5 MoE
+# --------------------------------------------------------------------------------------------
+
+TINY_FAMILY_PRESETS = {
+    "tiny-qwen2-moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "tiny-mixtral": ("MixtralForCausalLM", "mixtral"),
+    "tiny-deepseek-v3": ("DeepseekV3ForCausalLM", "deepseek_v3"),
+    "tiny-glm4-moe": ("Glm4MoeForCausalLM", "glm4_moe"),
+}
+
+# Keys each family's transformers config class reads (transformers 4.57's __init__ parameters,
+# less the generic token ids and head_dim where the class derives it), plus the released
+# models' routing keys the engine reads (DeepSeek-V3: topk_method, scoring_func, moe_layer_freq).
+_COMMON_KEYS = {
+    "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
+    "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_act",
+    "max_position_embeddings", "initializer_range", "rms_norm_eps", "use_cache",
+    "tie_word_embeddings", "rope_theta", "attention_dropout", "num_experts_per_tok",
+    "torch_dtype", "bos_token_id", "eos_token_id",
+}  # fmt: skip
+FAMILY_KEYS = {
+    "qwen2_moe": _COMMON_KEYS | {
+        "rope_scaling", "use_sliding_window", "sliding_window", "max_window_layers",
+        "decoder_sparse_step", "moe_intermediate_size", "shared_expert_intermediate_size",
+        "num_experts", "norm_topk_prob", "output_router_logits", "router_aux_loss_coef",
+        "mlp_only_layers", "qkv_bias",
+    },
+    "mixtral": _COMMON_KEYS | {
+        "sliding_window", "num_local_experts", "output_router_logits", "router_aux_loss_coef",
+        "router_jitter_noise",
+    },
+    "deepseek_v3": _COMMON_KEYS | {
+        "moe_intermediate_size", "n_shared_experts", "n_routed_experts",
+        "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+        "v_head_dim", "qk_nope_head_dim", "n_group", "topk_group", "first_k_dense_replace",
+        "norm_topk_prob", "pretraining_tp", "rope_scaling", "rope_interleave", "attention_bias",
+        "topk_method", "scoring_func", "moe_layer_freq",
+    },
+    "glm4_moe": _COMMON_KEYS | {
+        "partial_rotary_factor", "rope_scaling", "attention_bias", "moe_intermediate_size",
+        "n_shared_experts", "n_routed_experts", "routed_scaling_factor", "n_group",
+        "topk_group", "first_k_dense_replace", "norm_topk_prob", "use_qk_norm", "head_dim",
+    },
+}  # fmt: skip
+
+
+def _family_moe_layers(cfg: dict) -> set[int]:
+    n = cfg["num_hidden_layers"]
+    kind = cfg["model_type"]
+    if kind in ("qwen2_moe", "qwen3_moe"):
+        step = cfg["decoder_sparse_step"]
+        return {i for i in range(n) if i not in cfg["mlp_only_layers"] and (i + 1) % step == 0}
+    if kind == "mixtral":
+        return set(range(n))
+    freq = cfg.get("moe_layer_freq", 1)
+    return {i for i in range(cfg["first_k_dense_replace"], n) if i % freq == 0}
+
+
+def _family_expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """The M11 spec's HF tensor names and shapes for any family, from the config alone."""
+    kind = cfg["model_type"]
+    if kind == "qwen3_moe":
+        return _expected_shapes(cfg)
+    h, v, heads = cfg["hidden_size"], cfg["vocab_size"], cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // heads
+    moe = _family_moe_layers(cfg)
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (v, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (v, h),
+    }
+
+    def mlp(prefix: str, inter: int) -> None:
+        shapes[prefix + "gate_proj.weight"] = (inter, h)
+        shapes[prefix + "up_proj.weight"] = (inter, h)
+        shapes[prefix + "down_proj.weight"] = (h, inter)
+
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if kind == "deepseek_v3":
+            nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+            ql, kvl = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+            if ql is None:
+                shapes[a + "q_proj.weight"] = (heads * (nope + rope), h)
+            else:
+                shapes[a + "q_a_proj.weight"] = (ql, h)
+                shapes[a + "q_a_layernorm.weight"] = (ql,)
+                shapes[a + "q_b_proj.weight"] = (heads * (nope + rope), ql)
+            shapes[a + "kv_a_proj_with_mqa.weight"] = (kvl + rope, h)
+            shapes[a + "kv_a_layernorm.weight"] = (kvl,)
+            shapes[a + "kv_b_proj.weight"] = (heads * (nope + vd), kvl)
+            shapes[a + "o_proj.weight"] = (h, heads * vd)
+        else:
+            shapes[a + "q_proj.weight"] = (heads * hd, h)
+            shapes[a + "k_proj.weight"] = (kv * hd, h)
+            shapes[a + "v_proj.weight"] = (kv * hd, h)
+            shapes[a + "o_proj.weight"] = (h, heads * hd)
+            if kind == "qwen2_moe" or (kind == "glm4_moe" and cfg["attention_bias"]):
+                shapes[a + "q_proj.bias"] = (heads * hd,)
+                shapes[a + "k_proj.bias"] = (kv * hd,)
+                shapes[a + "v_proj.bias"] = (kv * hd,)
+            if kind == "glm4_moe" and cfg["use_qk_norm"]:
+                shapes[a + "q_norm.weight"] = (hd,)
+                shapes[a + "k_norm.weight"] = (hd,)
+        if i not in moe:
+            mlp(p + "mlp.", cfg["intermediate_size"])
+        elif kind == "mixtral":
+            e_count, inter = cfg["num_local_experts"], cfg["intermediate_size"]
+            shapes[p + "block_sparse_moe.gate.weight"] = (e_count, h)
+            for e in range(e_count):
+                q = f"{p}block_sparse_moe.experts.{e}."
+                shapes[q + "w1.weight"] = (inter, h)
+                shapes[q + "w3.weight"] = (inter, h)
+                shapes[q + "w2.weight"] = (h, inter)
+        else:
+            e_count = cfg["num_experts"] if kind == "qwen2_moe" else cfg["n_routed_experts"]
+            shapes[p + "mlp.gate.weight"] = (e_count, h)
+            for e in range(e_count):
+                mlp(f"{p}mlp.experts.{e}.", cfg["moe_intermediate_size"])
+            if kind == "qwen2_moe":
+                mlp(p + "mlp.shared_expert.", cfg["shared_expert_intermediate_size"])
+                shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
+            else:
+                shapes[p + "mlp.gate.e_score_correction_bias"] = (e_count,)
+                if cfg["n_shared_experts"]:
+                    width = cfg["moe_intermediate_size"] * cfg["n_shared_experts"]
+                    mlp(p + "mlp.shared_experts.", width)
+    return shapes
+
+
+@pytest.mark.parametrize("preset", sorted(TINY_FAMILY_PRESETS))
+def test_family_preset_layout(tmp_path: Path, preset: str) -> None:
+    cfg = write_random_model(str(tmp_path), preset, seed=0, check_routing=False)
+    arch, model_type = TINY_FAMILY_PRESETS[preset]
+    assert cfg["architectures"] == [arch] and cfg["model_type"] == model_type
+    assert _read_json(tmp_path / "config.json") == cfg
+    missing = FAMILY_KEYS[model_type] - set(cfg)
+    assert not missing, missing
+    assert "quantization_config" not in cfg
+    assert cfg["num_hidden_layers"] == 4 and cfg["hidden_size"] == 64
+    assert cfg["vocab_size"] == 512 and cfg["torch_dtype"] == "float32"
+    for name in CHECKPOINT_FILES:
+        assert (tmp_path / name).is_file(), name
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert {k: tuple(t.shape) for k, t in tensors.items()} == _family_expected_shapes(cfg)
+    assert all(t.dtype == np.float32 for t in tensors.values())
+    routed = {i for i in range(4) if is_moe_layer(cfg, i)}
+    assert routed == _family_moe_layers(cfg)
+
+
+def test_family_preset_values() -> None:
+    """The brief's tiny shapes, key by key."""
+    q2, _ = build_config("tiny-qwen2-moe")
+    assert (q2["num_experts"], q2["num_experts_per_tok"]) == (16, 4)
+    assert q2["shared_expert_intermediate_size"] == 48 and q2["norm_topk_prob"] is False
+    assert q2["mlp_only_layers"] == [1]
+    mx, _ = build_config("tiny-mixtral")
+    assert (mx["num_local_experts"], mx["num_experts_per_tok"]) == (8, 2)
+    ds, gen = build_config("tiny-deepseek-v3")
+    assert {k: ds[k] for k in ("first_k_dense_replace", "n_routed_experts", "num_experts_per_tok",
+                               "n_group", "topk_group", "n_shared_experts", "routed_scaling_factor",
+                               "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                               "qk_rope_head_dim", "v_head_dim", "num_attention_heads",
+                               "max_position_embeddings")} == {
+        "first_k_dense_replace": 1, "n_routed_experts": 16, "num_experts_per_tok": 4,
+        "n_group": 4, "topk_group": 2, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+        "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+        "v_head_dim": 16, "num_attention_heads": 4, "max_position_embeddings": 4096,
+    }  # fmt: skip
+    assert ds["rope_scaling"] == {
+        "type": "yarn",
+        "factor": 4,
+        "original_max_position_embeddings": 1024,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
+    assert ds["topk_method"] == "noaux_tc" and ds["scoring_func"] == "sigmoid"
+    assert ds["num_nextn_predict_layers"] == 0  # no MTP tensors are written
+    assert "score_bias_std" not in ds and gen["score_bias_std"] > 0
+    glm, _ = build_config("tiny-glm4-moe")
+    assert {k: glm[k] for k in ("first_k_dense_replace", "n_routed_experts",
+                                "num_experts_per_tok", "n_group", "topk_group",
+                                "n_shared_experts", "partial_rotary_factor", "head_dim",
+                                "attention_bias", "use_qk_norm", "routed_scaling_factor")} == {
+        "first_k_dense_replace": 1, "n_routed_experts": 16, "num_experts_per_tok": 4,
+        "n_group": 1, "topk_group": 1, "n_shared_experts": 1, "partial_rotary_factor": 0.5,
+        "head_dim": 16, "attention_bias": True, "use_qk_norm": False,
+        "routed_scaling_factor": 2.5,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("preset", sorted(TINY_FAMILY_PRESETS))
+def test_family_preset_deterministic(tmp_path: Path, preset: str) -> None:
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    write_random_model(str(a), preset, seed=5, check_routing=False)
+    write_random_model(str(b), preset, seed=5, check_routing=False)
+    write_random_model(str(c), preset, seed=6, check_routing=False)
+    for name in CHECKPOINT_FILES:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    ta, tc = load_file(str(a / "model.safetensors")), load_file(str(c / "model.safetensors"))
+    assert not np.array_equal(ta["lm_head.weight"], tc["lm_head.weight"])
+
+
+def test_family_weight_scales(tmp_path: Path) -> None:
+    write_random_model(str(tmp_path / "ds"), "tiny-deepseek-v3", check_routing=False)
+    ds = load_file(str(tmp_path / "ds" / "model.safetensors"))
+    bias = np.concatenate(
+        [ds[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] for i in (1, 2, 3)]
+    )
+    assert 0.003 < float(np.std(bias)) < 0.03  # small: bias-corrected scores stay > 0
+    assert float(np.std(ds["model.layers.1.mlp.gate.weight"])) * 8 == pytest.approx(1.0, rel=0.2)
+    norm = ds["model.layers.0.self_attn.kv_a_layernorm.weight"]
+    assert 0.01 < float(np.std(norm)) < 0.3 and abs(float(np.mean(norm)) - 1) < 0.1
+    write_random_model(str(tmp_path / "q2"), "tiny-qwen2-moe", check_routing=False)
+    q2 = load_file(str(tmp_path / "q2" / "model.safetensors"))
+    assert q2["model.layers.0.mlp.shared_expert_gate.weight"].shape == (1, 64)
+    assert 0.02 < float(np.std(q2["model.layers.0.self_attn.k_proj.bias"])) < 0.3
+
+
+@pytest.mark.parametrize("preset", sorted(TINY_FAMILY_PRESETS))
+def test_family_routing_margin(tmp_path: Path, preset: str) -> None:
+    """The router search clears each tiny preset's threshold on the sample prompts."""
+    report = write_random_model_report(str(tmp_path), preset, seed=0)
+    m = report.measurement
+    assert m is not None and m.selection_gap is not None
+    moe = [i for i in range(4) if is_moe_layer(report.config, i)]
+    assert np.isinf(np.delete(m.selection_gap, moe, axis=1)).all()  # dense layers
+    assert m.selection_gap.min() >= report.min_router_gap > 0
+    assert 1.5 < m.logits_std < 6.0
+    # The routing is spread over the experts and the selection gap agrees with the tool's own
+    # computation from the router logits (independent of the reference's).
+    ref = ReferenceModel(str(tmp_path))
+    out = ref.forward(sample_prompts(Tokenizer.from_file(str(tmp_path / "tokenizer.json")))[0])
+    cfg = report.config
+    bias = {}
+    if cfg["model_type"] in ("deepseek_v3", "glm4_moe"):
+        tensors = load_file(str(tmp_path / "model.safetensors"))
+        bias = {i: tensors[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] for i in moe}
+    rule = {"qwen2_moe": "softmax_topk", "mixtral": "topk_softmax"}.get(
+        cfg["model_type"], "sigmoid_grouped"
+    )
+    mine = selection_gaps(
+        out.router_logits,
+        rule,
+        cfg["num_experts_per_tok"],
+        cfg.get("n_group", 1),
+        cfg.get("topk_group", 1),
+        {i: b.astype(np.float64) for i, b in bias.items()},
+    )
+    np.testing.assert_allclose(mine, out.selection_gap, rtol=1e-9, atol=1e-15)
+    experts = out.router_logits.shape[-1]
+    for layer in moe:
+        counts = np.bincount(out.topk_ids[:, layer].ravel(), minlength=experts)
+        assert (counts > 0).sum() >= experts // 2, counts
+
+
+ROUTING_PRESETS = {
+    # preset: (layers, experts key, experts, top-k, MoE layers, n_group, topk_group, shared)
+    "deepseek-v3-routing": (61, "n_routed_experts", 256, 8, 58, 8, 4, 1),
+    "mixtral-8x7b-routing": (32, "num_local_experts", 8, 2, 32, None, None, None),
+    "qwen2-57b-a14b-routing": (28, "num_experts", 64, 8, 28, None, None, None),
+    "glm-4.5-air-routing": (46, "n_routed_experts", 128, 8, 45, 1, 1, 1),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(ROUTING_PRESETS))
+def test_routing_presets(tmp_path: Path, preset: str) -> None:
+    layers, key, experts, k, moe, n_group, topk_group, shared = ROUTING_PRESETS[preset]
+    cfg, gen = build_config(preset)
+    assert cfg["num_hidden_layers"] == layers and cfg[key] == experts
+    assert cfg["num_experts_per_tok"] == k
+    assert sum(is_moe_layer(cfg, i) for i in range(layers)) == moe
+    assert cfg["hidden_size"] == 64 and cfg["vocab_size"] == 512
+    assert gen["min_router_gap"] == 0  # measured only
+    if n_group is not None:
+        assert (cfg["n_group"], cfg["topk_group"], cfg["n_shared_experts"]) == (
+            n_group,
+            topk_group,
+            shared,
+        )
+    # Released values the presets keep.
+    expected = {
+        "deepseek-v3-routing": {"first_k_dense_replace": 3, "routed_scaling_factor": 2.5},
+        "glm-4.5-air-routing": {
+            "first_k_dense_replace": 1,
+            "routed_scaling_factor": 1.0,
+            "partial_rotary_factor": 0.5,
+            "attention_bias": True,
+        },
+        "qwen2-57b-a14b-routing": {"norm_topk_prob": False},
+        "mixtral-8x7b-routing": {},
+    }[preset]
+    assert {k: cfg[k] for k in expected} == expected
+    if preset == "qwen2-57b-a14b-routing":
+        assert cfg["shared_expert_intermediate_size"] > 0
+    # The layout at the real expert counts (a few layers only, to stay fast).
+    first_moe = min(i for i in range(layers) if is_moe_layer(cfg, i))
+    small = write_random_model(
+        str(tmp_path), preset, {"num_hidden_layers": first_moe + 1}, check_routing=False
+    )
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert {n: tuple(t.shape) for n, t in tensors.items()} == _family_expected_shapes(small)
+
+
+def test_preset_names() -> None:
+    assert set(TINY_FAMILY_PRESETS) | set(ROUTING_PRESETS) | {
+        "tiny",
+        "qwen3-30b-a3b-routing",
+    } == set(PRESETS)
+
+
+@pytest.mark.parametrize(
+    "preset, overrides",
+    [
+        ("tiny-deepseek-v3", {"n_group": 3}),
+        ("tiny-deepseek-v3", {"topk_group": 5}),
+        ("tiny-deepseek-v3", {"first_k_dense_replace": 5}),
+        ("tiny-deepseek-v3", {"topk_method": "greedy"}),
+        ("tiny-deepseek-v3", {"num_key_value_heads": 2}),
+        ("tiny-deepseek-v3", {"num_experts_per_tok": 9}),  # > 2 kept groups x 4 experts
+        ("tiny-glm4-moe", {"num_experts_per_tok": 17}),
+        ("tiny-glm4-moe", {"partial_rotary_factor": 0.125}),  # 2 of 16 dims: fine, 1 is odd
+        ("tiny-qwen2-moe", {"mlp_only_layers": [4]}),
+        ("tiny-mixtral", {"num_local_experts": 1}),
+        ("tiny-mixtral", {"model_type": "qwen2_moe"}),
+    ],
+)
+def test_family_bad_overrides(preset: str, overrides: dict) -> None:
+    if overrides == {"partial_rotary_factor": 0.125}:
+        build_config(preset, overrides)  # rotary dim 2
+        overrides = {"partial_rotary_factor": 0.0625}  # rotary dim 1
+    with pytest.raises(ValueError):
+        build_config(preset, overrides)
+
+
+@pytest.mark.parametrize(
+    "preset, overrides, moe",
+    [
+        ("tiny-deepseek-v3", {"moe_layer_freq": 2}, {2}),
+        ("tiny-deepseek-v3", {"q_lora_rank": None, "first_k_dense_replace": 3}, {3}),
+        ("tiny-glm4-moe", {"use_qk_norm": True, "attention_bias": False}, {1, 2, 3}),
+        ("tiny-qwen2-moe", {"tie_word_embeddings": True}, {0, 2, 3}),
+    ],
+)
+def test_family_variants(tmp_path: Path, preset: str, overrides: dict, moe: set[int]) -> None:
+    cfg = write_random_model(str(tmp_path), preset, overrides, check_routing=False)
+    assert {i for i in range(4) if is_moe_layer(cfg, i)} == moe == _family_moe_layers(cfg)
+    expected = _family_expected_shapes(cfg)
+    if cfg["tie_word_embeddings"]:
+        del expected["lm_head.weight"]
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert {k: tuple(t.shape) for k, t in tensors.items()} == expected
+
+
+def test_selection_gaps() -> None:
+    nan = np.full(4, np.nan)
+    # softmax / topk_softmax: consecutive logit gaps among the top k+1; NaN rows are dense.
+    logits = np.array([[[5.0, 1.0, 4.0, 3.5], nan]])  # [T=1, L=2, E=4]
+    np.testing.assert_allclose(selection_gaps(logits, "softmax_topk", 2), [[0.5, np.inf]])
+    np.testing.assert_allclose(selection_gaps(logits, "topk_softmax", 1), [[1.0, np.inf]])
+    # k == E: only the order is decided (top k consecutive gaps).
+    np.testing.assert_allclose(selection_gaps(logits[:, :1], "softmax_topk", 4), [[0.5]])
+    # sigmoid_grouped: scores c = sigmoid(logit) + bias.
+    c = np.array([0.9, 0.1, 0.8, 0.7, 0.5, 0.45, 0.2, 0.3])
+    logit = np.log(c / (1 - c))[None, None, :]
+    # One group: top 3 of c are 0.9, 0.8, 0.7 -> gaps 0.1, 0.1.
+    np.testing.assert_allclose(selection_gaps(logit, "sigmoid_grouped", 2), [[0.1]], rtol=1e-9)
+    # Four groups of 2: scores 1.0, 1.5, 0.95, 0.5; keep 2 -> groups 1 and 0 (gap 1.0 - 0.95);
+    # candidates 0.9, 0.1, 0.8, 0.7 -> top-3 gaps 0.1, 0.1 -> 0.05 decides.
+    np.testing.assert_allclose(
+        selection_gaps(logit, "sigmoid_grouped", 2, n_group=4, topk_group=2), [[0.05]], rtol=1e-9
+    )
+    # The bias shifts the scores (and so the groups): expert 1 + 0.6 -> 0.7 ties expert 3.
+    bias = {0: np.array([0.0, 0.6, 0, 0, 0, 0, 0, 0])}
+    gap = selection_gaps(logit, "sigmoid_grouped", 3, n_group=4, topk_group=2, bias=bias)
+    np.testing.assert_allclose(gap, [[0.0]], atol=1e-12)
+    with pytest.raises(ValueError):
+        selection_gaps(logit, "softmax_all", 2)
 
 
 # --------------------------------------------------------------------------------------------

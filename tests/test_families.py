@@ -174,3 +174,29 @@ def test_http_serves_family(server, checkpoints):
     assert out["output_ids"] == reference_greedy(ids, 6, path)
     rows = decoded_rows(out, info["num_hidden_layers"], info["num_experts_per_tok"])
     np.testing.assert_array_equal(rows, expected_rows(ids, out["output_ids"], path))
+
+
+def test_capture_keeps_top_k_of_fused_shared_columns(checkpoints):
+    """A router output with fused shared-expert columns (ids E..E+S-1 after the top-k, as in
+    the design's ``k + num_fused_shared_experts`` buffer) is captured as its top-k only."""
+    import jax.numpy as jnp
+
+    from sgl_jax.srt.layers.moe.routed_experts_capturer import RoutedExpertsCapturer
+
+    cfg = ModelConfig.from_hf(checkpoints["deepseek_v3"])
+    k, experts = cfg.num_experts_per_tok, cfg.num_experts
+    capturer = RoutedExpertsCapturer.create(True, cfg, num_fused_shared_experts=1,
+                                            num_tokens=8, max_running_requests=2)
+    ids = np.array([[3, 1, 7, 0, experts], [5, 2, 9, 4, experts]], np.int32)
+    assert ids.shape[1] == k + 1
+    capturer.begin_forward(None)
+    for layer in cfg.moe_layer_ids:
+        capturer.capture(layer, jnp.asarray(ids))
+    _, rows = capturer.end_forward(2)
+    rows = np.asarray(rows).astype(np.int64)
+    assert rows.shape == (2, cfg.num_hidden_layers, k)
+    for layer in range(cfg.num_hidden_layers):
+        want = ids[:, :k] if layer in cfg.moe_layer_ids else np.full((2, k), -1)
+        got = np.where(rows[:, layer] == np.iinfo(capturer.host_cache.dtype).max, -1,
+                       rows[:, layer])
+        np.testing.assert_array_equal(got, want)

@@ -197,6 +197,8 @@ class ModelRunner:
         capturer = RoutedExpertsCapturer.create(
             enable=server_args.enable_return_routed_experts,
             model_config=model_config,
+            # Shared experts (Qwen2-MoE, DeepSeek-V3, GLM-4.5) run as their own dense MLP,
+            # not fused into the routed experts as extra ids: the capture sees k columns.
             num_fused_shared_experts=0,
             # An abstract runner never serves: no host rows (they can be gigabytes).
             num_tokens=1 if abstract else num_slots,

@@ -1,7 +1,9 @@
-"""Attention backends behind one interface (``AttentionBackend.attend``), chosen at start-up.
+"""Attention backends behind one interface (``AttentionBackend.attend``, and
+``attend_latent`` for multi-head latent attention), chosen at start-up.
 
-- ``native``: pure JAX, blocked by request; the CPU default and the reference.
-- ``pallas``: JAX's ragged paged attention TPU kernel (interpret mode on CPU, for tests).
+- ``native``: pure JAX, blocked by request; the CPU default and the reference; GQA and MLA.
+- ``pallas``: JAX's ragged paged attention TPU kernel (interpret mode on CPU, for tests); GQA
+  only (MLA raises: use native).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from sgl_jax.srt.layers.attention.base import (
     kv_cache_shape,
     update_page_table,
     write_kv,
+    write_latent,
 )
 from sgl_jax.srt.layers.attention.native import NativeAttention
 from sgl_jax.srt.layers.attention.pallas import PallasAttention, check_pallas_shapes
@@ -28,6 +31,7 @@ __all__ = [
     "kv_cache_shape",
     "update_page_table",
     "write_kv",
+    "write_latent",
 ]
 
 

@@ -7,6 +7,11 @@ JAX's ragged paged attention kernel reads; it also keeps a head's K and V on the
 when the head axis is split over the "tensor" mesh axis. A token's KV slot is
 ``page * page_size + offset``; page 0 is reserved for padding.
 
+Multi-head latent attention (DeepSeek-V3) caches one latent row per token instead:
+``[num_pages, page_size, 1, kv_lora_rank + qk_rope_head_dim]`` (the normalised latent, then the
+roped shared key part), written by ``write_latent`` and read by ``attend_latent``: every query
+head attends over the whole row as its key, and the row's first ``v_dim`` dims are the value.
+
 Per step, ``AttentionMetadata`` is built once (traced, inside the jitted step) from the batch
 and the device-resident page table, and read by every layer.
 """
@@ -81,6 +86,16 @@ def write_kv(kv_cache: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) 
     return kv_cache.at[slots // page_size, slots % page_size].set(rows.astype(kv_cache.dtype))
 
 
+def write_latent(kv_cache: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
+    """Scatter new latent rows ``[T, D]`` (MLA) to their slots of a ``[P, ps, 1, D]`` cache
+    (padding tokens write slot 0). Indexed by (page, offset), like ``write_kv``: the donated
+    cache is updated in place."""
+    page_size = kv_cache.shape[1]
+    return kv_cache.at[slots // page_size, slots % page_size].set(
+        rows[:, None, :].astype(kv_cache.dtype)
+    )
+
+
 def update_page_table(
     req_to_page: jax.Array, req_slots: jax.Array, positions: jax.Array,
     out_cache_loc: jax.Array, page_size: int,
@@ -104,3 +119,15 @@ class AttentionBackend(ABC):
     ) -> jax.Array:
         """q ``[T, H, D]`` -> ``[T, H, D]``: each token attends to positions ``<=`` its own of
         its request, read from ``kv_cache`` through ``meta.page_indices``."""
+
+    def attend_latent(
+        self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float,
+        v_dim: int,
+    ) -> jax.Array:
+        """Multi-head latent attention over a latent cache ``[P, ps, 1, Dk]``: q ``[T, H, Dk]``
+        -> ``[T, H, v_dim]``. Every head's keys are the cached rows, its values the first
+        ``v_dim`` dims of the same rows; causal within each request as in ``attend``."""
+        raise ValueError(
+            f"the {self.name!r} attention backend has no multi-head latent attention (MLA); "
+            "use --attention-backend native"
+        )

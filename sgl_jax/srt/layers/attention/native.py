@@ -20,6 +20,10 @@ in a batch that mixes very different lengths but keeps the graph static.
 Static sizes: an extend batch of T tokens and B rows has at most ``min(ceil(T / q_block) + B,
 T)`` blocks; ``q_block`` is chosen from T / B so the padded query rows stay within ~2x T.
 All arithmetic is float32.
+
+Multi-head latent attention (``attend_latent``, DeepSeek-V3) is the same loop with one KV
+"head" shared by all query heads: the cached latent row is the key of every head and its first
+``v_dim`` dims the value, so the output has ``v_dim`` dims per head, not the key's.
 """
 
 from __future__ import annotations
@@ -92,6 +96,24 @@ class NativeAttention(AttentionBackend):
     def attend(
         self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float
     ) -> jax.Array:
+        return self._attend(q, kv_cache, meta, scale, None)
+
+    def attend_latent(
+        self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float,
+        v_dim: int,
+    ) -> jax.Array:
+        if kv_cache.shape[2] != 1 or q.shape[-1] != kv_cache.shape[3] or v_dim > q.shape[-1]:
+            raise ValueError(
+                f"latent attention needs q [T, H, D] over a cache [P, ps, 1, D] with "
+                f"v_dim <= D; got q {q.shape}, cache {kv_cache.shape}, v_dim {v_dim}"
+            )
+        return self._attend(q, kv_cache, meta, scale, v_dim)
+
+    def _attend(
+        self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float,
+        v_dim: int | None,
+    ) -> jax.Array:
+        """``v_dim`` None: GQA over the combined K/V layout; else latent attention."""
         num_tokens = q.shape[0]
         page_size = kv_cache.shape[1]
         batch_size = meta.extend_lens.shape[0]
@@ -113,7 +135,7 @@ class NativeAttention(AttentionBackend):
 
         def run(per_group: int) -> jax.Array:
             return self._attend_groups(q, kv_cache, meta, scale, blocks, q_block, kv_block,
-                                       per_group)[: num_blocks * q_block]
+                                       per_group, v_dim)[: num_blocks * q_block]
 
         if small < full and not self.batch_invariant:
             few = jnp.sum(blocks.count > 0) <= small
@@ -133,12 +155,17 @@ class NativeAttention(AttentionBackend):
     def _attend_groups(
         self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float,
         blocks: QueryBlocks, q_block: int, kv_block: int, per_group: int,
+        v_dim: int | None = None,
     ) -> jax.Array:
         """Every real query block's attention, ``per_group`` blocks at a time: ``[padded
-        blocks * q_block, heads, head_dim]`` float32, block-major."""
+        blocks * q_block, heads, out_dim]`` float32, block-major. ``v_dim`` None: K and V
+        interleaved on the cache's head axis (out_dim = head_dim); else one latent row per
+        position, key of every head, its first ``v_dim`` dims the value (out_dim = v_dim)."""
         num_tokens, num_heads, head_dim = q.shape
         _, page_size, combined, _ = kv_cache.shape
-        num_kv_heads = combined // 2
+        latent = v_dim is not None
+        num_kv_heads = 1 if latent else combined // 2
+        out_dim = v_dim if latent else head_dim
         group = num_heads // num_kv_heads
         pages_per_block = kv_block // page_size
         num_groups_max = -(-blocks.row.shape[0] // per_group)
@@ -176,8 +203,12 @@ class NativeAttention(AttentionBackend):
                 page = jnp.take(pages, cols, axis=1, mode="fill", fill_value=0)  # [GB, ppb]
                 kv = kv_cache[page[:, :, None], in_page[None, None, :]]  # [GB, ppb, P, C, D]
                 kv = kv.reshape(per_group, kv_block, combined, head_dim).astype(jnp.float32)
-                k = kv[:, :, 0::2].transpose(0, 2, 1, 3)  # [GB, KVH, kvb, D]
-                v = kv[:, :, 1::2].transpose(0, 2, 1, 3)
+                if latent:
+                    k = kv.transpose(0, 2, 1, 3)  # [GB, 1, kvb, D]
+                    v = k[..., :out_dim]
+                else:
+                    k = kv[:, :, 0::2].transpose(0, 2, 1, 3)  # [GB, KVH, kvb, D]
+                    v = kv[:, :, 1::2].transpose(0, 2, 1, 3)
                 s = jnp.einsum("nkxd,nkbd->nkxb", qg, k)
                 if causal:  # a block reads only its own request's pages: causal is all
                     kv_pos = i * kv_block + jnp.arange(kv_block, dtype=jnp.int32)
@@ -194,7 +225,7 @@ class NativeAttention(AttentionBackend):
             init = (
                 jnp.full(shape, MASKED, jnp.float32),
                 jnp.zeros(shape, jnp.float32),
-                jnp.zeros((*shape, head_dim), jnp.float32),
+                jnp.zeros((*shape, out_dim), jnp.float32),
             )
             num_kv_iters = (jnp.max(g_context) + kv_block - 1) // kv_block
             # KV blocks wholly before every block's first query need no mask (most of a long
@@ -209,10 +240,10 @@ class NativeAttention(AttentionBackend):
                 unmasked, num_kv_iters, partial(kv_step, causal=True), carry
             )
             res = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
-            res = res.reshape(per_group, num_kv_heads, group, q_block, head_dim)
-            res = res.transpose(0, 3, 1, 2, 4).reshape(per_group * q_block, num_heads, head_dim)
+            res = res.reshape(per_group, num_kv_heads, group, q_block, out_dim)
+            res = res.transpose(0, 3, 1, 2, 4).reshape(per_group * q_block, num_heads, out_dim)
             return jax.lax.dynamic_update_slice_in_dim(out, res, g * per_group * q_block, axis=0)
 
-        out = jnp.zeros((padded * q_block, num_heads, head_dim), jnp.float32)
+        out = jnp.zeros((padded * q_block, num_heads, out_dim), jnp.float32)
         return jax.lax.fori_loop(0, num_groups, one_group, out)
 

@@ -399,3 +399,47 @@ def test_family_matches_transformers(variant: str, tmp_path) -> None:
     )
     assert mismatches == 0
     assert rel_err < 1e-5
+
+
+# --------------------------------------------------------------------------------------------
+# Our own tiny checkpoints of each family (make_random_model presets), read by transformers
+# --------------------------------------------------------------------------------------------
+
+PRESETS = ["tiny-qwen2-moe", "tiny-mixtral", "tiny-deepseek-v3", "tiny-glm4-moe"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_tiny_preset_loads_and_agrees(preset: str, tmp_path) -> None:
+    """transformers loads the preset with no missing or unexpected tensor, and its logits and
+    routed sets equal our float64 reference's on a corpus prompt."""
+    from transformers import AutoModelForCausalLM
+
+    from sgl_jax.tools.make_random_model import write_random_model
+
+    write_random_model(str(tmp_path), preset)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), output_loading_info=True, attn_implementation="eager", **_dtype_kwargs()
+    )
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), (
+        info
+    )
+    ids = Tokenizer.from_file(f"{tmp_path}/tokenizer.json").encode(
+        CORPUS_PATH.read_text(encoding="utf-8")).ids[:64]
+    ref = ReferenceModel(str(tmp_path)).forward(ids)
+    with torch.no_grad():
+        out = model.eval()(torch.tensor([ids]), output_router_logits=True)
+    logits = out.logits[0].double().numpy()
+    assert np.max(np.abs(logits - ref.logits)) / np.max(np.abs(ref.logits)) < 1e-5
+    moe_layers = [li for li in range(ref.topk_ids.shape[1]) if ref.topk_ids[0, li, 0] >= 0]
+    k = ref.topk_ids.shape[2]
+    router_logits = [r for r in (out.router_logits or ()) if r is not None]
+    if len(router_logits) == len(moe_layers):  # families whose HF model returns them
+        for li, r in zip(moe_layers, router_logits, strict=True):
+            r = r.double().numpy().reshape(len(ids), -1)
+            np.testing.assert_allclose(r, ref.router_logits[:, li], rtol=0, atol=1e-4)
+    # The routed sets through HF's own routers (hooks), for every family.
+    _, routed = _hf_routing(model, ids)
+    assert sorted(routed) == moe_layers
+    for li, (_, _, hf_ids) in routed.items():
+        np.testing.assert_array_equal(np.sort(hf_ids.astype(np.int64), -1)[:, :k],
+                                      np.sort(ref.topk_ids[:, li], -1))

@@ -29,6 +29,7 @@ UNIT = [
     "tests/test_model_forward.py",
     "tests/test_moe_backends.py",
     "tests/test_backends.py",
+    "tests/test_mla.py",
     "tests/test_parallel.py",
     "tests/test_aot_report.py",
     "tests/test_routed_experts_codec.py",
@@ -47,6 +48,7 @@ E2E = [
     "tests/test_weight_update.py",
     "tests/test_logprobs.py",
     "tests/test_deterministic.py",
+    "tests/test_families.py",
 ]
 # Optional checks outside every suite (they skip without packages the project does not need).
 OPTIONAL = ["tests/test_hf_transformers.py"]

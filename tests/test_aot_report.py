@@ -1,12 +1,15 @@
 """aot_report: TPU ahead-of-time compilation of the engine's step on compile-only devices.
 
-Needs libtpu (``pip install "sgl_jax[tpu]"``); skipped without it. The model is Qwen3-30B-A3B's
-widths with 2 layers and a small vocabulary (XLA:TPU's compile time is dominated by the
-sampler's full-vocabulary sort: ~20 s per bucket here instead of ~80 s).
+The compile tests need libtpu (``pip install "sgl_jax[tpu]"``) and are skipped without it; the
+analytic figures are checked everywhere. The compiled models are Qwen3-30B-A3B's widths with 2
+layers and a small vocabulary (XLA:TPU's compile time is dominated by the sampler's
+full-vocabulary sort: ~20 s per bucket here instead of ~80 s), and a DeepSeek-V3-shaped model
+(MLA, grouped sigmoid router, shared expert, a dense first layer) at small widths.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,8 +18,12 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip(
-    "libtpu", reason='needs libtpu for compile-only TPU devices: pip install "sgl_jax[tpu]"'
+from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.tools import aot_report
+
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason='needs libtpu for compile-only TPU devices: pip install "sgl_jax[tpu]"',
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +51,7 @@ def small_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@needs_libtpu
 def test_report_json(small_config: Path) -> None:
     proc = run_tool(
         "--model-config", str(small_config), "--topology", "v5e:2x2", "--tp-size", "4",
@@ -71,6 +79,7 @@ def test_report_json(small_config: Path) -> None:
     assert (prefill["tokens"], prefill["batch_size"], prefill["context_len"]) == (64, 2, 32)
 
 
+@needs_libtpu
 def test_does_not_fit_exits_2() -> None:
     proc = run_tool(
         "--model-config", str(CONFIGS / "qwen3-235b-a22b"), "--topology", "v5e:2x2",
@@ -83,6 +92,7 @@ def test_does_not_fit_exits_2() -> None:
     assert "parameters" in message and "KV cache" in message and "--ep-size" in message
 
 
+@needs_libtpu
 def test_bundled_config_name_and_bad_layout() -> None:
     # A bundled config by name; tp_size=8 does not divide num_key_value_heads=4: exit 1.
     proc = run_tool(
@@ -91,3 +101,77 @@ def test_bundled_config_name_and_bad_layout() -> None:
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "num_key_value_heads" in proc.stderr
+
+
+def bundled(name: str) -> ModelConfig:
+    path = CONFIGS / name
+    return ModelConfig.from_dict(json.loads((path / "config.json").read_text()), str(path))
+
+
+def test_analytic_figures_of_the_families() -> None:
+    # DeepSeek-V3: 671B parameters of which 36.6B active per token including the 0.9B
+    # output head (DeepSeek's README_WEIGHTS.md); MLA: 128 heads over one 576-wide latent row.
+    ds = bundled("deepseek-v3")
+    layers, head = aot_report.active_params_per_token(ds)
+    assert abs((layers + head) / 1e9 - 36.6) < 0.05 and abs(head / 1e9 - 0.93) < 0.01
+    assert ds.moe_layers[:4] == (False, False, False, True) and sum(ds.moe_layers) == 58
+    assert aot_report.attention_flops_per_pair(ds) == 2 * (512 + 64) + 2 * 512
+    # The latent cache is replicated: tp does not divide it (61 layers x 576 x 2 bytes).
+    assert aot_report.kv_bytes_per_token_per_device(ds, 8, 2) == 61 * 576 * 2
+    # Mixtral-8x7B: 12.9B active of 46.7B (Mistral's announcement, which counts the input
+    # embeddings too: a lookup, not FLOPs, left out of the active figure); GQA KV split over tp.
+    mx = bundled("mixtral-8x7b")
+    embeddings = mx.hidden_size * mx.vocab_size
+    assert abs((sum(aot_report.active_params_per_token(mx)) + embeddings) / 1e9 - 12.9) < 0.05
+    assert aot_report.kv_bytes_per_token_per_device(mx, 4, 2) == 32 * 2 * 8 * 128 * 2 / 4
+    # Qwen2-57B-A14B: 14B active (its name; embeddings not counted here, the LM head is).
+    qw = bundled("qwen2-57b-a14b")
+    assert 13.0 < sum(aot_report.active_params_per_token(qw)) / 1e9 < 14.5
+    # GLM-4.5-Air: 12B active (Zhipu's figure, without the 0.6B LM head counted here).
+    glm = bundled("glm-4.5-air")
+    assert 12.0 < sum(aot_report.active_params_per_token(glm)) / 1e9 < 13.0
+    # Truncation for --scale-from-layers keeps MoE layers when the model starts dense.
+    assert aot_report.slice_patterns(ds, 1, 2) == [(True,), (True, True), (False, True)]
+    assert aot_report.slice_patterns(mx, 2, 4) == [(True,) * 2, (True,) * 4]
+
+
+@pytest.fixture(scope="module")
+def small_mla_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DeepSeek-V3's structure at small widths, 2 layers: 1 dense + 1 MoE."""
+    config = json.loads((CONFIGS / "deepseek-v3" / "config.json").read_text())
+    config.update(
+        num_hidden_layers=2, first_k_dense_replace=1, vocab_size=4096, hidden_size=1024,
+        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=384, kv_lora_rank=256,
+        intermediate_size=2048, moe_intermediate_size=512, n_routed_experts=32, n_group=4,
+        topk_group=2,
+    )
+    path = tmp_path_factory.mktemp("deepseek-v3-small-2l")
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@needs_libtpu
+def test_mla_report_json(small_mla_config: Path) -> None:
+    args = ("--model-config", str(small_mla_config), "--topology", "v5e:2x2", "--tp-size", "4",
+            "--decode-bs", "8", "--prefill-tokens", "64", "--prefill-requests", "2",
+            "--context-len", "512", "--json")
+    # pallas cannot run MLA: a usage error naming the way out, before any compile.
+    proc = run_tool(*args, "--attention-backend", "pallas")
+    assert proc.returncode == 1 and "--attention-backend native" in proc.stderr, proc.stderr
+    proc = run_tool(*args)  # MLA defaults to the native backend
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = json.loads(proc.stdout)
+    assert [r["mode"] for r in records] == ["decode", "prefill"]
+    for r in records:
+        assert KEYS <= r.keys(), KEYS - r.keys()
+        assert (r["attention"], r["attention_backend"], r["family"]) == (
+            "mla", "native", "deepseek_v3")
+        # XLA's once-counted native attention loop is replaced by the analytic attention;
+        # the rest (sampler, padded rows' LM head) keeps the ratio near 1 on a tp layout.
+        assert r["kernel_flops"] > 0 and r["native_attention_xla_flops"] > 0
+        assert 0.9 <= r["flops_ratio"] <= 1.4, r
+        # The latent KV cache is replicated over tp: 2 layers x 576... here 2 x (256 + 64).
+        assert r["kv_bytes_per_token_per_device"] == 2 * (256 + 64) * 2
+        assert r["peak_hbm_bytes_per_device"] >= (
+            r["parameters_bytes_per_device"] + r["kv_cache_bytes_per_device"]
+        )

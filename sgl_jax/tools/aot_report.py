@@ -236,29 +236,81 @@ class Bucket:
         return self.requests * (n * p + n * (n + 1) // 2)
 
 
+def attention_params(cfg: Any) -> int:
+    """Per-token parameters of one layer's attention projections (biases, norms: negligible).
+
+    GQA: q, k, v and o. MLA: q_a_proj + q_b_proj (or q_proj), kv_a_proj_with_mqa, kv_b_proj
+    and o_proj. kv_b_proj is counted whole: with absorbed weights its two halves are the
+    per-head matmuls ``q_nope @ W_UK`` and ``o_latent @ W_UV``, run once per token, so
+    ``2 * kv_lora * heads * (qk_nope + v_head)`` FLOPs per token, as a projection would."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    if cfg.attention != "mla":
+        d = cfg.head_dim
+        return h * (heads + 2 * cfg.num_key_value_heads) * d + heads * d * h
+    q_out = heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    q = h * q_out if cfg.q_lora_rank is None else h * cfg.q_lora_rank + cfg.q_lora_rank * q_out
+    kv_a = h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    kv_b = cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return q + kv_a + kv_b + heads * cfg.v_head_dim * h
+
+
+def moe_params(cfg: Any) -> int:
+    """Per-token parameters of one MoE layer: router, top-k routed experts, shared experts
+    (``3 * hidden * shared width``) and Qwen2-MoE's shared-expert gate (``hidden``)."""
+    h = cfg.hidden_size
+    routed = cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size
+    shared = 3 * h * cfg.shared_expert_intermediate_size if cfg.num_shared_experts else 0
+    gate = h if cfg.num_shared_experts and cfg.shared_expert_gated else 0
+    return h * cfg.num_experts + routed + shared + gate
+
+
 def active_params_per_token(cfg: Any) -> tuple[int, int]:
     """(per-token parameters of all decoder layers, LM head parameters)."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    attn = h * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
-    attn += cfg.num_attention_heads * d * h
-    moe = h * cfg.num_experts + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size
-    dense = 3 * h * cfg.intermediate_size
+    attn, moe = attention_params(cfg), moe_params(cfg)
+    dense = 3 * cfg.hidden_size * cfg.intermediate_size
     layers = sum(attn + (moe if is_moe else dense) for is_moe in cfg.moe_layers)
-    return layers, h * cfg.vocab_size
+    return layers, cfg.hidden_size * cfg.vocab_size
+
+
+def attention_flops_per_pair(cfg: Any) -> int:
+    """FLOPs of one (query, key) pair of one head. GQA: ``4 * head_dim`` (scores and values).
+    MLA as the engine computes it, in latent space: ``2 * (kv_lora + qk_rope)`` for the score
+    over the cached row and ``2 * kv_lora`` for the value (the latent part of the row)."""
+    if cfg.attention == "mla":
+        return 2 * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + 2 * cfg.kv_lora_rank
+    return 4 * cfg.head_dim
 
 
 def ideal_flops(cfg: Any, b: Bucket) -> int:
     layers, head = active_params_per_token(cfg)
-    attention = 4 * cfg.num_attention_heads * cfg.head_dim * b.q_kv_pairs * cfg.num_hidden_layers
+    attention = (cfg.num_attention_heads * attention_flops_per_pair(cfg) * b.q_kv_pairs
+                 * cfg.num_hidden_layers)
     return 2 * layers * b.tokens + 2 * head * b.requests + attention
 
 
+def kv_bytes_per_token_per_device(cfg: Any, tp: int, itemsize: int) -> float:
+    """KV cache bytes of one token (all layers) on one device: split over tp by head for GQA;
+    MLA's latent row (``kv_lora + qk_rope`` values per layer) is replicated, whatever tp."""
+    per_token = cfg.num_hidden_layers * cfg.kv_cache_heads * cfg.kv_cache_head_dim * itemsize
+    return per_token / tp if cfg.kv_cache_sharded else float(per_token)
+
+
 def kernel_cost_per_call(cfg: Any, b: Bucket, tp: int, itemsize: int) -> tuple[float, float]:
-    """Per device (FLOPs, bytes) of one ragged paged attention call (one layer)."""
-    heads, kv_heads = cfg.num_attention_heads / tp, cfg.num_key_value_heads / tp
-    flops = 4 * heads * cfg.head_dim * b.q_kv_pairs
-    kv = b.requests * b.context_len * 2 * kv_heads * cfg.head_dim * itemsize
-    q_out = 2 * b.tokens * heads * cfg.head_dim * itemsize
+    """Per device (FLOPs, bytes) of one layer's attention over the cache, added analytically
+    to XLA's count: the Pallas kernel's (GQA; XLA counts a custom call as 0) or the native
+    backend's block loop (XLA counts a loop body once). FLOPs: ``heads / tp`` heads times
+    ``attention_flops_per_pair`` per causal (query, key) pair; bytes: one read of each
+    sequence's cached K/V (MLA: its latent rows, replicated: every device reads them all),
+    the queries and the outputs."""
+    heads = cfg.num_attention_heads / tp
+    flops = heads * attention_flops_per_pair(cfg) * b.q_kv_pairs
+    cache_heads = cfg.kv_cache_heads / tp if cfg.kv_cache_sharded else cfg.kv_cache_heads
+    kv = b.requests * b.context_len * cache_heads * cfg.kv_cache_head_dim * itemsize
+    if cfg.attention == "mla":
+        q_dim, out_dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    else:
+        q_dim = out_dim = cfg.head_dim
+    q_out = b.tokens * heads * (q_dim + out_dim) * itemsize
     return flops, kv + q_out
 
 
@@ -270,9 +322,23 @@ def shard_bytes(x: Any) -> int:
     return math.prod(shape) * np.dtype(x.dtype).itemsize
 
 
-def with_layers(cfg: Any, n: int) -> Any:
-    """The config truncated to its first ``n`` decoder layers."""
-    return dataclasses.replace(cfg, num_hidden_layers=n, moe_layers=cfg.moe_layers[:n])
+def with_pattern(cfg: Any, pattern: tuple[bool, ...]) -> Any:
+    """The config with ``len(pattern)`` decoder layers, layer i MoE iff ``pattern[i]``."""
+    return dataclasses.replace(cfg, num_hidden_layers=len(pattern), moe_layers=tuple(pattern))
+
+
+def slice_patterns(cfg: Any, a: int, b: int) -> list[tuple[bool, ...]]:
+    """The truncated models ``--scale-from-layers A B`` compiles. All layers of one kind: A and
+    B of them. Dense and MoE layers (DeepSeek-V3's first 3, GLM-4.5's first, Qwen2-MoE's
+    mlp_only_layers): A and B MoE layers, and one dense layer before A MoE layers, so that
+    per-layer costs of both kinds are measured (a prefix of the model would have no MoE
+    layer at all when it starts with dense layers)."""
+    kinds = set(cfg.moe_layers)
+    main = True in kinds
+    patterns = [(main,) * a, (main,) * b]
+    if len(kinds) > 1:
+        patterns.append((not main,) + (main,) * a)
+    return patterns
 
 
 # -- compile --------------------------------------------------------------------------------
@@ -291,16 +357,37 @@ class Compiled:
     seconds: float
     sampler_flops: float = 0.0  # the sampler alone (--sampler-breakdown), not extrapolated
     sampler_bytes: float = 0.0
+    # XLA's own count of one native attention call (per layer), replaced by the analytic one
+    native_counted_flops: float = 0.0
+    native_counted_bytes: float = 0.0
 
     @staticmethod
-    def extrapolate(a: Compiled, la: int, b: Compiled, lb: int, layers: int) -> Compiled:
+    def extrapolate(points: list[tuple[tuple[bool, ...], Compiled]],
+                    target: tuple[bool, ...]) -> Compiled:
+        """Every figure as ``base + n_moe * per_moe_layer (+ n_dense * per_dense_layer)``,
+        solved exactly from the compiled slices (``slice_patterns``: 2 of them when the model
+        has one kind of layer, 3 when it has both) and evaluated at the target's counts."""
+        import numpy as np
+
+        kinds = sorted(set(target))
+
+        def row(pattern: tuple[bool, ...]) -> list[int]:
+            return [1] + [sum(1 for x in pattern if x == k) for k in kinds]
+
+        design = np.array([row(p) for p, _ in points], dtype=np.float64)
+        at_target = np.array(row(target), dtype=np.float64)
+        last = points[-1][1] if len(points) == 2 else points[1][1]
+
         def at(name: str) -> float:
-            va, vb = getattr(a, name), getattr(b, name)
-            if name == "code":  # program size grows sublinearly with depth: B's, a bound
-                return max(va, vb)
-            if name.startswith("sampler"):  # independent of depth
-                return vb
-            return vb + (vb - va) / (lb - la) * (layers - lb)
+            values = [getattr(c, name) for _, c in points]
+            if name == "code":  # program size grows sublinearly with depth: a bound
+                return max(values)
+            if name.startswith(("sampler", "native_counted")):  # independent of depth
+                return getattr(last, name)
+            if name == "seconds":
+                return sum(values)
+            coef = np.linalg.solve(design, np.array(values, dtype=np.float64))
+            return float(at_target @ coef)
 
         return Compiled(**{f.name: at(f.name) for f in dataclasses.fields(Compiled)})
 
@@ -351,6 +438,51 @@ def compile_bucket(runner: Any, b: Bucket, device_kind: str) -> Compiled:
     )
 
 
+def compile_native_attention(runner: Any, b: Bucket, cfg: Any) -> tuple[float, float]:
+    """Per-device (FLOPs, bytes) XLA counts for ONE layer's call of the native attention
+    backend at this bucket's shape, compiled alone with the step's shardings (queries split
+    by head over "tensor"; the cache as the runner holds it). XLA counts the body of each of
+    its loops once whatever the trip count, so this is neither the work done nor zero; the
+    report replaces it, per layer, by the analytic cost (``kernel_cost_per_call``)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from sgl_jax.srt.layers.attention import AttentionMetadata
+
+    mesh, dtype = runner.mesh, runner.dtype
+    replicated = NamedSharding(mesh, P())
+
+    def ints(*shape: int) -> Any:
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)
+
+    meta = AttentionMetadata(
+        positions=ints(b.tokens), token_to_req=ints(b.tokens), prefix_lens=ints(b.rows),
+        extend_lens=ints(b.rows), extend_starts=ints(b.rows),
+        page_indices=ints(b.rows, runner.req_to_page.shape[1]), page_size=runner.page_size,
+        is_decode=b.mode == "decode",
+    )
+    backend = runner.backends.attention
+    heads = cfg.num_attention_heads
+    q_sharding = NamedSharding(mesh, P(None, "tensor", None))
+    if cfg.attention == "mla":
+        dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        q = jax.ShapeDtypeStruct((b.tokens, heads, dim), dtype, sharding=q_sharding)
+
+        def fn(q: Any, kv: Any, meta: Any) -> Any:
+            return backend.attend_latent(q, kv, meta, 1.0, cfg.kv_lora_rank)
+    else:
+        q = jax.ShapeDtypeStruct((b.tokens, heads, cfg.head_dim), dtype, sharding=q_sharding)
+
+        def fn(q: Any, kv: Any, meta: Any) -> Any:
+            return backend.attend(q, kv, meta, 1.0)
+    with jax.set_mesh(mesh):
+        cost = jax.jit(fn).lower(q, runner.kv_caches[0], meta).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+
+
 def compile_sampler(runner: Any, rows: int, vocab: int) -> tuple[float, float]:
     """Per-device (FLOPs, bytes) of the engine's sampler alone on ``[rows, vocab]`` float32
     logits split over the vocabulary like the LM head's (XLA counts its most expensive
@@ -395,7 +527,7 @@ def build_runner(args: argparse.Namespace, model_dir: str, cfg: Any, devices: li
         tp_size=args.tp_size,
         ep_size=args.ep_size,
         dtype=args.dtype,
-        attention_backend=args.attention_backend,
+        attention_backend=args.resolved_attention_backend,
         moe_backend=args.moe_backend,
         page_size=args.page_size,
         enable_return_routed_experts=args.enable_return_routed_experts,
@@ -419,15 +551,28 @@ def check_fit(params: int, kv: int, hbm: float, cfg: Any, args: argparse.Namespa
         )
     else:
         kv_hint = "the parameters alone exceed a device's HBM"
+    if cfg.kv_cache_sharded:
+        to_fit = (
+            "more devices (a larger --topology) with a larger --ep-size (experts are split "
+            "over tp x ep devices) or --tp-size (attention, LM head and the KV cache are split "
+            f"over tp only, tp_size <= num_key_value_heads = {cfg.num_key_value_heads}), or a "
+            "smaller --context-len / --decode-bs."
+        )
+    else:
+        to_fit = (
+            "for the parameters, more devices (a larger --topology) with a larger --ep-size or "
+            "--tp-size (experts are split over tp x ep devices, attention and the LM head over "
+            "tp); the KV cache is multi-head latent attention's latent rows "
+            f"({cfg.kv_cache_head_dim} values per token and layer), REPLICATED on every device: "
+            "neither --tp-size nor --ep-size nor more devices shrink it, only a smaller "
+            "--context-len / --decode-bs."
+        )
     raise DoesNotFit(
         f"the model does not fit: parameters {params / GiB:.2f} GiB + KV cache {kv / GiB:.2f} "
         f"GiB ({max(args.decode_bs)} requests x {args.context_len} tokens) = "
         f"{(params + kv) / GiB:.2f} GiB per device > {hbm / GiB:.2f} GiB HBM per device "
         f"({args.topology}, tp_size={args.tp_size}, ep_size={args.ep_size}); {kv_hint}. "
-        f"To fit: more devices (a larger --topology) with a larger --ep-size (experts are split "
-        f"over tp x ep devices) or --tp-size (attention, LM head and the KV cache are split "
-        f"over tp only, tp_size <= num_key_value_heads = {cfg.num_key_value_heads}), or a "
-        f"smaller --context-len / --decode-bs."
+        f"To fit: {to_fit}"
     )
 
 
@@ -435,8 +580,15 @@ def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_de
                 chip: Chip, share: float, params: int, kv: int, itemsize: int) -> dict:
     k_flops, k_bytes = kernel_cost_per_call(cfg, b, args.tp_size, itemsize)
     kernel_flops, kernel_bytes = c.kernel_calls * k_flops, c.kernel_calls * k_bytes
-    flops_pd, bytes_pd = c.flops + kernel_flops, c.bytes + kernel_bytes
+    # Native backend: XLA's once-per-loop count of each attention call is replaced by the
+    # analytic cost (a Pallas call is counted 0 by XLA: nothing to take out).
+    native_flops = c.kernel_calls * c.native_counted_flops
+    native_bytes = c.kernel_calls * c.native_counted_bytes
+    flops_pd = c.flops - native_flops + kernel_flops
+    bytes_pd = c.bytes - native_bytes + kernel_bytes
     ideal = ideal_flops(cfg, b)
+    ideal_attention = (cfg.num_attention_heads * attention_flops_per_pair(cfg) * b.q_kv_pairs
+                       * cfg.num_hidden_layers)
     peak_flops, bandwidth = chip.bf16_flops * share, chip.hbm_bandwidth * share
     t_compute, t_memory = flops_pd / peak_flops, bytes_pd / bandwidth
     roofline = max(t_compute, t_memory)
@@ -461,10 +613,20 @@ def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_de
         "devices": n_dev,
         "tp_size": args.tp_size,
         "ep_size": args.ep_size,
+        "family": cfg.family,
+        "attention": cfg.attention,
+        "attention_backend": args.resolved_attention_backend,
         "compiled_layers": args.compiled_layers,
+        "compiled_slices": args.compiled_slices,
+        "active_params_per_token": sum(active_params_per_token(cfg)),
+        "kv_bytes_per_token_per_device": kv_bytes_per_token_per_device(
+            cfg, args.tp_size, itemsize),
         "compiled_flops": flops_pd * n_dev,
         "xla_flops": c.flops * n_dev,
         "kernel_flops": kernel_flops * n_dev,
+        "attention_flops_ideal": ideal_attention,
+        "native_attention_xla_flops": native_flops * n_dev,
+        "native_attention_xla_bytes": native_bytes * n_dev,
         "ideal_flops": ideal,
         "flops_ratio": flops_pd * n_dev / ideal,
         "ragged_static_excess_flops": excess,
@@ -526,6 +688,24 @@ def format_table(records: list[dict], header: str) -> str:
     return "\n".join(lines)
 
 
+def resolve_attention_backend(cfg: Any, requested: str | None) -> str:
+    """pallas for GQA (the TPU default); native for MLA, which JAX's ragged paged attention
+    kernel cannot run (it reads separate K/V heads, not a latent row)."""
+    if cfg.attention != "mla":
+        return requested or "pallas"
+    if requested == "pallas":
+        raise ReportError(
+            f"--attention-backend pallas cannot run {cfg.architecture}'s multi-head latent "
+            "attention (MLA: one latent KV row per token; JAX's ragged paged attention kernel "
+            "reads separate K/V heads). Omit --attention-backend (MLA models default to "
+            "native) or pass --attention-backend native"
+        )
+    if requested is None:
+        logger.info("%s uses multi-head latent attention: --attention-backend native",
+                    cfg.architecture)
+    return "native"
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     prepare_environment()
     import jax.numpy as jnp
@@ -536,6 +716,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         raise ReportError("--prefill-tokens must be a multiple of --prefill-requests")
     model_dir, hf = resolve_config_path(args.model_config)
     cfg = ModelConfig.from_dict(hf, model_dir, args.context_len)
+    args.resolved_attention_backend = resolve_attention_backend(cfg, args.attention_backend)
     devices = topology_devices(args.topology)
     need = args.tp_size * args.ep_size
     if need > len(devices):
@@ -551,7 +732,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     params = sum(shard_bytes(x) for x in full.param_leaves)
     kv = sum(shard_bytes(x) for x in full.kv_caches)
     itemsize = jnp.dtype(full.dtype).itemsize
-    kv_per_token = full.kv_bytes_per_token() / args.tp_size
+    kv_per_token = kv_bytes_per_token_per_device(cfg, args.tp_size, itemsize)
     hbm = chip.hbm_bytes * share
     logger.info(
         "%s: %d x %s devices (%s), tp=%d ep=%d; per device: parameters %.2f GiB, KV cache "
@@ -566,41 +747,57 @@ def run(args: argparse.Namespace) -> list[dict]:
     buckets.append(Bucket("prefill", args.prefill_tokens, args.prefill_requests,
                           full.extend_rows(args.prefill_tokens), per_req, 0))
 
-    depths = args.scale_from_layers or [cfg.num_hidden_layers]
-    if depths[-1] > cfg.num_hidden_layers:
-        raise ReportError(f"--scale-from-layers {depths}: the model has only "
-                          f"{cfg.num_hidden_layers} layers")
-    if args.scale_from_layers and len(set(cfg.moe_layers)) > 1:
-        logger.warning("layers differ (dense and MoE); extrapolation assumes the compiled "
-                       "prefix is representative")
-    args.compiled_layers = depths
-    compiled: dict[int, list[Compiled]] = {}
+    full_pattern = tuple(cfg.moe_layers)
+    if args.scale_from_layers:
+        la, lb = args.scale_from_layers
+        main = any(cfg.moe_layers)
+        have = sum(1 for x in cfg.moe_layers if x == main)
+        if lb > have:
+            raise ReportError(
+                f"--scale-from-layers {la} {lb}: the model has only {have} "
+                f"{'MoE' if main else 'dense'} layers")
+        patterns = slice_patterns(cfg, la, lb)
+    else:
+        patterns = [full_pattern]
+    args.compiled_layers = [len(p) for p in patterns]
+    args.compiled_slices = [describe_pattern(p) for p in patterns]
+    compiled: list[list[Compiled]] = []
     samplers: dict[int, tuple[float, float]] = {}
-    for depth in depths:
-        runner = full if depth == cfg.num_hidden_layers else build_runner(
-            args, model_dir, with_layers(cfg, depth), devices)
-        compiled[depth] = []
+    native_counted: dict[Bucket, tuple[float, float]] = {}
+    for pattern in patterns:
+        runner = full if pattern == full_pattern else build_runner(
+            args, model_dir, with_pattern(cfg, pattern), devices)
+        compiled.append([])
         for b in buckets:
-            logger.info("compiling %s: %d tokens, %d rows, %d layers ...", b.mode, b.tokens,
-                        b.rows, depth)
+            logger.info("compiling %s: %d tokens, %d rows, %s ...", b.mode, b.tokens, b.rows,
+                        describe_pattern(pattern))
             c = compile_bucket(runner, b, kind)
+            if args.resolved_attention_backend == "native":
+                c.kernel_calls = float(len(pattern))  # one attention loop per layer
+                if b not in native_counted:  # independent of depth
+                    native_counted[b] = compile_native_attention(runner, b, cfg)
+                c.native_counted_flops, c.native_counted_bytes = native_counted[b]
             if args.sampler_breakdown:  # independent of depth: once per row count
                 if b.rows not in samplers:
                     samplers[b.rows] = compile_sampler(runner, b.rows, cfg.vocab_size)
                 c.sampler_flops, c.sampler_bytes = samplers[b.rows]
             logger.info("  %.0fs: %.3g FLOPs, %.3g bytes per device", c.seconds, c.flops,
                         c.bytes)
-            compiled[depth].append(c)
+            compiled[-1].append(c)
     if args.scale_from_layers:
-        la, lb = depths
-        results = [Compiled.extrapolate(a, la, b, lb, cfg.num_hidden_layers)
-                   for a, b in zip(compiled[la], compiled[lb], strict=True)]
-        for c, a, b in zip(results, compiled[la], compiled[lb], strict=True):
-            c.seconds = a.seconds + b.seconds
+        results = [Compiled.extrapolate(list(zip(patterns, cs, strict=True)), full_pattern)
+                   for cs in zip(*compiled, strict=True)]
     else:
-        results = compiled[depths[0]]
+        results = compiled[0]
     return [make_record(b, c, cfg, args, len(devices), chip, share, params, kv, itemsize)
             for b, c in zip(buckets, results, strict=True)]
+
+
+def describe_pattern(pattern: tuple[bool, ...]) -> str:
+    moe = sum(pattern)
+    dense = len(pattern) - moe
+    parts = [f"{n} {what}" for n, what in ((dense, "dense"), (moe, "MoE")) if n]
+    return " + ".join(parts) + " layers"
 
 
 def mesh_order(devices: list, ep: int, tp: int) -> list:
@@ -638,8 +835,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="parameter, activation and KV dtype")
     p.add_argument("--page-size", type=int, default=16, help="KV cache page size")
-    p.add_argument("--attention-backend", default="pallas", choices=("pallas", "native"),
-                   help="the engine's --attention-backend")
+    p.add_argument("--attention-backend", default=None, choices=("pallas", "native"),
+                   help="the engine's --attention-backend (default: pallas; native for MLA "
+                   "models, which pallas cannot run)")
     p.add_argument("--moe-backend", default="ragged", choices=("ragged", "dense", "auto"),
                    help="the engine's --moe-backend")
     p.add_argument("--enable-return-routed-experts", action="store_true",
@@ -647,7 +845,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sampler-breakdown", action="store_true",
                    help="also compile the sampler alone and report the roofline without it")
     p.add_argument("--scale-from-layers", type=int, nargs=2, metavar=("A", "B"),
-                   help="compile A- and B-layer truncations and extrapolate linearly")
+                   help="compile A- and B-layer truncations and extrapolate linearly (models "
+                   "with dense and MoE layers: A and B MoE layers and 1 dense + A MoE)")
     p.add_argument("--peak-tflops", type=float, help="override the chip's bf16 peak")
     p.add_argument("--hbm-gb", type=float, help="override the chip's HBM capacity (1e9 B)")
     p.add_argument("--hbm-gbps", type=float, help="override the chip's HBM bandwidth")
@@ -679,11 +878,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         r = records[0]
         depth = ("full depth" if not args.scale_from_layers else
-                 f"extrapolated from {args.scale_from_layers[0]} and "
-                 f"{args.scale_from_layers[1]} layers")
+                 "extrapolated from " + ", ".join(r["compiled_slices"]))
         header = (
             f"{args.model_config} on {r['topology']} ({r['devices']} x {r['chip']}), "
-            f"tp={r['tp_size']} ep={r['ep_size']}, {depth}; TFLOP summed over devices, "
+            f"tp={r['tp_size']} ep={r['ep_size']}, {r['attention_backend']} attention, "
+            f"{depth}; TFLOP summed over devices, "
             f"GB and GiB per device"
         )
         print(format_table(records, header))

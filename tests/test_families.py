@@ -46,7 +46,8 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 6}
 FAMILIES: dict[str, tuple[str, dict, int]] = {
     "qwen2_moe": ("tiny-qwen2-moe", {}, 0),
     "mixtral": ("tiny-mixtral", {}, 0),
-    "deepseek_v3": ("tiny-deepseek-v3", {}, 0),
+    # rms_norm_eps off its 1e-6 default: the latent norms keep 1e-6 (as transformers does).
+    "deepseek_v3": ("tiny-deepseek-v3", {"rms_norm_eps": 1e-4}, 0),
     "glm4_moe": ("tiny-glm4-moe", {}, 0),
     # The Pallas kernel needs head_dim % 128 == 0: GLM's partial rotary at head_dim 128.
     "glm4_moe_head128": ("tiny-glm4-moe", {"head_dim": 128}, 1),

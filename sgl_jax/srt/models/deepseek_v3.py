@@ -38,6 +38,10 @@ from sgl_jax.srt.layers.rotary import apply_rotary
 from sgl_jax.srt.models.backends import ModelBackends
 from sgl_jax.srt.models.common import MoeForCausalLM, param
 
+# The latent norms (q_a_layernorm, kv_a_layernorm) use a fixed epsilon whatever rms_norm_eps
+# says, in DeepSeek's own inference code and in transformers alike.
+LATENT_NORM_EPS = 1e-6
+
 
 def mla_softmax_scale(config: ModelConfig) -> float:
     """``(qk_nope + qk_rope)^-0.5``, times ``softmax_mscale^2`` under YaRN."""
@@ -66,10 +70,10 @@ class MlaAttention(nnx.Module):
             self.q_proj = param((hidden, q_out), dtype, (None, "tensor"))
         else:
             self.q_a_proj = param((hidden, self.q_lora), dtype, (None, None))
-            self.q_a_layernorm = RMSNorm(self.q_lora, config.rms_norm_eps, dtype)
+            self.q_a_layernorm = RMSNorm(self.q_lora, LATENT_NORM_EPS, dtype)
             self.q_b_proj = param((self.q_lora, q_out), dtype, (None, "tensor"))
         self.kv_a_proj_with_mqa = param((hidden, self.kv_lora + self.rope), dtype, (None, None))
-        self.kv_a_layernorm = RMSNorm(self.kv_lora, config.rms_norm_eps, dtype)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora, LATENT_NORM_EPS, dtype)
         self.kv_b_proj = param((self.kv_lora, heads * (self.nope + self.v_dim)), dtype,
                                (None, "tensor"))
         self.o_proj = param((heads * self.v_dim, hidden), dtype, ("tensor", None))

@@ -108,7 +108,7 @@ def test_unsupported_architecture(ckpt, tmp_path):
     cfg = json.load(open(cfg_file))
     cfg["architectures"] = ["LlamaForCausalLM"]
     json.dump(cfg, open(cfg_file, "w"))
-    with pytest.raises(ValueError, match="unsupported architecture.*supported: Qwen3MoeForCausalLM"):
+    with pytest.raises(ValueError, match="unsupported architecture.*supported: Qwen3MoeForCausalLM, Qwen2MoeForCausalLM"):
         ModelConfig.from_hf(bad)
 
 
@@ -120,3 +120,69 @@ def test_not_a_directory():
 def test_dense_layers_follow_config(ckpt):
     cfg = ModelConfig.from_hf(ckpt)
     assert cfg.moe_layers == (True, False, True)
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("deepseek"))
+    write_random_model(path, "tiny-deepseek-v3", check_routing=False)
+    return path
+
+
+def _edit_config(path: str, edit) -> None:
+    cfg_file = os.path.join(path, "config.json")
+    with open(cfg_file) as f:
+        cfg = json.load(f)
+    edit(cfg)
+    with open(cfg_file, "w") as f:
+        json.dump(cfg, f)
+
+
+def test_quantised_checkpoint_is_refused_with_the_supported_list(deepseek, tmp_path):
+    bad = _rewrite(deepseek, str(tmp_path / "q"), lambda t: None)
+    _edit_config(bad, lambda c: c.update(quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}))
+    with pytest.raises(ValueError, match=r"quantised.*'fp8'.*DeepseekV3ForCausalLM"):
+        ModelConfig.from_hf(bad)
+
+
+def test_unsupported_router_variant_is_named(deepseek, tmp_path):
+    bad = _rewrite(deepseek, str(tmp_path / "r"), lambda t: None)
+    _edit_config(bad, lambda c: c.update(topk_method="greedy", scoring_func="softmax"))
+    with pytest.raises(ValueError, match=r"topk_method='greedy'.*supports topk_method='noaux_tc'"):
+        ModelConfig.from_hf(bad)
+
+
+def test_mtp_layers_past_num_hidden_layers_are_ignored(deepseek, tmp_path):
+    """Released DeepSeek-V3 / GLM-4.5 checkpoints carry their multi-token-prediction layer as
+    model.layers.<num_hidden_layers>.*; loading skips it, and the weights are unchanged."""
+    layers = ModelConfig.from_hf(deepseek).num_hidden_layers
+
+    def add_mtp(t):
+        for name in [n for n in t if n.startswith("model.layers.1.")]:
+            t[name.replace("model.layers.1.", f"model.layers.{layers}.")] = t[name]
+        t[f"model.layers.{layers}.eh_proj.weight"] = np.zeros((64, 128), np.float32)
+
+    mtp = _rewrite(deepseek, str(tmp_path / "mtp"), add_mtp)
+    a = nnx.to_flat_state(nnx.state(load(deepseek), nnx.Param))
+    b = dict(nnx.to_flat_state(nnx.state(load(mtp), nnx.Param)))
+    assert len(a) == len(b)
+    for path, var in a:
+        np.testing.assert_array_equal(np.asarray(var[...]), np.asarray(b[path][...]))
+
+
+def test_family_names_round_trip(deepseek):
+    """Parameters whose HF names do not follow from their paths (biases, the correction bias,
+    stacked experts) hold exactly the checkpoint's tensors."""
+    model = load(deepseek)
+    tensors = load_file(os.path.join(deepseek, "model.safetensors"))
+    moe = model.model.layers[1].mlp
+    np.testing.assert_array_equal(np.asarray(moe.gate.e_score_correction_bias[...]),
+                                  tensors["model.layers.1.mlp.gate.e_score_correction_bias"])
+    np.testing.assert_array_equal(np.asarray(moe.gate.weight[...]),
+                                  tensors["model.layers.1.mlp.gate.weight"].T)
+    np.testing.assert_array_equal(np.asarray(moe.shared_experts.down_proj[...]),
+                                  tensors["model.layers.1.mlp.shared_experts.down_proj.weight"].T)
+    attn = model.model.layers[0].self_attn
+    np.testing.assert_array_equal(np.asarray(attn.kv_b_proj[...]),
+                                  tensors["model.layers.0.self_attn.kv_b_proj.weight"].T)

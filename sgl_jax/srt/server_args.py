@@ -32,7 +32,8 @@ def _arg(default: Any, help: str, **kw: Any) -> Any:
 class ServerArgs:
     # Model
     model_path: str | None = _arg(
-        None, "Local Hugging Face checkpoint directory. Default: the bundled tiny Qwen3-MoE.")
+        None, "Local Hugging Face checkpoint directory (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 or "
+        "GLM-4.5; docs/models.md). Default: the bundled tiny Qwen3-MoE.")
     tokenizer_path: str | None = _arg(None, "Tokenizer directory. Default: the model path.")
     served_model_name: str | None = _arg(
         None, "Model name reported by the API and expected in requests. Default: the path.")

@@ -140,10 +140,10 @@ def small_mla_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """DeepSeek-V3's structure at small widths, 2 layers: 1 dense + 1 MoE."""
     config = json.loads((CONFIGS / "deepseek-v3" / "config.json").read_text())
     config.update(
-        num_hidden_layers=2, first_k_dense_replace=1, vocab_size=4096, hidden_size=1024,
-        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=384, kv_lora_rank=256,
-        intermediate_size=2048, moe_intermediate_size=512, n_routed_experts=32, n_group=4,
-        topk_group=2,
+        num_hidden_layers=2, first_k_dense_replace=1, vocab_size=2048, hidden_size=512,
+        num_attention_heads=8, num_key_value_heads=8, q_lora_rank=192, kv_lora_rank=128,
+        qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, intermediate_size=1024,
+        moe_intermediate_size=256, n_routed_experts=16, n_group=4, topk_group=2,
     )
     path = tmp_path_factory.mktemp("deepseek-v3-small-2l")
     (path / "config.json").write_text(json.dumps(config))
@@ -170,8 +170,8 @@ def test_mla_report_json(small_mla_config: Path) -> None:
         # the rest (sampler, padded rows' LM head) keeps the ratio near 1 on a tp layout.
         assert r["kernel_flops"] > 0 and r["native_attention_xla_flops"] > 0
         assert 0.9 <= r["flops_ratio"] <= 1.4, r
-        # The latent KV cache is replicated over tp: 2 layers x 576... here 2 x (256 + 64).
-        assert r["kv_bytes_per_token_per_device"] == 2 * (256 + 64) * 2
+        # The latent KV cache is replicated over tp: 2 layers x (kv_lora + rope) x 2 bytes.
+        assert r["kv_bytes_per_token_per_device"] == 2 * (128 + 32) * 2
         assert r["peak_hbm_bytes_per_device"] >= (
             r["parameters_bytes_per_device"] + r["kv_cache_bytes_per_device"]
         )

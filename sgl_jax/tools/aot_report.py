@@ -10,7 +10,10 @@ built in abstract mode (no weights: parameters, KV cache and buffers are sharded
 ``jax.ShapeDtypeStruct``), and for every bucket the very step the engine serves
 (``ModelRunner.lower_bucket``) is compiled by XLA:TPU. ``--model-config`` needs only a
 ``config.json`` (a checkpoint directory, the file itself, or a bundled name:
-``qwen3-30b-a3b``, ``qwen3-235b-a22b``).
+``qwen3-30b-a3b``, ``qwen3-235b-a22b``, ``deepseek-v3``, ``glm-4.5-air``, ``mixtral-8x7b``,
+``qwen2-57b-a14b``). Multi-head latent attention (DeepSeek-V3) compiles with the ``native``
+attention backend (the Pallas kernel cannot read its latent cache; asking for pallas is a
+usage error).
 
 Buckets: decode at each ``--decode-bs`` with every request at ``--context-len`` positions of
 context; prefill of ``--prefill-tokens`` tokens split evenly over ``--prefill-requests`` new
@@ -25,7 +28,10 @@ What is reported, per bucket (``--json``: one list, one object per bucket):
   ~0 bytes for the ragged paged attention custom call), so ``kernel_*`` adds each kernel call's
   work analytically: ``4 * (heads / tp) * head_dim * sum(q_len * kv_len)`` FLOPs and one read of
   each sequence's K/V plus the queries and outputs (a lower bound: the kernel re-reads K/V per
-  query block in prefill). Two more properties of XLA's count: a ``while`` loop's body is
+  query block in prefill). With the ``native`` backend, XLA's own count of its attention loop
+  (one compiled call alone at the bucket's shape, ``native_attention_xla_*``) is taken out per
+  layer and the analytic cost put in. MLA: ``attention_flops_per_pair`` FLOPs per pair and
+  head, and one read of the replicated latent rows. Two more properties of XLA's count: a ``while`` loop's body is
   counted once whatever its trip count (the ``native`` attention backend's block loop is thus
   nearly invisible), and a ``cond`` counts its most expensive branch (the sampler's
   full-vocabulary sort fallback, which runs only when some row's top-k/top-p support is not
@@ -37,13 +43,16 @@ What is reported, per bucket (``--json``: one list, one object per bucket):
   (``(ep - 1)`` times the ideal expert FLOPs) and ``flops_ratio_local_rows`` the ratio without it.
 - ``ideal_flops``: from the config, ``2 * active_params * tokens + 2 * hidden * vocab * requests
   + attention``; active parameters per token and layer are the attention projections
-  (``hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden``) plus, in a MoE
-  layer, the router (``hidden * experts``) and the top-k experts' three matrices
-  (``k * 3 * hidden * moe_intermediate``), in a dense layer the MLP
-  (``3 * hidden * intermediate``); the LM head counts once per request (the sampled row);
-  attention over the actual context is ``4 * heads * head_dim * sum(q_len * kv_len)`` per layer
-  (decode: one query per request over ``context_len`` positions; prefill: causal,
-  ``n * (n + 1) / 2`` per request of ``n`` tokens). ``flops_ratio = compiled / ideal``: above 1
+  (``attention_params``: GQA q/k/v/o; MLA q_a/q_b or q_proj, kv_a_proj_with_mqa, kv_b_proj,
+  which also accounts for the absorbed matmuls, and o_proj) plus, in a MoE layer, the router
+  (``hidden * experts``), the top-k experts' three matrices (``k * 3 * hidden *
+  moe_intermediate``), the shared experts (``3 * hidden * shared width``) and Qwen2-MoE's
+  shared-expert gate, in a dense layer the MLP (``3 * hidden * intermediate``); the LM head
+  counts once per request (the sampled row); attention over the actual context is ``heads *
+  attention_flops_per_pair * sum(q_len * kv_len)`` per layer (GQA ``4 * head_dim`` per pair;
+  MLA ``2 * (kv_lora + qk_rope) + 2 * kv_lora``; decode: one query per request over
+  ``context_len`` positions; prefill: causal, ``n * (n + 1) / 2`` per request of ``n``
+  tokens). ``flops_ratio = compiled / ideal``: above 1
   by work replicated over devices (attention, router and LM head on every device of the
   "expert" axis; the sampler on all), padded rows, the sampler and the static ragged_dot count.
 - ``peak_hbm_bytes_per_device``: from ``memory_analysis()`` (per device): arguments (parameters
@@ -54,9 +63,13 @@ What is reported, per bucket (``--json``: one list, one object per bucket):
   ``tokens_per_s = tokens / roofline``.
 
 A layout that cannot hold parameters + KV cache in HBM (per device) exits with code 2 and says
-what to change. ``--scale-from-layers A B`` compiles truncated models of A and B layers and
-extrapolates every compiled figure linearly to the model's depth (for deep models, whose full
-compile takes long); the per-device parameter and KV figures are always the full model's.
+what to change (MLA: its latent KV cache is replicated, tp does not split it); a compiled
+peak above HBM is flagged (``peak_exceeds_hbm``, a warning). ``--scale-from-layers A B``
+compiles truncated models and extrapolates every compiled figure linearly to the model's depth
+(for deep models, whose full compile takes long): A and B layers of the model's majority kind,
+plus one dense layer before A MoE layers when the model has both kinds (DeepSeek-V3's first 3
+layers are dense), solved for per-dense-layer and per-MoE-layer costs separately; the
+per-device parameter and KV figures are always the full model's.
 """
 
 from __future__ import annotations
@@ -593,6 +606,7 @@ def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_de
     t_compute, t_memory = flops_pd / peak_flops, bytes_pd / bandwidth
     roofline = max(t_compute, t_memory)
     outputs = c.outputs - c.aliased
+    peak = c.arguments + outputs + c.temporaries + c.code
     # XLA counts ragged_dot at its static size: all T*k assignments on every device of the
     # "expert" axis, though each device's groups hold only its own experts' share (the rest
     # sort past the last group, where the grouped-matmul kernel has no work).
@@ -642,8 +656,9 @@ def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_de
         "temporaries_bytes_per_device": c.temporaries,
         "outputs_bytes_per_device": outputs,
         "code_bytes_per_device": c.code,
-        "peak_hbm_bytes_per_device": c.arguments + outputs + c.temporaries + c.code,
+        "peak_hbm_bytes_per_device": peak,
         "hbm_bytes_per_device": chip.hbm_bytes * share,
+        "peak_exceeds_hbm": peak > chip.hbm_bytes * share,
         "roofline_ms": roofline * 1e3,
         "compute_ms": t_compute * 1e3,
         "memory_ms": t_memory * 1e3,
@@ -789,8 +804,18 @@ def run(args: argparse.Namespace) -> list[dict]:
                    for cs in zip(*compiled, strict=True)]
     else:
         results = compiled[0]
-    return [make_record(b, c, cfg, args, len(devices), chip, share, params, kv, itemsize)
-            for b, c in zip(buckets, results, strict=True)]
+    records = [make_record(b, c, cfg, args, len(devices), chip, share, params, kv, itemsize)
+               for b, c in zip(buckets, results, strict=True)]
+    for r in records:
+        if r["peak_exceeds_hbm"]:
+            # Parameters and KV fit (checked above), the compiled step's peak does not: XLA
+            # would refuse a full-depth compile (extrapolated temporaries: see the docs).
+            logger.warning(
+                "%s %d tokens: peak %.2f GiB per device > %.2f GiB HBM (temporaries %.2f GiB%s)",
+                r["mode"], r["tokens"], r["peak_hbm_bytes_per_device"] / GiB,
+                r["hbm_bytes_per_device"] / GiB, r["temporaries_bytes_per_device"] / GiB,
+                ", extrapolated" if args.scale_from_layers else "")
+    return records
 
 
 def describe_pattern(pattern: tuple[bool, ...]) -> str:

@@ -110,6 +110,35 @@ def test_read_stat_with_moe_rows_only_and_no_metadata(tmp_path):
     assert load.num_experts_per_tok is None
 
 
+def test_read_the_recorders_layout(tmp_path):
+    """The recorder keeps rows of the MoE layers only, with num_hidden_layers beside them."""
+    meta = _meta(num_hidden_layers=np.int64(4), moe_layers=np.array([0, 2]),
+                 recording=np.array(False), buffer_size=np.int64(1000), dropped=np.int64(3))
+    rows = np.array([[6, 2, 1, 1], [1, 1, 4, 4]], np.int64)
+    path = tmp_path / "recorder_stat.npz"
+    np.savez(path, mode="stat", counts=rows, num_tokens=np.int64(5), **meta)
+    load = el.load_dump(str(path))
+    assert load.counts.shape == (4, 4) and load.moe_layers == [0, 2]
+    assert load.counts[[0, 2]].tolist() == rows.tolist() and not load.counts[[1, 3]].any()
+    assert load.extra["dropped"] == 3
+    passes = tmp_path / "recorder_per_pass.npz"
+    np.savez(passes, mode="per_pass", counts=np.stack([rows, rows]),
+             forward_mode=np.array([0, 1], np.int8), num_tokens=np.array([3, 2]), **meta)
+    assert el.load_dump(str(passes)).counts[[0, 2]].tolist() == (2 * rows).tolist()
+    empty = tmp_path / "recorder_empty.npz"  # recording started, nothing ran yet
+    np.savez(empty, mode="per_pass", counts=np.zeros((0, 2, 4), np.int64),
+             forward_mode=np.zeros(0, np.int8), num_tokens=np.zeros(0, np.int64), **meta)
+    load = el.load_dump(str(empty))
+    assert load.counts.shape == (4, 4) and not load.counts.any() and load.num_tokens == 0
+    # trailing dense layers: num_hidden_layers says where the MoE rows go
+    np.savez(path, mode="stat", counts=rows, **{**meta, "moe_layers": np.array([0, 1])})
+    load = el.load_dump(str(path))
+    assert load.counts.shape == (4, 4) and load.counts[:2].tolist() == rows.tolist()
+    np.savez(path, mode="stat", counts=rows, **{**meta, "moe_layers": np.array([0, 1, 2])})
+    with pytest.raises(ValueError, match="every decoder layer or exactly the MoE layers"):
+        el.load_dump(str(path))
+
+
 def test_read_per_pass(tmp_path):
     passes = np.stack([COUNTS, 2 * COUNTS, np.zeros_like(COUNTS)])
     path = tmp_path / "per_pass.npz"
@@ -213,7 +242,8 @@ def test_render_expert_load_png():
     img = _read_png(png)
     assert img.shape[:2] == (600, 1000)  # figsize (10, 6) at dpi 100
     # rows of the MoE layers only, and an unknown k, draw too
-    assert _read_png(el.render_expert_load_png(COUNTS[1:], [1, 2], "moe rows"))[:8].size
+    img = _read_png(el.render_expert_load_png(COUNTS[1:], [1, 2], "moe rows", num_layers=4))
+    assert img.shape[:2] == (600, 1000)
 
 
 @pytest.mark.parametrize("extra", [[], ["--ep-size", "2", "--balanced"],

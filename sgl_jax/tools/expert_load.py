@@ -116,19 +116,24 @@ def _full_layers(counts: np.ndarray, moe_layers: Sequence[int] | None,
         moe = [int(i) for i in np.flatnonzero(counts.sum(axis=1) > 0)]
         return counts, moe
     moe = [int(i) for i in moe_layers]
-    if any(i < 0 for i in moe):
-        raise ValueError(f"moe_layers {moe} holds a negative layer id")
+    if any(i < 0 for i in moe) or len(set(moe)) != len(moe):
+        raise ValueError(f"moe_layers {moe[:8]} holds a negative or repeated layer id")
     rows = counts.shape[0]
-    if moe and max(moe) >= rows:
-        if len(moe) != rows:
-            raise ValueError(
-                f"counts has {rows} rows but moe_layers {moe[:8]}... reaches layer {max(moe)}: "
-                "rows must be every decoder layer or exactly the MoE layers"
-            )
-        full = np.zeros((max(num_layers or 0, max(moe) + 1), counts.shape[1]), np.int64)
-        full[moe] = counts
-        return full, sorted(moe)
-    return counts, sorted(moe)
+    if num_layers is not None and moe and max(moe) >= num_layers:
+        raise ValueError(f"moe_layers reach layer {max(moe)}; num_hidden_layers={num_layers}")
+    if rows == num_layers or (num_layers is None and not (moe and max(moe) >= rows) and (
+            rows != len(moe) or moe == list(range(rows)))):
+        return counts, sorted(moe)  # one row per decoder layer
+    if len(moe) != rows:
+        raise ValueError(
+            f"counts has {rows} rows; moe_layers has {len(moe)} (up to layer "
+            f"{max(moe) if moe else None}) and num_hidden_layers is {num_layers}: rows must be "
+            "every decoder layer or exactly the MoE layers")
+    # rows are the MoE layers, in moe_layers order (the recorder's layout)
+    full = np.zeros((max(num_layers or 0, max(moe) + 1 if moe else 0), counts.shape[1]),
+                    np.int64)
+    full[moe] = counts
+    return full, sorted(moe)
 
 
 def _bincount_topk(topk_ids: np.ndarray, num_experts: int | None) -> np.ndarray:
@@ -196,7 +201,8 @@ def load_arrays(arrays: Mapping[str, Any]) -> ExpertLoad:
     k = _scalar(arrays["num_experts_per_tok"]) if "num_experts_per_tok" in arrays else None
     moe_layers = ([int(i) for i in np.asarray(arrays["moe_layers"]).reshape(-1)]
                   if "moe_layers" in arrays else None)
-    num_layers = _scalar(arrays["num_layers"]) if "num_layers" in arrays else None
+    num_layers = next((_scalar(arrays[n]) for n in ("num_hidden_layers", "num_layers")
+                       if n in arrays), None)
     arch = _scalar(arrays["architecture"]) if "architecture" in arrays else None
     num_tokens: int | None = None
     extra: dict[str, Any] = {}
@@ -212,6 +218,8 @@ def load_arrays(arrays: Mapping[str, Any]) -> ExpertLoad:
             raise ValueError(f"stat counts must be [layers, num_experts]; got {counts.shape}")
         if "num_tokens" in arrays:
             num_tokens = int(np.asarray(arrays["num_tokens"]).sum())
+        if "dropped" in arrays:
+            extra["dropped"] = int(_scalar(arrays["dropped"]))
     elif mode == "per_pass":
         per_pass = need("counts")
         if per_pass.ndim != 3:
@@ -219,12 +227,16 @@ def load_arrays(arrays: Mapping[str, Any]) -> ExpertLoad:
                 f"per_pass counts must be [passes, layers, num_experts]; got {per_pass.shape}")
         counts = per_pass.astype(np.int64).sum(axis=0)
         extra["num_passes"] = int(per_pass.shape[0])
+        if "dropped" in arrays:
+            extra["dropped"] = int(_scalar(arrays["dropped"]))
         if "num_tokens" in arrays:
             num_tokens = int(np.asarray(arrays["num_tokens"]).astype(np.int64).sum())
     else:
         topk = need("topk_ids")
         counts = _bincount_topk(topk, None if num_experts is None else int(num_experts))
         num_tokens = int(topk.shape[0])
+        if "dropped" in arrays:
+            extra["dropped"] = int(_scalar(arrays["dropped"]))
         if k is None and topk.ndim == 3:
             k = int(topk.shape[2])
         if moe_layers is None and topk.ndim == 3 and topk.shape[0]:
@@ -354,7 +366,7 @@ def _draw_heatmap(fig, ax, counts: np.ndarray, moe_layers: Sequence[int],
                   num_experts_per_tok: int | None, title: str) -> None:
     import matplotlib as mpl
 
-    counts, moe = _full_layers(counts, moe_layers)
+    moe = list(moe_layers)  # counts: one row per decoder layer
     num_layers, num_experts = counts.shape
     share = token_share(counts, num_experts_per_tok)
     dense = [i for i in range(num_layers) if i not in set(moe)]
@@ -413,8 +425,8 @@ def _draw_layer_imbalance(ax, placements: Sequence[PlacementLoad],
     for i, p in enumerate(placements):
         ratios = [imbalance(row) for row in p.per_layer]
         ax.plot(list(moe_layers), ratios, marker="o" if len(moe_layers) <= 16 else None,
-                markersize=3, linewidth=1.2, color=colours[i % len(colours)], label=p.name)
-    ax.axhline(1.0, color="black", linestyle="--", linewidth=0.8)
+                markersize=3, linewidth=1.6, color=colours[i % len(colours)], label=p.name)
+    ax.axhline(1.0, color="grey", linestyle=":", linewidth=0.8, zorder=0)
     ax.set_xlabel("decoder layer (MoE layers)")
     ax.set_ylabel("max / mean")
     ax.set_title("per-layer imbalance: tokens of the busiest device / mean over devices",
@@ -432,15 +444,19 @@ def _png_bytes(fig, plt, dpi: int) -> bytes:
 
 
 def render_expert_load_png(counts: np.ndarray, moe_layers: list[int], title: str,
-                           num_experts_per_tok: int | None = None, dpi: int = 100) -> bytes:
+                           num_experts_per_tok: int | None = None, dpi: int = 100,
+                           num_layers: int | None = None) -> bytes:
     """PNG bytes of the utilisation heatmap alone (what ``GET /expert_load.png`` serves).
 
     ``counts``: ``[layers, E]`` tokens per layer and logical expert (rows: every decoder
-    layer, or exactly the ``moe_layers``); ``num_experts_per_tok`` turns shares of routed
-    pairs into shares of tokens. Raises :class:`PlotUnavailableError` without matplotlib."""
+    layer, or exactly the ``moe_layers`` in that order, as the recorder keeps them);
+    ``num_experts_per_tok`` turns shares of routed pairs into shares of tokens;
+    ``num_layers`` (num_hidden_layers) places MoE-only rows exactly. Raises
+    :class:`PlotUnavailableError` without matplotlib."""
+    full, moe = _full_layers(counts, moe_layers, num_layers)
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(10, 6), layout="constrained")
-    _draw_heatmap(fig, ax, np.asarray(counts), moe_layers, num_experts_per_tok, title)
+    _draw_heatmap(fig, ax, full, moe, num_experts_per_tok, title)
     return _png_bytes(fig, plt, dpi)
 
 
@@ -473,6 +489,10 @@ def _title(path: str, load: ExpertLoad) -> str:
                  + (f", top-{load.num_experts_per_tok}" if load.num_experts_per_tok else ""))
     if load.num_tokens is not None:
         parts.append(f"{load.num_tokens} tokens")
+    if load.extra.get("num_passes") is not None:
+        parts.append(f"{load.extra['num_passes']} passes")
+    if load.extra.get("dropped"):
+        parts.append(f"{load.extra['dropped']} dropped")
     return "expert utilisation: " + ", ".join(parts)
 
 

@@ -246,6 +246,17 @@ def test_render_expert_load_png():
     assert img.shape[:2] == (600, 1000)
 
 
+def test_render_from_threads():
+    """The server draws in worker threads: no pyplot state, so concurrent calls are safe."""
+    pytest.importorskip("matplotlib")
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        pngs = list(pool.map(lambda i: el.render_expert_load_png(COUNTS * (i + 1), [1, 2],
+                                                                   f"t{i}", 2), range(4)))
+    assert all(p[:8] == PNG_SIGNATURE for p in pngs) and len(set(pngs)) == 4
+
+
 @pytest.mark.parametrize("extra", [[], ["--ep-size", "2", "--balanced"],
                                    ["--ep-size", "2", "--balanced", "both"],
                                    ["--mapping", "[[0, 3], [1, 2]]"]])

@@ -51,19 +51,20 @@ class PlotUnavailableError(ImportError):
     """matplotlib is not installed: the pictures need the ``plot`` extra."""
 
 
-def _pyplot():
-    """matplotlib's pyplot on the Agg backend (no display), or a clear error."""
+def _figure_class():
+    """matplotlib's ``Figure``, or a clear error. Figures are made without pyplot and saved by
+    the Agg canvas (no display, no global backend switch, safe from several threads: the HTTP
+    server draws in worker threads)."""
     try:
         import matplotlib
+        from matplotlib.figure import Figure
     except ImportError as e:
         raise PlotUnavailableError(
             f"drawing expert load needs matplotlib, which is not installed: {PLOT_EXTRA_HINT} "
             '(or pip install "matplotlib>=3.7")'
         ) from e
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
+    del matplotlib
+    return Figure
 
 
 # ---- reading dumps ----------------------------------------------------------------------------
@@ -436,10 +437,12 @@ def _draw_layer_imbalance(ax, placements: Sequence[PlacementLoad],
     ax.set_ylim(0.9, max(1.1, top * 1.15))
 
 
-def _png_bytes(fig, plt, dpi: int) -> bytes:
+def _png_bytes(fig, dpi: int) -> bytes:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
-    plt.close(fig)
     return buf.getvalue()
 
 
@@ -454,26 +457,27 @@ def render_expert_load_png(counts: np.ndarray, moe_layers: list[int], title: str
     ``num_layers`` (num_hidden_layers) places MoE-only rows exactly. Raises
     :class:`PlotUnavailableError` without matplotlib."""
     full, moe = _full_layers(counts, moe_layers, num_layers)
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(10, 6), layout="constrained")
+    fig = _figure_class()(figsize=(10, 6), layout="constrained")
+    ax = fig.subplots()
     _draw_heatmap(fig, ax, full, moe, num_experts_per_tok, title)
-    return _png_bytes(fig, plt, dpi)
+    return _png_bytes(fig, dpi)
 
 
 def render_figure(load: ExpertLoad, title: str, placements: Sequence[PlacementLoad] = (),
                   dpi: int = 100) -> bytes:
     """PNG bytes of the heatmap, and under it the per-device bars of ``placements``."""
-    plt = _pyplot()
+    figure = _figure_class()
     if placements:
-        fig, (ax, bx, cx) = plt.subplots(
-            3, 1, figsize=(10, 11.5), height_ratios=[2.2, 1, 0.75], layout="constrained")
+        fig = figure(figsize=(10, 11.5), layout="constrained")
+        ax, bx, cx = fig.subplots(3, 1, height_ratios=[2.2, 1, 0.75])
     else:
-        fig, ax = plt.subplots(figsize=(10, 6), layout="constrained")
+        fig = figure(figsize=(10, 6), layout="constrained")
+        ax = fig.subplots()
     _draw_heatmap(fig, ax, load.counts, load.moe_layers, load.num_experts_per_tok, title)
     if placements:
         _draw_bars(bx, placements)
         _draw_layer_imbalance(cx, placements, load.moe_layers)
-    return _png_bytes(fig, plt, dpi)
+    return _png_bytes(fig, dpi)
 
 
 # ---- CLI ----------------------------------------------------------------------------------------

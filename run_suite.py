@@ -49,6 +49,7 @@ E2E = [
     "tests/test_logprobs.py",
     "tests/test_deterministic.py",
     "tests/test_families.py",
+    "tests/test_expert_distribution.py",
 ]
 # Optional checks outside every suite (they skip without packages the project does not need).
 OPTIONAL = ["tests/test_hf_transformers.py"]

@@ -20,6 +20,7 @@ ATTENTION_BACKENDS = ("native", "pallas")
 MOE_BACKENDS = ("auto", "dense", "ragged")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ROUTED_EXPERTS_DTYPES = ("int32", "int16", "uint16", "uint8")  # routed_experts_codec's names
+EXPERT_DISTRIBUTION_MODES = ("stat", "per_pass", "per_token")  # layers/moe/expert_distribution
 
 
 def _arg(default: Any, help: str, **kw: Any) -> Any:
@@ -122,6 +123,22 @@ class ServerArgs:
                  "the model's experts is a 400 for the requests that use it.",
         choices=ROUTED_EXPERTS_DTYPES)
 
+    # Expert distribution recorder (docs/expert_load.md)
+    expert_distribution_recorder_mode: str | None = _arg(
+        None, "Record which experts the routers pick, per layer and logical expert, between "
+              "/start_expert_distribution_record and /stop_expert_distribution_record: 'stat' "
+              "(counts accumulated on the device; also served live by /expert_load), "
+              "'per_pass' (counts of every forward pass, with its mode and token count) or "
+              "'per_token' (every token's top-k ids with its request id and position). "
+              "Default: off (the step is unchanged).",
+        choices=EXPERT_DISTRIBUTION_MODES)
+    expert_distribution_recorder_buffer_size: int = _arg(
+        1000, "per_pass: how many forward passes are kept; per_token: how many tokens. When "
+              "full, the oldest are dropped (the dump says how many in 'dropped').")
+    expert_distribution_recorder_dir: str = _arg(
+        "/tmp", "Directory /dump_expert_distribution_record writes its .npz files to "
+                "(created if missing).")
+
     # Determinism
     enable_deterministic_inference: bool = _arg(
         False, "Batch-invariant computation: a request's tokens, logprobs and routed experts "
@@ -165,6 +182,13 @@ class ServerArgs:
         if self.routed_experts_dtype not in ROUTED_EXPERTS_DTYPES:
             fail(f"routed_experts_dtype={self.routed_experts_dtype!r}; use one of "
                  f"{', '.join(ROUTED_EXPERTS_DTYPES)}")
+        mode = self.expert_distribution_recorder_mode
+        if mode is not None and mode not in EXPERT_DISTRIBUTION_MODES:
+            fail(f"expert_distribution_recorder_mode={mode!r}; use one of "
+                 f"{', '.join(EXPERT_DISTRIBUTION_MODES)}")
+        if self.expert_distribution_recorder_buffer_size < 1:
+            fail(f"expert_distribution_recorder_buffer_size="
+                 f"{self.expert_distribution_recorder_buffer_size} must be >= 1")
         if self.moe_backend not in MOE_BACKENDS:
             fail(f"moe_backend={self.moe_backend!r}; use one of {', '.join(MOE_BACKENDS)}")
         if self.enable_deterministic_inference:

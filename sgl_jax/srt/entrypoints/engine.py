@@ -281,6 +281,25 @@ class Engine:
             raise ValueError(out.message)
         return dataclasses.asdict(out)
 
+    def start_expert_distribution_record(self) -> None:
+        """Starts a window of the expert distribution recorder (needs
+        ``expert_distribution_recorder_mode``; docs/expert_load.md). ValueError if the
+        recorder is off or already recording."""
+        self._run(self.tokenizer_manager.expert_distribution("start"))
+
+    def stop_expert_distribution_record(self) -> None:
+        """Ends the window (ValueError if not recording); it can still be dumped."""
+        self._run(self.tokenizer_manager.expert_distribution("stop"))
+
+    def dump_expert_distribution_record(self) -> str:
+        """Writes the window recorded so far as .npz in ``expert_distribution_recorder_dir``
+        and returns the path (ValueError if nothing was started)."""
+        return self._run(self.tokenizer_manager.expert_distribution("dump")).path
+
+    def get_expert_load(self) -> dict:
+        """``stat`` mode: the current window's counts, as ``GET /expert_load`` serves them."""
+        return self._run(self.tokenizer_manager.expert_distribution("load")).load
+
     def pause_generation(self) -> None:
         """Stops launching steps; running requests keep their state (and their callers wait)."""
         self._run(self.tokenizer_manager.pause_generation(True))

@@ -3,7 +3,10 @@
 Routes: native ``/generate``; OpenAI ``/v1/completions``, ``/v1/chat/completions``,
 ``/v1/models``; operations ``/health``, ``/health_generate``, ``/get_model_info``,
 ``/get_server_info``, ``/flush_cache``, ``/abort_request``, ``/update_weights_from_disk``,
-``/pause_generation``, ``/continue_generation``. Request plumbing (bodies, errors,
+``/pause_generation``, ``/continue_generation``; the expert distribution recorder
+``/start_expert_distribution_record``, ``/stop_expert_distribution_record``,
+``/dump_expert_distribution_record``, ``/expert_load`` and ``/expert_load.png``
+(docs/expert_load.md). Request plumbing (bodies, errors,
 API key, disconnects, streaming) lives in :mod:`http_transport`; the OpenAI formatting in
 :mod:`openai`. ``run_server`` owns the process: it binds, loads the engine, serves, and turns
 SIGTERM / SIGINT into a clean stop (exit 0) and a dead child into exit code 1.
@@ -21,6 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -208,6 +212,50 @@ def create_app(ctx: ServerContext) -> FastAPI:
     async def continue_generation() -> Response:
         await tm.pause_generation(False)
         return JSONResponse({"success": True, "message": "generation continued"})
+
+    async def recorder(action: str) -> Any:
+        try:
+            return await tm.expert_distribution(action)
+        except ValueError as e:  # off, or the wrong order: the caller's problem
+            raise OpenAIError(400, str(e)) from None
+
+    @app.post("/start_expert_distribution_record")
+    async def start_expert_distribution_record() -> Response:
+        out = await recorder("start")
+        return JSONResponse({"success": True, "message": out.message})
+
+    @app.post("/stop_expert_distribution_record")
+    async def stop_expert_distribution_record() -> Response:
+        out = await recorder("stop")
+        return JSONResponse({"success": True, "message": out.message})
+
+    @app.post("/dump_expert_distribution_record")
+    async def dump_expert_distribution_record() -> Response:
+        out = await recorder("dump")
+        return JSONResponse({"success": True, "message": out.message, "path": out.path})
+
+    @app.get("/expert_load")
+    async def expert_load() -> Response:
+        return JSONResponse((await recorder("load")).load)
+
+    @app.get("/expert_load.png")
+    async def expert_load_png() -> Response:
+        load = (await recorder("load")).load
+        try:  # the picture tool and matplotlib are optional
+            from sgl_jax.tools.expert_load import render_expert_load_png
+        except ImportError as e:
+            raise OpenAIError(501, f"drawing expert load is unavailable ({e}): "
+                                   'pip install "sgl_jax[plot]"', type="not_implemented") from None
+        title = (f"{load['architecture']}: expert load over {load['num_tokens']} tokens"
+                 f"{' (recording)' if load['recording'] else ''}")
+        try:
+            png = await asyncio.to_thread(
+                render_expert_load_png, np.asarray(load["counts"], np.int64),
+                load["moe_layers"], title)
+        except ImportError as e:  # matplotlib missing (the tool's PlotUnavailableError)
+            raise OpenAIError(501, f"{e}" if "pip install" in str(e) else
+                              f'{e}: pip install "sgl_jax[plot]"', type="not_implemented") from None
+        return Response(png, media_type="image/png")
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:

@@ -188,6 +188,22 @@ class PauseGenerationReqOutput:
 
 
 @dataclass
+class ExpertDistributionReq:
+    """The expert distribution recorder (docs/expert_load.md): ``action`` is "start", "stop",
+    "dump" (writes a .npz, returns its path) or "load" (the live stat counts)."""
+
+    action: str
+
+
+@dataclass
+class ExpertDistributionReqOutput:
+    success: bool
+    message: str = ""
+    path: str | None = None  # dump: the file written
+    load: dict[str, Any] | None = None  # load: counts, num_tokens, moe_layer_ids, ...
+
+
+@dataclass
 class GetServerInfoReqOutput:
     info: dict[str, Any]
 

@@ -26,6 +26,8 @@ from sgl_jax.srt.forward_batch_info import ForwardMode
 from sgl_jax.srt.managers.finish_checker import FinishChecker
 from sgl_jax.srt.managers.io_struct import (
     AbortReq,
+    ExpertDistributionReq,
+    ExpertDistributionReqOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetServerInfoReq,
@@ -186,6 +188,8 @@ class Scheduler:
             self.outputs.send_control(GetServerInfoReqOutput(info=self.server_info()))
         elif isinstance(msg, UpdateWeightsReq):
             self.request_weight_update(msg)
+        elif isinstance(msg, ExpertDistributionReq):
+            self.outputs.send_control(self.expert_distribution(msg.action))
         elif isinstance(msg, PauseGenerationReq):
             self.paused = msg.pause
             logger.info("generation %s", "paused" if msg.pause else "continued")
@@ -316,7 +320,7 @@ class Scheduler:
     def launch_batch(self, batch: ScheduleBatch) -> StepOutput:
         """Dispatches a step; the requests' accounting moves on as if it had run."""
         mwb = batch.to_model_worker_batch()
-        _, out = self.runner.run_worker_batch(mwb)
+        _, out = self.runner.run_worker_batch(mwb, rids=[r.rid for r in batch.reqs])
         for req, n, samples in zip(batch.reqs, batch.extend_lens, batch.samples_output,
                                    strict=True):
             req.kv_len += n
@@ -333,6 +337,8 @@ class Scheduler:
             out.routed_rows, batch.out_cache_loc, len(batch.out_cache_loc),
             copy=batch.capture_routed,
         )
+        if self.runner.expert_recorder is not None:
+            self.runner.expert_recorder.collect()  # per_pass / per_token records to the host
         all_ids = np.asarray(out.next_token_ids)
         if batch.logprob_rows:
             self._record_logprobs(batch, out, all_ids)
@@ -418,6 +424,31 @@ class Scheduler:
             return FlushCacheReqOutput(success=False, message="requests are still running")
         self.memory.flush()
         return FlushCacheReqOutput(success=True)
+
+    def expert_distribution(self, action: str) -> ExpertDistributionReqOutput:
+        """start / stop / dump / load of the expert distribution recorder; a refusal (off,
+        wrong order) is a reply with success=False, never an exception in the loop."""
+        recorder = self.runner.expert_recorder
+        if recorder is None:
+            return ExpertDistributionReqOutput(
+                success=False, message="the expert distribution recorder is off; start the "
+                "server with --expert-distribution-recorder-mode stat, per_pass or per_token")
+        try:
+            if action == "start":
+                recorder.start()
+                return ExpertDistributionReqOutput(success=True, message="recording started")
+            if action == "stop":
+                recorder.stop()
+                return ExpertDistributionReqOutput(success=True, message="recording stopped")
+            if action == "dump":
+                path = recorder.dump()
+                logger.info("expert distribution dumped to %s", path)
+                return ExpertDistributionReqOutput(success=True, message="dumped", path=path)
+            if action == "load":
+                return ExpertDistributionReqOutput(success=True, load=recorder.load())
+            raise ValueError(f"unknown expert distribution action {action!r}")
+        except (ValueError, OSError) as e:
+            return ExpertDistributionReqOutput(success=False, message=str(e))
 
     # -- weight updates -------------------------------------------------------------------------
     def _started_requests(self) -> list[Req]:

@@ -30,6 +30,8 @@ from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.managers.io_struct import (
     AbortReq,
     BatchStrOut,
+    ExpertDistributionReq,
+    ExpertDistributionReqOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
     GenerateReqInput,
@@ -101,6 +103,7 @@ class TokenizerManager:
         self._control: dict[type, deque[Future]] = {
             FlushCacheReqOutput: deque(), GetServerInfoReqOutput: deque(),
             UpdateWeightsReqOutput: deque(), PauseGenerationReqOutput: deque(),
+            ExpertDistributionReqOutput: deque(),
         }
         self._ctx = zmq.Context(2)
         self._send = self._ctx.socket(zmq.PUSH)
@@ -314,6 +317,15 @@ class TokenizerManager:
 
     async def pause_generation(self, pause: bool) -> PauseGenerationReqOutput:
         return await self._control_call(PauseGenerationReq(pause=pause), PauseGenerationReqOutput)
+
+    async def expert_distribution(self, action: str) -> ExpertDistributionReqOutput:
+        """The expert distribution recorder: "start", "stop", "dump" or "load". Raises
+        ValueError with the scheduler's reason when refused (recorder off, wrong order)."""
+        out = await self._control_call(ExpertDistributionReq(action=action),
+                                       ExpertDistributionReqOutput)
+        if not out.success:
+            raise ValueError(out.message)
+        return out
 
     async def get_server_info(self) -> dict[str, Any]:
         """What ``Engine.get_server_info()`` and ``GET /get_server_info`` return: the

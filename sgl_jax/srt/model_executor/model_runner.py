@@ -4,7 +4,10 @@ A step is the model forward plus sampling, jitted once per (mode, padded tokens,
 The KV cache, the device page table and the last-token buffer are donated into the step and
 replaced by its outputs, so they are updated in place (routed-experts rows are a fresh output
 of each step, their host copy started at dispatch when the batch asks for them: all of them
-when every request asked, else only the askers' rows, gathered on the device). Every
+when every request asked, else only the askers' rows, gathered on the device). With
+``--expert-distribution-recorder-mode`` the recorder's device state (``stat`` counts) is
+donated too, and the step also outputs the pass's counts or ids (``per_pass`` /
+``per_token``; docs/expert_load.md); no shape depends on whether recording is on. Every
 trace of the step is counted in ``num_compiles``: after precompilation, serving inside the
 buckets must leave it flat.
 
@@ -56,6 +59,7 @@ from sgl_jax.srt.layers.attention import (
 )
 from sgl_jax.srt.layers.logprobs import LogprobOutput, logprob_outputs
 from sgl_jax.srt.layers.moe.ep_moe import ExpertMapping
+from sgl_jax.srt.layers.moe.expert_distribution import RecordingCapturer, create_recorder
 from sgl_jax.srt.layers.moe.experts import resolve_moe_backend
 from sgl_jax.srt.layers.moe.routed_experts_capturer import RoutedExpertsCapturer
 from sgl_jax.srt.layers.sampler import sample
@@ -78,6 +82,8 @@ class StepOutput:
     # asked, the askers' rows as a ``GatheredRows`` (what is copied to the host).
     routed_rows: Any
     logprobs: LogprobOutput | None = None  # when some request asked
+    # --expert-distribution-recorder-mode per_pass / per_token: this pass's counts or ids.
+    expert_pass: Any = None
 
 
 def make_mesh(devices: Sequence[Any], tp_size: int, ep_size: int) -> Mesh:
@@ -207,7 +213,12 @@ class ModelRunner:
             weights=server_args.enable_return_routed_expert_weights,
         )
         self.capturer = capturer
-        self.backends = ModelBackends(attention=attention, moe=moe_backend, capturer=capturer,
+        # --expert-distribution-recorder-mode: the model reports its top-k ids to the recorder
+        # through the same capture call (a capturer that passes it on to both).
+        self.expert_recorder = create_recorder(server_args, model_config, replicated, abstract)
+        traced = capturer if self.expert_recorder is None else \
+            RecordingCapturer(capturer, self.expert_recorder)
+        self.backends = ModelBackends(attention=attention, moe=moe_backend, capturer=traced,
                                       batch_invariant=self.deterministic)
 
         self.num_compiles = 0
@@ -216,7 +227,7 @@ class ModelRunner:
         self.compile_seconds: dict[tuple[int, ...], float] = {}
         self._step = jax.jit(
             partial(self._step_impl, self.graphdef, self.param_treedef),
-            donate_argnums=(1, 2, 3),
+            donate_argnums=(1, 2, 3, 4),
         )
 
     @property
@@ -256,7 +267,7 @@ class ModelRunner:
     # -- the jitted step ------------------------------------------------------------------------
     def _step_impl(
         self, graphdef: Any, param_treedef: Any, param_leaves: list, kv_caches: list,
-        req_to_page: jax.Array, last_tokens: jax.Array, batch: ForwardBatch,
+        req_to_page: jax.Array, last_tokens: jax.Array, expert_state: Any, batch: ForwardBatch,
     ) -> tuple:
         self.num_compiles += 1  # runs only while tracing: one count per compiled shape
         model = nnx.merge(graphdef, jax.tree.unflatten(param_treedef, param_leaves))
@@ -269,9 +280,16 @@ class ModelRunner:
             req_to_page, req_slot, positions, batch.out_cache_loc, self.page_size
         )
         meta = AttentionMetadata.build(batch, token_to_req, positions, req_to_page, self.page_size)
+        recorder = self.expert_recorder
         self.capturer.begin_forward(None)
+        if recorder is not None:
+            recorder.begin_forward()
         logits, kv_caches = model(batch, meta, kv_caches, self.backends)
         _, routed_rows = self.capturer.end_forward(batch.num_tokens)
+        expert_pass = None
+        if recorder is not None:  # real tokens only: padded ones have no batch row
+            expert_state, expert_pass = recorder.end_forward(
+                expert_state, token_to_req < batch.batch_size)
         rows = batch.batch_size
         sampled_logits = logits[:rows]  # then, with logprobs, the input-logprob rows
         next_ids = sample(sampled_logits, batch.sampling)
@@ -291,10 +309,12 @@ class ModelRunner:
             else:
                 logprobs = logprob_outputs(logits, temps, targets, lp.token_ids)
         return (next_ids, sampled_logits, kv_caches, req_to_page, last_tokens, routed_rows,
-                logprobs)
+                logprobs, expert_state, expert_pass)
 
     def _step_args(self, batch: Any) -> tuple:
-        return (self.param_leaves, self.kv_caches, self.req_to_page, self.last_tokens, batch)
+        state = None if self.expert_recorder is None else self.expert_recorder.state
+        return (self.param_leaves, self.kv_caches, self.req_to_page, self.last_tokens, state,
+                batch)
 
     def forward(self, batch: ForwardBatch) -> StepOutput:
         """Dispatches one step (asynchronously: the outputs are futures until read)."""
@@ -302,7 +322,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         with jax.set_mesh(self.mesh):  # the model's shard_map regions run on this mesh
             (next_ids, logits, self.kv_caches, self.req_to_page, self.last_tokens,
-             rows, logprobs) = self._step(*self._step_args(batch))
+             rows, logprobs, expert_state, expert_pass) = self._step(*self._step_args(batch))
+        if self.expert_recorder is not None:
+            self.expert_recorder.state = expert_state
         if self.num_compiles != before:
             next_ids.block_until_ready()
             key = shape_key(batch)
@@ -311,7 +333,7 @@ class ModelRunner:
         if logprobs is not None:
             for leaf in jax.tree.leaves(logprobs):
                 leaf.copy_to_host_async()  # small ([B + P] x 20); read when processed
-        return StepOutput(next_ids, logits, rows, logprobs)
+        return StepOutput(next_ids, logits, rows, logprobs, expert_pass)
 
     def lower_bucket(self, mode: ForwardMode, num_tokens: int, batch_size: int) -> Any:
         """``jax.stages.Lowered`` of the step for one bucket (abstract or not; nothing runs)."""
@@ -326,8 +348,11 @@ class ModelRunner:
             return self._step.lower(*self._step_args(batch))
 
     # -- batches --------------------------------------------------------------------------------
-    def run_worker_batch(self, mwb: ModelWorkerBatch) -> tuple[ForwardBatch, StepOutput]:
-        """Pads ``mwb`` to its bucket and dispatches it; returns the padded batch and output."""
+    def run_worker_batch(
+        self, mwb: ModelWorkerBatch, rids: list[str] | None = None,
+    ) -> tuple[ForwardBatch, StepOutput]:
+        """Pads ``mwb`` to its bucket and dispatches it; returns the padded batch and output.
+        ``rids``: the requests' ids, for the per_token expert distribution recorder."""
         if mwb.forward_mode.is_decode:
             rows = self.padded_decode_bs(mwb.batch_size)
             tokens = rows
@@ -356,6 +381,9 @@ class ModelRunner:
                     out.routed_rows = self.capturer.select_rows(out.routed_rows, routed)
             # Overlaps the step and the next one.
             self.last_step_copy_bytes = self.capturer.start_copy(out.routed_rows)
+        if self.expert_recorder is not None:
+            self.expert_recorder.on_launch(out.expert_pass, mwb.forward_mode, mwb.num_tokens,
+                                           rids, mwb.prefix_lens, mwb.extend_lens)
         return batch, out
 
     def _sync_prefix_pages(self, mwb: ModelWorkerBatch) -> int:

@@ -251,7 +251,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
         try:
             png = await asyncio.to_thread(
                 render_expert_load_png, np.asarray(load["counts"], np.int64),
-                load["moe_layers"], title)
+                load["moe_layers"], title, num_experts_per_tok=load["num_experts_per_tok"],
+                num_layers=load["num_hidden_layers"])
         except ImportError as e:  # matplotlib missing (the tool's PlotUnavailableError)
             raise OpenAIError(501, f"{e}" if "pip install" in str(e) else
                               f'{e}: pip install "sgl_jax[plot]"', type="not_implemented") from None

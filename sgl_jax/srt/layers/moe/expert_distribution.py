@@ -217,7 +217,8 @@ class ExpertDistributionRecorder:
         counts, tokens = self.stat_counts()
         return {"counts": counts.tolist(), "num_tokens": tokens,
                 "moe_layers": self.moe_layer_ids, "num_experts": self.num_experts,
-                "num_experts_per_tok": self.top_k, "recording": self.recording,
+                "num_experts_per_tok": self.top_k, "num_hidden_layers": self.num_layers,
+                "recording": self.recording,
                 "architecture": self.config.architecture}
 
     def arrays(self) -> dict[str, np.ndarray]:

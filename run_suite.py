@@ -35,6 +35,7 @@ UNIT = [
     "tests/test_routed_experts_codec.py",
     "tests/test_request_options.py",
     "tests/test_routed_experts_transport.py",
+    "tests/test_expert_load_tool.py",
 ]
 E2E = [
     "tests/test_engine.py",

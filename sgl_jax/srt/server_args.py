@@ -21,6 +21,7 @@ MOE_BACKENDS = ("auto", "dense", "ragged")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ROUTED_EXPERTS_DTYPES = ("int32", "int16", "uint16", "uint8")  # routed_experts_codec's names
 EXPERT_DISTRIBUTION_MODES = ("stat", "per_pass", "per_token")  # layers/moe/expert_distribution
+EPLB_ALGORITHMS = ("greedy", "hierarchical")  # layers/moe/eplb
 
 
 def _arg(default: Any, help: str, **kw: Any) -> Any:
@@ -139,6 +140,31 @@ class ServerArgs:
         "/tmp", "Directory /dump_expert_distribution_record writes its .npz files to "
                 "(created if missing).")
 
+    # EPLB: expert-parallel load balancing with redundant experts (docs/expert_load.md)
+    enable_eplb: bool = _arg(
+        False, "Expert-parallel load balancing: each MoE layer holds num_experts + "
+               "--ep-num-redundant-experts physical experts (replicas of hot experts), placed "
+               "by a logical-to-physical map held as device data, and rebalanced at runtime "
+               "from the expert distribution recorder's 'stat' counts without a restart or a "
+               "recompilation (implies --expert-distribution-recorder-mode stat).")
+    ep_num_redundant_experts: int = _arg(
+        0, "EPLB: redundant physical expert slots R per MoE layer (num_experts + R must be a "
+           "multiple of ep_size).")
+    eplb_algorithm: str = _arg(
+        "greedy", "EPLB placement algorithm: 'greedy' (replicate the hottest experts, then "
+                  "pack the slots onto devices heaviest first) or 'hierarchical' (DeepSeek "
+                  "EPLB style: expert groups onto device groups first, then replicate and "
+                  "pack within each group).",
+        choices=EPLB_ALGORITHMS)
+    eplb_rebalance_num_iterations: int = _arg(
+        0, "EPLB: rebalance automatically every N forward passes (0: only on an explicit "
+           "Engine.rebalance_experts() / POST /rebalance_experts).")
+    init_expert_location: str | None = _arg(
+        None, "EPLB: the initial placement, from a recorder dump (.npz with 'stat' counts "
+              "[layers, experts]: balanced from them) or a JSON mapping "
+              "{\"physical_to_logical\": [[...] per MoE layer] or one [P] list}. Default: "
+              "logical experts in order, then replicas round-robin.")
+
     # Determinism
     enable_deterministic_inference: bool = _arg(
         False, "Batch-invariant computation: a request's tokens, logprobs and routed experts "
@@ -189,6 +215,25 @@ class ServerArgs:
         if self.expert_distribution_recorder_buffer_size < 1:
             fail(f"expert_distribution_recorder_buffer_size="
                  f"{self.expert_distribution_recorder_buffer_size} must be >= 1")
+        if self.eplb_algorithm not in EPLB_ALGORITHMS:
+            fail(f"eplb_algorithm={self.eplb_algorithm!r}; use one of "
+                 f"{', '.join(EPLB_ALGORITHMS)}")
+        if self.ep_num_redundant_experts < 0 or self.eplb_rebalance_num_iterations < 0:
+            fail("ep_num_redundant_experts and eplb_rebalance_num_iterations must be >= 0")
+        if not self.enable_eplb and (self.ep_num_redundant_experts
+                                     or self.eplb_rebalance_num_iterations
+                                     or self.init_expert_location):
+            fail("ep_num_redundant_experts, eplb_rebalance_num_iterations and "
+                 "init_expert_location need enable_eplb")
+        if self.enable_eplb:
+            if self.expert_distribution_recorder_mode is None:
+                self.expert_distribution_recorder_mode = "stat"
+            elif self.expert_distribution_recorder_mode != "stat":
+                fail("enable_eplb rebalances from the recorder's 'stat' counts; use "
+                     "--expert-distribution-recorder-mode stat (or leave it unset)")
+            if self.ep_expert_mapping:
+                fail("enable_eplb and ep_expert_mapping are exclusive (EPLB places the experts; "
+                     "give an initial placement with init_expert_location)")
         if self.moe_backend not in MOE_BACKENDS:
             fail(f"moe_backend={self.moe_backend!r}; use one of {', '.join(MOE_BACKENDS)}")
         if self.enable_deterministic_inference:

@@ -1,0 +1,135 @@
+"""EPLB placement algorithms (pure numpy): exact tables and the imbalance they reach."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from sgl_jax.srt.layers.moe.eplb import (
+    compute_placement,
+    default_placement,
+    device_load,
+    greedy_placement,
+    hierarchical_placement,
+    imbalance,
+    pack,
+    physical_ids_np,
+    read_init_location,
+    replica_choice,
+    replica_tables,
+    replicate,
+)
+
+
+def skewed_load() -> np.ndarray:
+    load = np.zeros((2, 16))
+    load[0, [5, 9]] = [400, 200]
+    load[0] += 10
+    load[1, [13, 14, 15]] = 300
+    load[1] += 5
+    return load
+
+
+def test_replicate_gives_extra_slots_to_the_hottest_per_replica():
+    assert replicate([100, 1, 1, 1], 6).tolist() == [3, 1, 1, 1]
+    assert replicate([10, 9, 1, 1], 6).tolist() == [2, 2, 1, 1]
+    assert replicate([1, 1, 1], 3).tolist() == [1, 1, 1]  # ties: nothing extra
+    with pytest.raises(ValueError, match="cannot hold"):
+        replicate([1, 1, 1], 2)
+
+
+def test_pack_lpt_with_equal_slot_counts():
+    assert pack([5, 4, 3, 3, 2, 1], 2) == [[0, 3, 5], [1, 2, 4]]  # 9 and 9
+    # Equal weights: replicas of one label go to different bins on a tie.
+    assert pack([2, 2, 1, 1], 2, labels=[0, 0, 1, 2]) == [[0, 2], [1, 3]]
+
+
+def test_greedy_exact_tables():
+    table = greedy_placement(skewed_load(), 4, 20)
+    assert table.tolist() == [
+        [0, 2, 4, 7, 9, 1, 3, 6, 8, 9, 5, 5, 10, 12, 14, 5, 5, 11, 13, 15],
+        [4, 7, 10, 13, 14, 5, 8, 11, 13, 14, 6, 9, 12, 13, 15, 0, 1, 2, 3, 15],
+    ]
+
+
+def test_every_expert_placed_and_imbalance_drops():
+    load = skewed_load()
+    base = np.tile(default_placement(16, 20), (2, 1))
+    before = imbalance(device_load(load, base, 4))
+    for algorithm in ("greedy", "hierarchical"):
+        table = compute_placement(load, 4, 20, algorithm, num_nodes=2)
+        assert table.shape == (2, 20)
+        for row in table:
+            assert set(row.tolist()) == set(range(16))
+        after = imbalance(device_load(load, table, 4))
+        assert (after < before).all(), (algorithm, before, after)
+    np.testing.assert_allclose(before, [3.421053, 2.551020], rtol=1e-6)
+    np.testing.assert_allclose(imbalance(device_load(load, greedy_placement(load, 4, 20), 4)),
+                               [1.236842, 1.098639], rtol=1e-6)
+    # Total load is preserved by the split over replicas.
+    np.testing.assert_allclose(device_load(load, greedy_placement(load, 4, 20), 4).sum(1),
+                               load.sum(1))
+
+
+def test_hierarchical_keeps_replicas_in_their_device_group():
+    load = np.array([[50, 40, 1, 1, 30, 1, 1, 1]], float)
+    table = hierarchical_placement(load, 4, 12, num_groups=4, num_nodes=2)
+    assert table.tolist() == [[0, 1, 6, 0, 1, 7, 4, 4, 5, 2, 3, 4]]
+    node0, node1 = set(table[0, :6].tolist()), set(table[0, 6:].tolist())
+    assert not node0 & node1  # each expert lives in one device group
+    with pytest.raises(ValueError, match="hierarchical"):
+        hierarchical_placement(load, 4, 12, num_groups=3, num_nodes=2)
+
+
+def test_replica_tables_and_deterministic_choice():
+    p2l = np.array([0, 0, 5, 6, 7, 0, 1, 2, 3, 4])
+    replicas, num = replica_tables(p2l, 8, 3)
+    assert replicas[0].tolist() == [0, 1, 5] and num.tolist() == [3, 1, 1, 1, 1, 1, 1, 1]
+    assert replicas[5].tolist() == [2, 2, 2]
+    ids = np.array([[0, 1], [0, 2], [3, 0]])
+    # assignment (t, j) of expert e takes replica (t * k + j) % num_replicas[e]
+    assert replica_choice(ids, num).tolist() == [[0, 0], [2, 0], [0, 2]]
+    assert physical_ids_np(ids, p2l, 3).tolist() == [[0, 6], [5, 7], [8, 5]]
+    with pytest.raises(ValueError, match="physical slots"):
+        replica_tables(np.array([0, 0, 0, 0, 1]), 3, 3)
+
+
+def test_init_location_from_dump_and_json(tmp_path):
+    load = skewed_load()
+    dump = tmp_path / "stat.npz"
+    np.savez(dump, counts=load, tokens=np.int64(100))
+    table = read_init_location(str(dump), 2, 16, 4, 20)
+    np.testing.assert_array_equal(table, greedy_placement(load, 4, 20))
+    spec = tmp_path / "loc.json"
+    spec.write_text(json.dumps({"physical_to_logical": list(range(16)) + [0, 1, 2, 3]}))
+    assert read_init_location(str(spec), 2, 16, 4, 20).shape == (2, 20)
+    spec.write_text(json.dumps(list(range(20))))
+    with pytest.raises(ValueError, match="every row"):
+        read_init_location(str(spec), 2, 16, 4, 20)
+
+
+
+def test_flags():
+    import argparse
+
+    from sgl_jax.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = ServerArgs.from_cli_args(parser.parse_args([
+        "--enable-eplb", "--ep-num-redundant-experts", "4", "--eplb-algorithm", "hierarchical",
+        "--eplb-rebalance-num-iterations", "100", "--init-expert-location", "x.npz"]))
+    assert (args.enable_eplb, args.ep_num_redundant_experts, args.eplb_algorithm,
+            args.eplb_rebalance_num_iterations, args.init_expert_location) == (
+        True, 4, "hierarchical", 100, "x.npz")
+    assert args.expert_distribution_recorder_mode == "stat"  # EPLB reads the stat counts
+    assert not ServerArgs().enable_eplb
+    for kwargs, message in [
+        ({"ep_num_redundant_experts": 2}, "need enable_eplb"),
+        ({"enable_eplb": True, "eplb_algorithm": "random"}, "eplb_algorithm"),
+        ({"enable_eplb": True, "expert_distribution_recorder_mode": "per_pass"}, "stat"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ServerArgs(**kwargs)

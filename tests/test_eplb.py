@@ -89,9 +89,12 @@ def test_replica_tables_and_deterministic_choice():
     assert replicas[0].tolist() == [0, 1, 5] and num.tolist() == [3, 1, 1, 1, 1, 1, 1, 1]
     assert replicas[5].tolist() == [2, 2, 2]
     ids = np.array([[0, 1], [0, 2], [3, 0]])
-    # assignment (t, j) of expert e takes replica (t * k + j) % num_replicas[e]
-    assert replica_choice(ids, num).tolist() == [[0, 0], [2, 0], [0, 2]]
-    assert physical_ids_np(ids, p2l, 3).tolist() == [[0, 6], [5, 7], [8, 5]]
+    # assignment (t, j) of expert e takes replica (t + j) % num_replicas[e]
+    assert replica_choice(ids, num).tolist() == [[0, 0], [1, 0], [0, 0]]
+    assert physical_ids_np(ids, p2l, 3).tolist() == [[0, 6], [1, 7], [8, 0]]
+    # An expert always at slot 0 of k=4 with 2 replicas: its tokens alternate replicas.
+    hot = np.array([[0, 1, 2, 3]] * 4)
+    assert replica_choice(hot, np.array([2, 1, 1, 1]))[:, 0].tolist() == [0, 1, 0, 1]
     with pytest.raises(ValueError, match="physical slots"):
         replica_tables(np.array([0, 0, 0, 0, 1]), 3, 3)
 
@@ -130,6 +133,8 @@ def test_flags():
         ({"ep_num_redundant_experts": 2}, "need enable_eplb"),
         ({"enable_eplb": True, "eplb_algorithm": "random"}, "eplb_algorithm"),
         ({"enable_eplb": True, "expert_distribution_recorder_mode": "per_pass"}, "stat"),
+        ({"enable_eplb": True, "enable_deterministic_inference": True}, "exclusive"),
+        ({"enable_eplb": True, "ep_expert_mapping": "[[0]]"}, "exclusive"),
     ]:
         with pytest.raises(ValueError, match=message):
             ServerArgs(**kwargs)

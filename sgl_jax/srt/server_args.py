@@ -231,6 +231,9 @@ class ServerArgs:
             elif self.expert_distribution_recorder_mode != "stat":
                 fail("enable_eplb rebalances from the recorder's 'stat' counts; use "
                      "--expert-distribution-recorder-mode stat (or leave it unset)")
+            if self.enable_deterministic_inference:
+                fail("enable_eplb and enable_deterministic_inference are exclusive (the replica "
+                     "of an expert a token uses depends on its position in the batch)")
             if self.ep_expert_mapping:
                 fail("enable_eplb and ep_expert_mapping are exclusive (EPLB places the experts; "
                      "give an initial placement with init_expert_location)")

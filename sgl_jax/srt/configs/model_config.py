@@ -125,10 +125,18 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # EPLB (set by the server, not by a checkpoint: layers/moe/eplb.py): the MoE blocks hold
+    # num_experts + num_redundant_experts physical expert rows and a placement as data.
+    eplb: bool = False
+    num_redundant_experts: int = 0
 
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i, moe in enumerate(self.moe_layers) if moe)
+
+    @property
+    def num_physical_experts(self) -> int:
+        return self.num_experts + self.num_redundant_experts
 
     @property
     def rope_dim(self) -> int:

@@ -300,6 +300,12 @@ class Engine:
         """``stat`` mode: the current window's counts, as ``GET /expert_load`` serves them."""
         return self._run(self.tokenizer_manager.expert_distribution("load")).load
 
+    def rebalance_experts(self) -> dict:
+        """EPLB (``enable_eplb``): a new expert placement from the recorder's ``stat`` counts,
+        applied between steps without a restart or a recompilation. Returns the per-layer
+        imbalance before and after and the new ``physical_to_logical`` tables."""
+        return self._run(self.tokenizer_manager.expert_distribution("rebalance")).load
+
     def pause_generation(self) -> None:
         """Stops launching steps; running requests keep their state (and their callers wait)."""
         self._run(self.tokenizer_manager.pause_generation(True))

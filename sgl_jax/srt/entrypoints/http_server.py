@@ -5,7 +5,8 @@ Routes: native ``/generate``; OpenAI ``/v1/completions``, ``/v1/chat/completions
 ``/get_server_info``, ``/flush_cache``, ``/abort_request``, ``/update_weights_from_disk``,
 ``/pause_generation``, ``/continue_generation``; the expert distribution recorder
 ``/start_expert_distribution_record``, ``/stop_expert_distribution_record``,
-``/dump_expert_distribution_record``, ``/expert_load`` and ``/expert_load.png``
+``/dump_expert_distribution_record``, ``/expert_load``, ``/expert_load.png`` and
+``POST /rebalance_experts`` (EPLB)
 (docs/expert_load.md). Request plumbing (bodies, errors,
 API key, disconnects, streaming) lives in :mod:`http_transport`; the OpenAI formatting in
 :mod:`openai`. ``run_server`` owns the process: it binds, loads the engine, serves, and turns
@@ -233,6 +234,11 @@ def create_app(ctx: ServerContext) -> FastAPI:
     async def dump_expert_distribution_record() -> Response:
         out = await recorder("dump")
         return JSONResponse({"success": True, "message": out.message, "path": out.path})
+
+    @app.post("/rebalance_experts")
+    async def rebalance_experts() -> Response:
+        out = await recorder("rebalance")
+        return JSONResponse({"success": True, "message": out.message, **out.load})
 
     @app.get("/expert_load")
     async def expert_load() -> Response:

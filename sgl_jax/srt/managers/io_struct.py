@@ -190,7 +190,8 @@ class PauseGenerationReqOutput:
 @dataclass
 class ExpertDistributionReq:
     """The expert distribution recorder (docs/expert_load.md): ``action`` is "start", "stop",
-    "dump" (writes a .npz, returns its path) or "load" (the live stat counts)."""
+    "dump" (writes a .npz, returns its path), "load" (the live stat counts) or "rebalance"
+    (EPLB: a new placement from the stat counts; ``load`` holds the imbalance figures)."""
 
     action: str
 

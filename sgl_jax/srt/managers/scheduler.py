@@ -429,6 +429,12 @@ class Scheduler:
         """start / stop / dump / load of the expert distribution recorder; a refusal (off,
         wrong order) is a reply with success=False, never an exception in the loop."""
         recorder = self.runner.expert_recorder
+        if action == "rebalance":  # EPLB (docs/expert_load.md): between steps, no recompile
+            try:
+                return ExpertDistributionReqOutput(
+                    success=True, message="rebalanced", load=self.runner.rebalance_experts())
+            except ValueError as e:
+                return ExpertDistributionReqOutput(success=False, message=str(e))
         if recorder is None:
             return ExpertDistributionReqOutput(
                 success=False, message="the expert distribution recorder is off; start the "

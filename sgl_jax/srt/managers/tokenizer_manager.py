@@ -319,7 +319,8 @@ class TokenizerManager:
         return await self._control_call(PauseGenerationReq(pause=pause), PauseGenerationReqOutput)
 
     async def expert_distribution(self, action: str) -> ExpertDistributionReqOutput:
-        """The expert distribution recorder: "start", "stop", "dump" or "load". Raises
+        """The expert distribution recorder: "start", "stop", "dump", "load" or "rebalance"
+        (EPLB). Raises
         ValueError with the scheduler's reason when refused (recorder off, wrong order)."""
         out = await self._control_call(ExpertDistributionReq(action=action),
                                        ExpertDistributionReqOutput)

@@ -58,13 +58,21 @@ from sgl_jax.srt.layers.attention import (
     update_page_table,
 )
 from sgl_jax.srt.layers.logprobs import LogprobOutput, logprob_outputs
-from sgl_jax.srt.layers.moe.ep_moe import ExpertMapping
+from sgl_jax.srt.layers.moe.ep_moe import ExpertMapping, layer_of
+from sgl_jax.srt.layers.moe.eplb import (
+    EplbPlacement,
+    compute_placement,
+    device_load,
+    imbalance,
+    read_init_location,
+    source_rows,
+)
 from sgl_jax.srt.layers.moe.expert_distribution import RecordingCapturer, create_recorder
 from sgl_jax.srt.layers.moe.experts import resolve_moe_backend
 from sgl_jax.srt.layers.moe.routed_experts_capturer import RoutedExpertsCapturer
 from sgl_jax.srt.layers.sampler import sample
 from sgl_jax.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
-from sgl_jax.srt.model_loader.loader import abstract_model, load_model
+from sgl_jax.srt.model_loader.loader import abstract_model, load_model, location_values
 from sgl_jax.srt.models.backends import ModelBackends
 from sgl_jax.srt.server_args import ServerArgs
 
@@ -152,6 +160,15 @@ class ModelRunner:
             attention.batch_invariant = True
         mapping = server_args.ep_expert_mapping
         self.expert_mapping = ExpertMapping.parse(mapping) if mapping else None
+        # EPLB (layers/moe/eplb.py): P = E + R physical experts, the placement held as data.
+        self.eplb_placement: EplbPlacement | None = None
+        self.eplb_passes = 0
+        self.eplb_rebalances = 0
+        if server_args.enable_eplb:
+            model_config = dataclasses.replace(
+                model_config, eplb=True, num_redundant_experts=server_args.ep_num_redundant_experts)
+            self.model_config = model_config
+            self.eplb_placement = self._initial_placement(model_config, server_args.ep_size)
         self.max_running_requests = int(server_args.max_running_requests)
         self.context_len = model_config.context_len
         self.page_size = server_args.page_size
@@ -164,7 +181,8 @@ class ModelRunner:
         build = abstract_model if abstract else load_model
         # Not kept: the step takes the parameters as arguments, and a weight update replaces
         # them (a reference here would keep the old weights alive).
-        model = build(model_config, self.mesh, self.dtype, self.expert_mapping)
+        model = build(model_config, self.mesh, self.dtype,
+                      self.eplb_placement or self.expert_mapping)
         self.graphdef, params = nnx.split(model)
         # The step takes the parameters as a flat list of arrays: flattening an nnx.State of
         # Variables on every call costs more host time than a decode step of a small model.
@@ -216,6 +234,9 @@ class ModelRunner:
         # --expert-distribution-recorder-mode: the model reports its top-k ids to the recorder
         # through the same capture call (a capturer that passes it on to both).
         self.expert_recorder = create_recorder(server_args, model_config, replicated, abstract)
+        if self.eplb_placement is not None and not abstract:
+            self.expert_recorder.start()  # EPLB rebalances from these counts
+        self._move_rows = None  # EPLB: the jitted gather of a rebalance (built on first use)
         traced = capturer if self.expert_recorder is None else \
             RecordingCapturer(capturer, self.expert_recorder)
         self.backends = ModelBackends(attention=attention, moe=moe_backend, capturer=traced,
@@ -263,6 +284,78 @@ class ModelRunner:
             "page_table": _nbytes(self.req_to_page),
             **self.capturer.memory_report(),
         }
+
+    # -- EPLB ------------------------------------------------------------------------------------
+    def _initial_placement(self, cfg: ModelConfig, ep_size: int) -> EplbPlacement:
+        num_physical = cfg.num_physical_experts
+        if num_physical % ep_size:
+            raise ValueError(
+                f"num_experts={cfg.num_experts} + ep_num_redundant_experts="
+                f"{cfg.num_redundant_experts} = {num_physical} physical experts must be a "
+                f"multiple of ep_size={ep_size}")
+        path = self.server_args.init_expert_location
+        if not path:
+            return EplbPlacement.default(cfg, ep_size)
+        tables = read_init_location(path, len(cfg.moe_layer_ids), cfg.num_experts, ep_size,
+                                    num_physical, self.server_args.eplb_algorithm,
+                                    self.server_args.nnodes)
+        return EplbPlacement(dict(zip(cfg.moe_layer_ids, tables, strict=True)),
+                             cfg.num_experts, ep_size)
+
+    def rebalance_experts(self, load: np.ndarray | None = None) -> dict[str, Any]:
+        """EPLB: a new placement from ``load`` ``[moe_layers, E]`` (default: the recorder's
+        ``stat`` counts), applied on the device: one jitted gather over the physical rows of
+        every stacked expert weight (fixed shapes: compiled once) and new placement arrays.
+        The step is not recompiled. Returns the per-layer imbalance before and after (each
+        replica taking load / replicas)."""
+        placement = self.eplb_placement
+        if placement is None:
+            raise ValueError("rebalance_experts needs --enable-eplb")
+        cfg, ep_size = self.model_config, self.mesh.shape["expert"]
+        if load is None:
+            load, _ = self.expert_recorder.stat_counts()
+        load = np.asarray(load, dtype=np.float64)
+        layers = list(cfg.moe_layer_ids)
+        old = np.stack([placement.physical_order(i) for i in layers])
+        new = compute_placement(load, ep_size, cfg.num_physical_experts,
+                                self.server_args.eplb_algorithm,
+                                num_nodes=self.server_args.nnodes)
+        src = {layer: source_rows(o, n) for layer, o, n in zip(layers, old, new, strict=True)}
+        new_placement = EplbPlacement(dict(zip(layers, new, strict=True)), cfg.num_experts,
+                                      ep_size)
+        state = jax.tree.unflatten(self.param_treedef, self.param_leaves)
+        flat = list(nnx.to_flat_state(state))
+        moved = [(path, var) for path, var in flat if path[-1] in ("w_gate", "w_up", "w_down")]
+        if self._move_rows is None:
+            shardings = [var.get_value().sharding for _, var in moved]
+            self._move_rows = jax.jit(
+                lambda ws, idx: [jnp.take(w, i, axis=0) for w, i in zip(ws, idx, strict=True)],
+                out_shardings=shardings)
+        with jax.set_mesh(self.mesh):
+            rows = self._move_rows([var.get_value() for _, var in moved],
+                                   [src[layer_of(path)] for path, _ in moved])
+        for (_, var), value in zip(moved, rows, strict=True):
+            var.set_value(value)
+        by_path = dict(flat)
+        for path, value in location_values(cfg, state, self.mesh, new_placement).items():
+            by_path[path].set_value(value)
+        leaves, treedef = jax.tree.flatten(state)
+        assert treedef == self.param_treedef
+        for before, after in zip(self.param_leaves, leaves, strict=True):
+            assert (before.shape, before.dtype, before.sharding) == (
+                after.shape, after.dtype, after.sharding)
+        jax.block_until_ready(leaves)
+        self.param_leaves = leaves
+        self.eplb_placement = new_placement
+        self.eplb_rebalances += 1
+        result = {
+            "imbalance_before": imbalance(device_load(load, old, ep_size)).tolist(),
+            "imbalance_after": imbalance(device_load(load, new, ep_size)).tolist(),
+            "physical_to_logical": new.tolist(),
+        }
+        logger.info("EPLB rebalance %d: imbalance %s -> %s", self.eplb_rebalances,
+                    np.round(result["imbalance_before"], 3), np.round(result["imbalance_after"], 3))
+        return result
 
     # -- the jitted step ------------------------------------------------------------------------
     def _step_impl(
@@ -384,6 +477,11 @@ class ModelRunner:
         if self.expert_recorder is not None:
             self.expert_recorder.on_launch(out.expert_pass, mwb.forward_mode, mwb.num_tokens,
                                            rids, mwb.prefix_lens, mwb.extend_lens)
+        if self.eplb_placement is not None:
+            self.eplb_passes += 1
+            every = self.server_args.eplb_rebalance_num_iterations
+            if every and self.eplb_passes % every == 0:
+                self.rebalance_experts()
         return batch, out
 
     def _sync_prefix_pages(self, mwb: ModelWorkerBatch) -> int:

@@ -22,7 +22,8 @@ from sgl_jax.srt.model_loader.loader import ArraySource, SafetensorsCheckpoint, 
 
 # Fields that may differ between checkpoints of one served model: where it lives, and what
 # only the tokenizer side or the start-up dtype choice reads.
-_FREE_FIELDS = {"model_path", "context_len", "eos_token_ids", "bos_token_id", "torch_dtype"}
+_FREE_FIELDS = {"model_path", "context_len", "eos_token_ids", "bos_token_id", "torch_dtype",
+                "eplb", "num_redundant_experts"}  # the last two: set by the server (EPLB)
 
 
 def config_differences(served: ModelConfig, new: ModelConfig) -> list[str]:
@@ -71,7 +72,9 @@ class WeightUpdater:
         runner = self.runner
         t0 = time.perf_counter()
         state = jax.tree.unflatten(runner.param_treedef, runner.param_leaves)
-        new = read_params(runner.model_config, state, runner.mesh, self.mapping, source,
+        # EPLB: the experts are stacked by the current placement (a rebalance changes it).
+        mapping = getattr(runner, "eplb_placement", None) or self.mapping
+        new = read_params(runner.model_config, state, runner.mesh, mapping, source,
                           partial=partial)
         for path, var in nnx.to_flat_state(state):
             if path in new:

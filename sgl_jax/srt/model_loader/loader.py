@@ -23,7 +23,13 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.srt.layers.moe.ep_moe import ExpertMapping, apply_expert_mapping, layer_of
+from sgl_jax.srt.layers.moe.ep_moe import (
+    ExpertLocation,
+    ExpertMapping,
+    apply_expert_mapping,
+    layer_of,
+)
+from sgl_jax.srt.layers.moe.eplb import EplbPlacement, replica_tables
 from sgl_jax.srt.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -118,6 +124,8 @@ def abstract_model(
             jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=_param_sharding(var, mesh))
         )
     model = nnx.merge(graphdef, state)
+    if config.eplb:
+        return model
     mapping = expert_mapping or ExpertMapping.contiguous(config.num_experts, mesh.shape["expert"])
     mapping.check(config.num_experts, mesh.shape["expert"])
     apply_expert_mapping(model, mapping)
@@ -145,14 +153,33 @@ def load_model(
     model_cls = get_model_class(config.architecture)
     abstract = nnx.eval_shape(lambda: model_cls(config, dtype))
     graphdef, state = nnx.split(abstract)
-    mapping = expert_mapping or ExpertMapping.contiguous(config.num_experts, mesh.shape["expert"])
-    mapping.check(config.num_experts, mesh.shape["expert"])
+    ep_size = mesh.shape["expert"]
+    if config.eplb and not isinstance(expert_mapping, EplbPlacement):
+        expert_mapping = EplbPlacement.default(config, ep_size)
+    mapping = expert_mapping or ExpertMapping.contiguous(config.num_experts, ep_size)
+    mapping.check(config.num_experts, ep_size)
     pure = read_params(config, state, mesh, mapping, SafetensorsCheckpoint(config.model_path))
+    if config.eplb:
+        pure.update(location_values(config, state, mesh, mapping))
     for path, var in _flat_params(state):
         var.set_value(pure[path])
     model = nnx.merge(graphdef, state)
-    apply_expert_mapping(model, mapping)  # the order the experts were just stacked in
+    if not config.eplb:
+        apply_expert_mapping(model, mapping)  # the order the experts were just stacked in
     return model
+
+
+def location_values(config: ModelConfig, state: nnx.State, mesh: Mesh,
+                    placement: EplbPlacement) -> dict[Path, jax.Array]:
+    """EPLB: every MoE block's ``replicas`` / ``num_replicas`` for ``placement``, replicated."""
+    out: dict[Path, jax.Array] = {}
+    for path, var in _flat_params(state):
+        if isinstance(var, ExpertLocation):
+            replicas, num = replica_tables(placement.physical_order(layer_of(path)),
+                                           config.num_experts, config.num_redundant_experts + 1)
+            value = replicas if path[-1] == "replicas" else num
+            out[path] = jax.device_put(value, _param_sharding(var, mesh))
+    return out
 
 
 def read_params(
@@ -170,6 +197,8 @@ def read_params(
     expected: set[str] = set()
     present = source.names()
     for path, var in _flat_params(state):
+        if not isinstance(var, nnx.Param):  # EPLB placement arrays: not in a checkpoint
+            continue
         stacked = path[-1] in _STACKED_EXPERTS
         order = mapping.physical_order(layer_of(path)) if stacked else None
         names, transpose = hf_sources(path, var, config.num_experts, order)

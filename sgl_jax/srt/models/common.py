@@ -23,7 +23,12 @@ from flax import nnx
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch_info import ForwardBatch
 from sgl_jax.srt.layers.attention import AttentionMetadata, write_kv
-from sgl_jax.srt.layers.moe.ep_moe import W_DOWN_SPEC, W_GATE_UP_SPEC, ep_moe_forward
+from sgl_jax.srt.layers.moe.ep_moe import (
+    W_DOWN_SPEC,
+    W_GATE_UP_SPEC,
+    ExpertLocation,
+    ep_moe_forward,
+)
 from sgl_jax.srt.layers.moe.router import create_router
 from sgl_jax.srt.layers.norm import RMSNorm
 from sgl_jax.srt.layers.rotary import apply_rotary
@@ -113,12 +118,16 @@ class SparseMoeBlock(nnx.Module):
     Experts are stacked in the layer's physical order (``ep_moe.py``): row i holds logical
     expert ``expert_order[i]``, and the rows of expert-axis device d are mapping[d]. The loader
     sets the order it stacked them in; default: identity (contiguous mapping).
+
+    With EPLB (``config.eplb``) there are ``P = E + R`` physical rows, row p holding logical
+    expert ``physical_to_logical[p]``, and the placement is data: ``replicas [E, R + 1]``
+    (physical rows of each logical expert) and ``num_replicas [E]`` (``layers/moe/eplb.py``).
     """
 
     def __init__(self, config: ModelConfig, layer_id: int, dtype: jnp.dtype,
                  expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
         hidden, experts, inter = (
-            config.hidden_size, config.num_experts, config.moe_intermediate_size,
+            config.hidden_size, config.num_physical_experts, config.moe_intermediate_size,
         )
         self.layer_id = layer_id
         self.gate = create_router(config)
@@ -127,6 +136,16 @@ class SparseMoeBlock(nnx.Module):
         self.w_up = param((experts, hidden, inter), dtype, W_GATE_UP_SPEC, (up_name, True))
         self.w_down = param((experts, inter, hidden), dtype, W_DOWN_SPEC, (down_name, True))
         self.expert_order: tuple[int, ...] = tuple(range(experts))
+        # EPLB: the placement is data (ep_moe.ExpertLocation), set by the loader and swapped by
+        # a rebalance; the compiled step does not depend on it. Off: nothing is added.
+        self.eplb = config.eplb
+        if self.eplb:
+            max_replicas = config.num_redundant_experts + 1
+            self.replicas = ExpertLocation(jnp.zeros((config.num_experts, max_replicas),
+                                                     jnp.int32), out_sharding=(),
+                                          eager_sharding=False)
+            self.num_replicas = ExpertLocation(jnp.ones((config.num_experts,), jnp.int32),
+                                               out_sharding=(), eager_sharding=False)
         # Shared experts: every token's, never routed and never in the returned rows.
         # Qwen2-MoE has one ("shared_expert") scaled by a sigmoid gate; DeepSeek-V3 and
         # GLM-4.5 add theirs ("shared_experts", n of them as one MLP of n times the width).
@@ -146,6 +165,7 @@ class SparseMoeBlock(nnx.Module):
         out = ep_moe_forward(
             x, topk_ids, topk_weights, self.w_gate[...], self.w_up[...], self.w_down[...],
             self.expert_order, backend=backends.moe,
+            location=(self.replicas[...], self.num_replicas[...]) if self.eplb else None,
         )
         if self.shared_name is not None:
             shared = getattr(self, self.shared_name)(x)

@@ -22,6 +22,12 @@ expert backend (``experts.py``: ``dense`` or ``ragged``) on its own experts (wit
 slice of their intermediate dimension), and one ``psum`` over ("expert", "tensor") adds the
 float32 partial outputs. No device ever holds another device's expert weights, and x is never
 moved: the only communication is that all-reduce of a ``[T, H]`` array (``docs/moe_backends.md``).
+
+EPLB (``--enable-eplb``, ``eplb.py``): the weights have ``P = E + R`` physical rows and the
+placement is DATA (``ExpertLocation`` arrays ``replicas`` / ``num_replicas`` passed with the
+weights), so a rebalance needs no recompilation; each logical id is turned into one of its
+replicas (:func:`physical_ids`) and, per device, into a local row by a subtraction. Without it
+the static path above is unchanged.
 """
 
 from __future__ import annotations
@@ -46,6 +52,11 @@ EXPERT_ORDER = "expert_order"  # attribute of a MoE block: its physical order (s
 # Partition specs of a MoE block's stacked weights (shared with the model's parameter specs).
 W_GATE_UP_SPEC = (EXPERT_AXIS, None, TENSOR_AXIS)  # [E, H, I]
 W_DOWN_SPEC = (EXPERT_AXIS, TENSOR_AXIS, None)  # [E, I, H]
+
+
+class ExpertLocation(nnx.Variable):
+    """EPLB placement arrays of a MoE block (not parameters, not in a checkpoint): traced
+    like the weights, so a rebalance swaps them without a recompilation."""
 
 
 class ExpertMapping:
@@ -207,6 +218,44 @@ def local_row_table(expert_order: Sequence[int], ep_size: int) -> np.ndarray:
     return table
 
 
+def physical_ids(topk_ids: jax.Array, replicas: jax.Array, num_replicas: jax.Array) -> jax.Array:
+    """EPLB: LOGICAL ids ``[T, k]`` -> physical rows ``[T, k]``. Assignment (t, j) of expert e
+    takes replica ``(t + j) % num_replicas[e]`` (token index in the padded batch: an expert's
+    tokens split evenly and deterministically over its replicas; ``eplb.replica_choice`` is
+    the numpy twin)."""
+    num_tokens, top_k = topk_ids.shape
+    index = (jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
+             + jnp.arange(top_k, dtype=jnp.int32)[None, :])
+    choice = index % jnp.take(num_replicas, topk_ids)
+    return replicas[topk_ids, choice]
+
+
+def _eplb_forward(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array,
+                  w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                  location: tuple[jax.Array, jax.Array], compute: Any) -> jax.Array:
+    """The EPLB path: physical rows are contiguous per device (device d: rows
+    ``[d * P_l, (d + 1) * P_l)``), so a physical id becomes a local row by a subtraction."""
+    phys = physical_ids(topk_ids, *location)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not {EXPERT_AXIS, TENSOR_AXIS} <= set(mesh.axis_names):
+        return compute(x, phys, topk_weights, w_gate, w_up, w_down).astype(x.dtype)
+
+    def local_experts(x: jax.Array, phys: jax.Array, topk_weights: jax.Array,
+                      w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+        per_device = w_gate.shape[0]
+        local = phys - jax.lax.axis_index(EXPERT_AXIS) * per_device
+        rows = jnp.where((local >= 0) & (local < per_device), local, per_device)
+        partial = compute(x, rows, topk_weights, w_gate, w_up, w_down)
+        return jax.lax.psum(partial, (EXPERT_AXIS, TENSOR_AXIS)).astype(x.dtype)
+
+    moe = jax.shard_map(
+        local_experts, mesh=mesh,
+        in_specs=(P(), P(), P(), P(*W_GATE_UP_SPEC), P(*W_GATE_UP_SPEC), P(*W_DOWN_SPEC)),
+        out_specs=P(),
+    )
+    return moe(x, phys, topk_weights, w_gate, w_up, w_down)
+
+
 def ep_moe_forward(
     x: jax.Array,
     topk_ids: jax.Array,
@@ -216,6 +265,7 @@ def ep_moe_forward(
     w_down: jax.Array,
     expert_order: Sequence[int],
     backend: str = "dense",
+    location: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """x [T, H] (replicated); topk_ids / topk_weights [T, k] LOGICAL ids and their weights;
     stacked weights in physical order; expert_order [E] that order; backend a resolved
@@ -225,8 +275,13 @@ def ep_moe_forward(
     Traced under ``jax.set_mesh(mesh)`` (the model runner's step), this is an explicit
     ``shard_map`` over the mesh; without a mesh in context (a model called directly) the same
     maths runs on the whole stacked weights.
+
+    ``location`` (EPLB only): ``(replicas [E, R + 1], num_replicas [E])`` device arrays; the
+    weights then have ``P = E + R`` physical rows and ``expert_order`` is not used.
     """
     compute = get_expert_compute(backend)
+    if location is not None:
+        return _eplb_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, location, compute)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not {EXPERT_AXIS, TENSOR_AXIS} <= set(mesh.axis_names):
         rows = jnp.asarray(local_row_table(expert_order, 1)[0])[topk_ids]

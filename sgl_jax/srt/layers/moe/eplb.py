@@ -163,13 +163,14 @@ def replica_tables(physical_to_logical: np.ndarray, num_experts: int,
 
 
 def replica_choice(topk_ids: np.ndarray, num_replicas: np.ndarray) -> np.ndarray:
-    """The replica index of every assignment ``[T, k]``: ``(t * k + j) % num_replicas[e]`` for
-    token t's j-th expert e. Round-robin over the flat assignments of the batch, so an
-    expert's tokens are split evenly over its replicas; the jitted forward computes the same
-    (``ep_moe.physical_ids``)."""
+    """The replica index of every assignment ``[T, k]``: ``(t + j) % num_replicas[e]`` for
+    token t's j-th expert e. Consecutive tokens of the batch that pick an expert at the same
+    top-k slot take its replicas in turn, so its tokens split evenly over them (not
+    ``t * k + j``: with k a multiple of the replica count that would be constant per slot);
+    the jitted forward computes the same (``ep_moe.physical_ids``)."""
     ids = np.asarray(topk_ids)
-    flat = np.arange(ids.size).reshape(ids.shape)
-    return flat % np.asarray(num_replicas)[ids]
+    index = np.arange(ids.shape[0])[:, None] + np.arange(ids.shape[1])[None, :]
+    return index % np.asarray(num_replicas)[ids]
 
 
 def physical_ids_np(topk_ids: np.ndarray, physical_to_logical: np.ndarray,
@@ -180,6 +181,15 @@ def physical_ids_np(topk_ids: np.ndarray, physical_to_logical: np.ndarray,
     num_experts = int(p2l.max()) + 1
     replicas, num = replica_tables(p2l, num_experts, max_replicas)
     return replicas[ids, replica_choice(ids, num)]
+
+
+def source_rows(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """``[P]`` int32: for each new physical slot, an old slot holding the same logical expert
+    (the slot itself when unchanged, else the expert's first old slot): the gather that moves
+    the weights from placement ``old`` to ``new``."""
+    old, new = np.asarray(old), np.asarray(new)
+    first = {int(e): int(np.flatnonzero(old == e)[0]) for e in np.unique(old)}
+    return np.array([p if old[p] == e else first[int(e)] for p, e in enumerate(new)], np.int32)
 
 
 # -- imbalance ------------------------------------------------------------------------------------
@@ -244,6 +254,12 @@ class EplbPlacement:
         self.tables = {int(k): np.asarray(v, np.int32) for k, v in tables.items()}
         self.num_experts, self.ep_size = num_experts, ep_size
         self.num_physical = next(iter(self.tables.values())).size if self.tables else num_experts
+
+    @staticmethod
+    def default(config: Any, ep_size: int) -> EplbPlacement:
+        table = default_placement(config.num_experts, config.num_physical_experts)
+        return EplbPlacement({i: table for i in config.moe_layer_ids}, config.num_experts,
+                             ep_size)
 
     def physical_order(self, layer_id: int) -> np.ndarray:
         return self.tables[layer_id]

@@ -36,6 +36,8 @@ UNIT = [
     "tests/test_request_options.py",
     "tests/test_routed_experts_transport.py",
     "tests/test_expert_load_tool.py",
+    "tests/test_eplb.py",
+    "tests/test_eplb_parallel.py",
 ]
 E2E = [
     "tests/test_engine.py",
@@ -51,6 +53,7 @@ E2E = [
     "tests/test_deterministic.py",
     "tests/test_families.py",
     "tests/test_expert_distribution.py",
+    "tests/test_eplb_engine.py",
 ]
 # Optional checks outside every suite (they skip without packages the project does not need).
 OPTIONAL = ["tests/test_hf_transformers.py"]

@@ -31,6 +31,7 @@ REPO = Path(__file__).absolute().parents[1]
 DEVICES = 4
 SKEW_TOKENS = [7] * 48  # one token repeated: a skewed expert load
 BACKENDS = ("dense", "ragged")
+INIT_LOCATION = list(range(15, -1, -1)) + [0, 1, 2, 3]
 
 
 def _args(backend: str, **extra: Any) -> Any:
@@ -72,6 +73,30 @@ def _device_tokens(rows: np.ndarray, runner: Any) -> np.ndarray:
     return out
 
 
+def _placement_ok(runner: Any) -> bool:
+    """Every device's shard of every stacked expert weight holds, at physical row p, the
+    checkpoint's logical expert ``physical_to_logical[p]``."""
+    from safetensors import safe_open
+
+    cfg = runner.model_config
+    per_device = cfg.num_physical_experts // DEVICES
+    position = {dev: idx for idx, dev in np.ndenumerate(runner.mesh.devices)}
+    layers = runner.model.model.layers
+    ok = True
+    with safe_open(os.path.join(cfg.model_path, "model.safetensors"), "numpy") as f:
+        for layer in cfg.moe_layer_ids:
+            table = runner.eplb_placement.physical_order(layer)
+            for name, proj in (("w_gate", "gate_proj"), ("w_down", "down_proj")):
+                logical = np.stack([
+                    f.get_tensor(f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight").T
+                    for e in range(cfg.num_experts)])
+                for shard in getattr(layers[layer].mlp, name)[...].addressable_shards:
+                    d, _ = position[shard.device]
+                    want = logical[table[d * per_device:(d + 1) * per_device]]
+                    ok &= np.array_equal(np.asarray(shard.data), want)
+    return bool(ok)
+
+
 def _worker(out_dir: str) -> None:
     from sgl_jax.srt.model_executor.model_runner import ModelRunner
     from sgl_jax.srt.server_args import ServerArgs
@@ -89,12 +114,19 @@ def _worker(out_dir: str) -> None:
         rows = _skewed(runner)
         compiles = runner.num_compiles
         load_before = _device_tokens(rows, runner)
+        placed_before = _placement_ok(runner)
         rebalance = runner.rebalance_experts()
+        placed_after = _placement_ok(runner)
         load_after = _device_tokens(rows, runner)
         rows_after = _skewed(runner)  # the same prompt after: same logical rows
         after = run_scenario(runner)
         np.savez(os.path.join(out_dir, f"{backend}_before.npz"), **before)
         np.savez(os.path.join(out_dir, f"{backend}_after.npz"), **after)
+        # A weight update after a rebalance stacks the experts by the current placement.
+        from sgl_jax.srt.model_executor.weight_updater import WeightUpdater
+
+        WeightUpdater(runner).update_from_disk(cfg.model_path)
+        placed_updated = _placement_ok(runner)
         # During: rebalanced every 2 forward passes, from the counts so far.
         auto = ModelRunner(_args(backend, eplb_rebalance_num_iterations=2), cfg)
         _skewed(auto)
@@ -105,7 +137,18 @@ def _worker(out_dir: str) -> None:
             "rows_equal": bool(np.array_equal(rows, rows_after)),
             "load_before": load_before.tolist(), "load_after": load_after.tolist(),
             "rebalance": rebalance, "auto_rebalances": auto.eplb_rebalances,
+            "placed": [placed_before, placed_after, placed_updated],
+            "moved": rebalance["physical_to_logical"] != [
+                list(map(int, (np.arange(20) % 16)))] * 4,
         }
+    # --init-expert-location: a placement of our own (experts reversed, then 0..3 again).
+    spec = os.path.join(out_dir, "location.json")
+    with open(spec, "w") as f:
+        json.dump({"physical_to_logical": INIT_LOCATION}, f)
+    runner = ModelRunner(_args("ragged", init_expert_location=spec), cfg)
+    np.savez(os.path.join(out_dir, "init.npz"), **run_scenario(runner))
+    results["init_placed"] = _placement_ok(runner)
+    results["init_table"] = runner.eplb_placement.physical_order(0).tolist()
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(results, f)
 
@@ -124,6 +167,8 @@ def results() -> dict[str, Any]:
             for when in ("before", "during", "after"):
                 with np.load(os.path.join(tmp, f"{backend}_{when}.npz")) as z:
                     out[backend][when] = dict(z)
+        with np.load(os.path.join(tmp, "init.npz")) as z:
+            out["init"] = dict(z)
         out["reference"] = reference_scenario(BUNDLED_MODEL_PATH)
         return out
 
@@ -150,6 +195,19 @@ def test_same_tokens_and_rows_and_no_recompilation(results, backend):
     assert r["rows_equal"]
     assert r["compiles_after"] == r["compiles_before"]
     assert r["auto_rebalances"] >= 2
+
+
+def test_init_expert_location(results):
+    assert results["init_table"] == INIT_LOCATION
+    assert results["init_placed"]
+    assert_matches(results["init"], results["reference"], 1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_weights_follow_the_placement(results, backend):
+    """Before and after the rebalance (the gather moved rows), and after a weight update."""
+    assert results[backend]["moved"]
+    assert results[backend]["placed"] == [True, True, True]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -25,7 +25,6 @@ from sgl_jax.tools.make_random_model import (
     order_gaps,
     parse_set,
     sample_prompts,
-    selection_gaps,
     write_random_model,
     write_random_model_report,
 )
@@ -727,6 +726,62 @@ def test_family_variants(tmp_path: Path, preset: str, overrides: dict, moe: set[
         del expected["lm_head.weight"]
     tensors = load_file(str(tmp_path / "model.safetensors"))
     assert {k: tuple(t.shape) for k, t in tensors.items()} == expected
+
+
+# The selection gap computed here from router logits, independently of the reference's
+# (tools/reference_routing.py): the tests check the two agree.
+def _consecutive_gaps(scores: np.ndarray, k: int, candidates: int) -> np.ndarray:
+    """[T, E] scores (-inf outside the candidates) -> [T] min consecutive difference among the
+    top min(k+1, candidates) (with k == candidates only the order is decided)."""
+    m = min(k + 1, candidates)
+    if m < 2:
+        return np.full(scores.shape[0], np.inf)
+    top = -np.sort(-scores, axis=-1)[:, :m]
+    return np.min(top[:, :-1] - top[:, 1:], axis=-1)
+
+
+def selection_gaps(
+    router_logits: np.ndarray,
+    rule: str,
+    k: int,
+    n_group: int = 1,
+    topk_group: int = 1,
+    bias: dict[int, np.ndarray] | None = None,
+) -> np.ndarray:
+    """[T, L, E] float64 router logits (NaN rows: dense layers) -> [T, L] selection gaps.
+
+    rule is the router rule (softmax_topk, topk_softmax, sigmoid_grouped); bias maps a layer
+    to its e_score_correction_bias [E] (sigmoid_grouped; absent layers: zero bias).
+    """
+    t, n_layers, e = router_logits.shape
+    out = np.full((t, n_layers), np.inf)
+    for layer in range(n_layers):
+        logits = router_logits[:, layer]
+        if t == 0 or np.isnan(logits).all():
+            continue
+        if rule in ("softmax_topk", "topk_softmax"):
+            out[:, layer] = _consecutive_gaps(logits, k, e)
+            continue
+        if rule != "sigmoid_grouped":
+            raise ValueError(f"unknown router rule {rule!r}")
+        c = 1.0 / (1.0 + np.exp(-logits)) + (bias or {}).get(layer, 0.0)
+        gap = np.full(t, np.inf)
+        candidates = e
+        if n_group > 1:
+            size = e // n_group
+            grouped = c.reshape(t, n_group, size)
+            group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(axis=-1)  # [T, G]
+            ordered = -np.sort(-group_scores, axis=-1)
+            if topk_group < n_group:
+                gap = ordered[:, topk_group - 1] - ordered[:, topk_group]
+            # Kept groups: the topk_group best, ties to the lower group (stable sort).
+            keep = np.argsort(-group_scores, axis=-1, kind="stable")[:, :topk_group]
+            mask = np.zeros((t, n_group), dtype=bool)
+            np.put_along_axis(mask, keep, True, axis=-1)
+            c = np.where(np.repeat(mask, size, axis=-1), c, -np.inf)
+            candidates = topk_group * size
+        out[:, layer] = np.minimum(gap, _consecutive_gaps(c, k, candidates))
+    return out
 
 
 def test_selection_gaps() -> None:

@@ -81,7 +81,6 @@ from sgl_jax.tools.random_model_routing import (
     measure,
     order_gaps,
     sample_prompts,
-    selection_gaps,
 )
 from sgl_jax.tools.train_tokenizer import (
     CORPUS_PATH,
@@ -106,7 +105,6 @@ __all__ = [
     "order_gaps",
     "parse_set",
     "sample_prompts",
-    "selection_gaps",
     "write_random_model",
     "write_random_model_report",
 ]

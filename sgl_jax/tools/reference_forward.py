@@ -72,7 +72,6 @@ __all__ = [
     "load_safetensors_f64",
     "rms_norm",
     "routed_experts_rows",
-    "select_topk",
 ]
 
 # architectures[0] -> family.
@@ -95,17 +94,6 @@ class ReferenceOutput:
     router_logits: np.ndarray  # [T, L, E] float64; nan on dense layers
     topk_gap: np.ndarray  # [T, L] float64; inf on dense layers and when k == candidates
     selection_gap: np.ndarray  # [T, L] float64; inf on dense layers (see reference_routing)
-
-
-def select_topk(
-    router_logits: np.ndarray, k: int, norm_topk_prob: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Qwen-MoE selection for [T, E] logits -> (ids [T, k] int32, weights [T, k], topk_gap [T]).
-
-    Kept for callers of the original API; see reference_routing.softmax_topk.
-    """
-    r = softmax_topk(router_logits, k, norm_topk_prob)
-    return r.ids, r.weights, r.topk_gap
 
 
 # --------------------------------------------------------------------------------------------

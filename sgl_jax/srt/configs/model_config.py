@@ -220,7 +220,7 @@ class ModelConfig:
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
         moe_rule = fields.pop("moe_rule")
         moe_layers = tuple(bool(moe_rule(i)) for i in range(num_layers))
-        _check_groups(fields, model_path)
+        _check_groups(fields)
 
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -388,7 +388,7 @@ def _glm4_moe(read: _ConfigReader) -> dict[str, Any]:
     return fields
 
 
-def _check_groups(fields: dict[str, Any], model_path: str) -> None:
+def _check_groups(fields: dict[str, Any]) -> None:
     experts, groups, keep = fields["num_experts"], fields.get("n_group", 1), fields.get("topk_group", 1)
     if groups < 1 or experts % groups:
         raise ValueError(f"n_group={groups} must divide the {experts} routed experts")

@@ -128,6 +128,7 @@ class AttentionBackend(ABC):
         -> ``[T, H, v_dim]``. Every head's keys are the cached rows, its values the first
         ``v_dim`` dims of the same rows; causal within each request as in ``attend``."""
         raise ValueError(
-            f"the {self.name!r} attention backend has no multi-head latent attention (MLA); "
-            "use --attention-backend native"
+            f"the {self.name!r} attention backend has no multi-head latent attention (MLA, "
+            "DeepSeek-V3): it reads separate K/V heads, not a latent cache; use "
+            "--attention-backend native"
         )

@@ -71,16 +71,6 @@ class PallasAttention(AttentionBackend):
             )
         return kernel(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
 
-    def attend_latent(
-        self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float,
-        v_dim: int,
-    ) -> jax.Array:
-        raise ValueError(
-            "--attention-backend pallas has no multi-head latent attention (MLA, DeepSeek-V3): "
-            "JAX's ragged paged attention kernel reads separate K/V heads, not a latent cache; "
-            "use --attention-backend native"
-        )
-
     def _block_sizes(self, meta: AttentionMetadata) -> dict[str, int]:
         """On a TPU the kernel picks tuned block sizes for its chip; the interpreter has no
         chip, so it gets fixed ones (128 positions of KV per block, 16 queries)."""

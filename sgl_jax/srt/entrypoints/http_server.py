@@ -55,6 +55,7 @@ from sgl_jax.srt.entrypoints.openai.serving_completions import OpenAIServingComp
 from sgl_jax.srt.managers.io_struct import GenerateReqInput, UpdateWeightsReq
 from sgl_jax.srt.managers.tokenizer_manager import EngineDeadError, TokenizerManager
 from sgl_jax.srt.server_args import ServerArgs
+from sgl_jax.tools.expert_load import PlotUnavailableError, render_expert_load_png
 
 logger = logging.getLogger(__name__)
 
@@ -247,11 +248,6 @@ def create_app(ctx: ServerContext) -> FastAPI:
     @app.get("/expert_load.png")
     async def expert_load_png() -> Response:
         load = (await recorder("load")).load
-        try:  # the picture tool and matplotlib are optional
-            from sgl_jax.tools.expert_load import render_expert_load_png
-        except ImportError as e:
-            raise OpenAIError(501, f"drawing expert load is unavailable ({e}): "
-                                   'pip install "sgl_jax[plot]"', type="not_implemented") from None
         title = (f"{load['architecture']}: expert load over {load['num_tokens']} tokens"
                  f"{' (recording)' if load['recording'] else ''}")
         try:
@@ -259,9 +255,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
                 render_expert_load_png, np.asarray(load["counts"], np.int64),
                 load["moe_layers"], title, num_experts_per_tok=load["num_experts_per_tok"],
                 num_layers=load["num_hidden_layers"])
-        except ImportError as e:  # matplotlib missing (the tool's PlotUnavailableError)
-            raise OpenAIError(501, f"{e}" if "pip install" in str(e) else
-                              f'{e}: pip install "sgl_jax[plot]"', type="not_implemented") from None
+        except PlotUnavailableError as e:  # matplotlib missing; the message names the extra
+            raise OpenAIError(501, str(e), type="not_implemented") from None
         return Response(png, media_type="image/png")
 
     @app.post("/abort_request")

@@ -337,8 +337,9 @@ class Scheduler:
             out.routed_rows, batch.out_cache_loc, len(batch.out_cache_loc),
             copy=batch.capture_routed,
         )
-        if self.runner.expert_recorder is not None:
-            self.runner.expert_recorder.collect()  # per_pass / per_token records to the host
+        if self.runner.expert_recorder is not None and out.expert_pass is not None:
+            # per_pass / per_token records of the steps up to this one (not the next, in flight)
+            self.runner.expert_recorder.collect(through=out.expert_pass)
         all_ids = np.asarray(out.next_token_ids)
         if batch.logprob_rows:
             self._record_logprobs(batch, out, all_ids)

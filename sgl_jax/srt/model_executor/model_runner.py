@@ -320,9 +320,27 @@ class ModelRunner:
         new = compute_placement(load, ep_size, cfg.num_physical_experts,
                                 self.server_args.eplb_algorithm,
                                 num_nodes=self.server_args.nnodes)
-        src = {layer: source_rows(o, n) for layer, o, n in zip(layers, old, new, strict=True)}
         new_placement = EplbPlacement(dict(zip(layers, new, strict=True)), cfg.num_experts,
                                       ep_size)
+        if not np.array_equal(old, new):  # an unchanged placement moves nothing
+            self.param_leaves = self._apply_placement(
+                new_placement, {layer: source_rows(o, n)
+                                for layer, o, n in zip(layers, old, new, strict=True)})
+        self.eplb_placement = new_placement
+        self.eplb_rebalances += 1
+        result = {
+            "imbalance_before": imbalance(device_load(load, old, ep_size)).tolist(),
+            "imbalance_after": imbalance(device_load(load, new, ep_size)).tolist(),
+            "physical_to_logical": new.tolist(),
+        }
+        logger.info("EPLB rebalance %d: imbalance %s -> %s", self.eplb_rebalances,
+                    np.round(result["imbalance_before"], 3), np.round(result["imbalance_after"], 3))
+        return result
+
+    def _apply_placement(self, placement: EplbPlacement, src: dict[int, np.ndarray]) -> list:
+        """The parameter leaves with every stacked expert weight's physical rows gathered from
+        ``src[layer]`` (one jitted gather, compiled once) and the placement arrays of
+        ``placement``; shapes and shardings unchanged (no recompilation of the step)."""
         state = jax.tree.unflatten(self.param_treedef, self.param_leaves)
         flat = list(nnx.to_flat_state(state))
         moved = [(path, var) for path, var in flat if path[-1] in ("w_gate", "w_up", "w_down")]
@@ -337,25 +355,14 @@ class ModelRunner:
         for (_, var), value in zip(moved, rows, strict=True):
             var.set_value(value)
         by_path = dict(flat)
-        for path, value in location_values(cfg, state, self.mesh, new_placement).items():
+        for path, value in location_values(self.model_config, state, self.mesh, placement).items():
             by_path[path].set_value(value)
         leaves, treedef = jax.tree.flatten(state)
         assert treedef == self.param_treedef
         for before, after in zip(self.param_leaves, leaves, strict=True):
             assert (before.shape, before.dtype, before.sharding) == (
                 after.shape, after.dtype, after.sharding)
-        jax.block_until_ready(leaves)
-        self.param_leaves = leaves
-        self.eplb_placement = new_placement
-        self.eplb_rebalances += 1
-        result = {
-            "imbalance_before": imbalance(device_load(load, old, ep_size)).tolist(),
-            "imbalance_after": imbalance(device_load(load, new, ep_size)).tolist(),
-            "physical_to_logical": new.tolist(),
-        }
-        logger.info("EPLB rebalance %d: imbalance %s -> %s", self.eplb_rebalances,
-                    np.round(result["imbalance_before"], 3), np.round(result["imbalance_after"], 3))
-        return result
+        return leaves
 
     # -- the jitted step ------------------------------------------------------------------------
     def _step_impl(

@@ -144,9 +144,17 @@ class ExpertDistributionRecorder:
                 or [np.zeros(0, np.int64)])
         self._inflight.append((output, info))
 
-    def collect(self) -> None:
-        """Moves the launched steps' outputs to the host records (waits for their copies)."""
-        inflight, self._inflight = self._inflight, []
+    def collect(self, through: Any = None) -> None:
+        """Moves launched steps' outputs to the host records (waits for their copies): all of
+        them, or (``through``: a step's ``expert_pass``) those launched up to that step only,
+        so that processing step N never waits for step N+1, already dispatched (overlap)."""
+        if through is None:
+            inflight, self._inflight = self._inflight, []
+        else:
+            ends = [i for i, (output, _) in enumerate(self._inflight) if output is through]
+            if not ends:  # that step was not recorded
+                return
+            inflight, self._inflight = self._inflight[: ends[0] + 1], self._inflight[ends[0] + 1:]
         for output, info in inflight:
             host = np.asarray(output)
             if self.mode == "per_pass":

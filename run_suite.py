@@ -54,6 +54,7 @@ E2E = [
     "tests/test_families.py",
     "tests/test_expert_distribution.py",
     "tests/test_eplb_engine.py",
+    "tests/test_multi_node.py",
 ]
 # Optional checks outside every suite (they skip without packages the project does not need).
 OPTIONAL = ["tests/test_hf_transformers.py"]

@@ -26,7 +26,11 @@ meta_info["routed_experts"] (OpenAI routes: choices[i].meta_info.routed_experts)
 them to (-1, num_hidden_layers, num_experts_per_tok) from /get_model_info.
 
 SIGTERM or Ctrl-C aborts running requests, stops the engine's processes and exits 0; if an
-engine process dies, requests get HTTP 503 and the server exits with code 1."""
+engine process dies, requests get HTTP 503 and the server exits with code 1.
+
+Multi-node (--nnodes N): run the same command on every host with its --node-rank and node
+0's --dist-init-addr; node 0 serves HTTP, the other nodes run its steps and exit when it
+stops. A node that dies or goes silent for --dist-timeout seconds stops the job."""
 
 EPILOG = """\
 example:
@@ -59,6 +63,20 @@ def _interrupt(sig: int, frame: object) -> None:
     raise _Interrupted(signal.Signals(sig).name)
 
 
+def _run_follower_node(server_args: ServerArgs) -> int:
+    from sgl_jax.srt.managers.multi_node import run_follower
+    from sgl_jax.srt.utils import enable_compilation_cache
+
+    logger.info("Node %d of %d: joining node 0 at %s", server_args.node_rank,
+                server_args.nnodes, server_args.dist_init_addr)
+    try:
+        enable_compilation_cache(server_args)
+        return run_follower(server_args)
+    except _Interrupted as e:
+        logger.info("Interrupted by %s", e)
+        return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = make_parser()
     args = parser.parse_args(argv)
@@ -74,6 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     # children exit on their own when this process is gone).
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
+    if server_args.node_rank > 0:  # a follower node: no HTTP, it runs node 0's steps
+        sys.exit(_run_follower_node(server_args))
     try:
         from sgl_jax.srt.configs.model_config import resolve_model_path
         from sgl_jax.srt.entrypoints.engine import EngineStartupError

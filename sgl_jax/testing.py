@@ -134,3 +134,87 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+def free_port_pair() -> int:
+    """A free loopback port whose successor is free too (a multi-node job's coordinator and
+    step channel: ``--dist-init-addr`` host:port and port + 1)."""
+    import socket
+
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+class MultiNodeJob:
+    """A multi-node job on loopback: ``nnodes`` processes with ``devices_per_node`` fake CPU
+    devices each, joined by ``jax.distributed`` (gloo collectives). The followers start first
+    (they wait for node 0), then node 0's ``ServerProcess`` (``leader``), ready when it is.
+    ``follower_args`` replaces ``args`` on the followers (to start a mismatched node)."""
+
+    def __init__(self, args: list[str], nnodes: int = 2, devices_per_node: int = 2,
+                 follower_args: list[str] | None = None, startup_timeout: float = 240.0,
+                 wait: bool = True) -> None:
+        self.addr = f"127.0.0.1:{free_port_pair()}"
+        self.env = {"JAX_PLATFORMS": "cpu",
+                    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_node}"}
+        self.followers: list[subprocess.Popen] = []
+        self.follower_logs: list[str] = []
+        for rank in range(1, nnodes):
+            fd, path = tempfile.mkstemp(prefix=f"sgl_jax_node{rank}_", suffix=".log")
+            with os.fdopen(fd, "w") as log:
+                cmd = [sys.executable, "-m", "sgl_jax.launch_server",
+                       *self._flags(follower_args or args, nnodes, rank)]
+                self.followers.append(subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}))
+            self.follower_logs.append(path)
+        self.leader_args = self._flags(args, nnodes, 0)
+        self.leader: ServerProcess | None = None
+        if wait:
+            self.start_leader(startup_timeout)
+
+    def _flags(self, args: list[str], nnodes: int, rank: int) -> list[str]:
+        return [*args, "--nnodes", str(nnodes), "--node-rank", str(rank),
+                "--dist-init-addr", self.addr]
+
+    def start_leader(self, startup_timeout: float = 240.0) -> ServerProcess:
+        try:
+            self.leader = ServerProcess(self.leader_args, env=self.env,
+                                        startup_timeout=startup_timeout)
+        except BaseException:
+            self.kill()
+            raise
+        return self.leader
+
+    def follower_log(self, index: int = 0) -> str:
+        with open(self.follower_logs[index], encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def kill(self) -> None:
+        for proc in self.followers:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        if self.leader is not None:
+            self.leader.kill()
+
+    def stop(self, timeout: float = 30.0) -> tuple[int | None, list[int | None]]:
+        """SIGTERM to node 0 (which stops the followers); the exit codes, after killing any
+        process still alive at ``timeout``."""
+        code = self.leader.stop(timeout=timeout) if self.leader is not None else None
+        deadline = time.monotonic() + timeout
+        codes: list[int | None] = []
+        for proc in self.followers:
+            try:
+                codes.append(proc.wait(max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:  # None: it had to be killed
+                proc.kill()
+                proc.wait(10)
+                codes.append(None)
+        return code, codes

@@ -106,8 +106,14 @@ class ServerArgs:
               "{\"default\": table, \"<layer_id>\": table}. Default: contiguous blocks.")
     dist_init_addr: str | None = _arg(
         None, "host:port of node 0's JAX coordinator, for multi-node (nnodes > 1).")
-    nnodes: int = _arg(1, "Number of nodes (hosts) the mesh spans.")
+    nnodes: int = _arg(
+        1, "Number of nodes (hosts) the mesh spans. Run the same command on every host with "
+           "its --node-rank: node 0 serves HTTP and schedules, the others run its steps "
+           "(docs/parallelism.md).")
     node_rank: int = _arg(0, "This node's rank, 0..nnodes-1.")
+    dist_timeout: float = _arg(
+        30.0, "Multi-node: seconds a node may send nothing (heartbeats are sent every quarter "
+              "of it) before the job stops with an error; a node that exits is noticed at once.")
 
     # Routed experts
     enable_return_routed_experts: bool = _arg(
@@ -198,6 +204,10 @@ class ServerArgs:
             fail(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
         if self.nnodes > 1 and not self.dist_init_addr:
             fail(f"nnodes={self.nnodes} needs dist_init_addr (host:port of node 0)")
+        if self.dist_init_addr and not self.dist_init_addr.rpartition(":")[2].isdigit():
+            fail(f"dist_init_addr={self.dist_init_addr!r} must be host:port")
+        if self.dist_timeout <= 0:
+            fail(f"dist_timeout={self.dist_timeout} must be > 0 seconds")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             fail(f"page_size={self.page_size} must be a power of two >= 1")
         if self.attention_backend not in ATTENTION_BACKENDS:

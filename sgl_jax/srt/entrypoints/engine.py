@@ -144,6 +144,11 @@ def launch_engine(server_args: ServerArgs) -> tuple[TokenizerManager, Subprocess
 class Engine:
     def __init__(self, **kwargs: Any) -> None:
         self.server_args = ServerArgs(**kwargs)
+        if self.server_args.node_rank > 0:
+            raise ValueError(
+                f"node_rank={self.server_args.node_rank}: only node 0 runs an Engine; on the "
+                "other hosts run `python -m sgl_jax.launch_server` with the same flags and "
+                "their --node-rank (they run node 0's steps)")
         configure_logging(self.server_args.log_level)
         self.tokenizer_manager, self._procs = launch_engine(self.server_args)
         self._loop = asyncio.new_event_loop()

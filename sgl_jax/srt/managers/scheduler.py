@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import sys
 import threading
 import time
 import traceback
@@ -38,12 +40,13 @@ from sgl_jax.srt.managers.io_struct import (
     UpdateWeightsReq,
     UpdateWeightsReqOutput,
 )
+from sgl_jax.srt.managers.multi_node import LeaderRunner, open_leader_channel
 from sgl_jax.srt.managers.output_sender import OutputSender
 from sgl_jax.srt.managers.req_memory import ReqMemory
 from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch, finish_abort, finish_length
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, StepOutput
-from sgl_jax.srt.model_executor.weight_updater import WeightUpdater, check_compatible
+from sgl_jax.srt.model_executor.weight_updater import check_compatible
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
 from sgl_jax.srt.tokenizer import Tokenizer
 from sgl_jax.srt.utils import configure_logging, enable_compilation_cache, watch_parent
@@ -76,9 +79,16 @@ class Scheduler:
         self.tokenizer = Tokenizer.from_pretrained(
             server_args.tokenizer_path or self.model_config.model_path
         )
+        # Multi-node: the followers' hello comes first (before any JAX work), then every
+        # node builds the same runner and precompiles the same shapes in the same order.
+        channel = None
+        if server_args.nnodes > 1:
+            channel = open_leader_channel(server_args, self.model_config)
         self.runner = ModelRunner(server_args, self.model_config)
         if not server_args.disable_precompile:
             self.runner.precompile()
+        # What changes the runner's device state goes through here (to every node).
+        self.node = LeaderRunner(self.runner, channel)
         tree = RadixCache(
             self.runner.token_to_kv_pool_allocator, disable=server_args.disable_radix_cache,
             page_size=server_args.page_size,
@@ -105,7 +115,6 @@ class Scheduler:
         self.overlap = not server_args.disable_overlap_schedule
         self.pending: tuple[ScheduleBatch, StepOutput] | None = None  # launched, unprocessed
         self.paused = False  # /pause_generation: no step is launched; every request waits
-        self.weights = WeightUpdater(self.runner)
         self.weight_updates = 0
         self.weight_version = "0"
         # A weight update waiting for the requests that started on the old weights to finish.
@@ -320,7 +329,7 @@ class Scheduler:
     def launch_batch(self, batch: ScheduleBatch) -> StepOutput:
         """Dispatches a step; the requests' accounting moves on as if it had run."""
         mwb = batch.to_model_worker_batch()
-        _, out = self.runner.run_worker_batch(mwb, rids=[r.rid for r in batch.reqs])
+        out = self.node.run_batch(mwb, rids=[r.rid for r in batch.reqs])
         for req, n, samples in zip(batch.reqs, batch.extend_lens, batch.samples_output,
                                    strict=True):
             req.kv_len += n
@@ -432,8 +441,10 @@ class Scheduler:
         recorder = self.runner.expert_recorder
         if action == "rebalance":  # EPLB (docs/expert_load.md): between steps, no recompile
             try:
+                load = None if recorder is None else recorder.stat_counts()[0]
                 return ExpertDistributionReqOutput(
-                    success=True, message="rebalanced", load=self.runner.rebalance_experts())
+                    success=True, message="rebalanced",
+                    load=self.node.control("rebalance_experts", load))
             except ValueError as e:
                 return ExpertDistributionReqOutput(success=False, message=str(e))
         if recorder is None:
@@ -442,10 +453,10 @@ class Scheduler:
                 "server with --expert-distribution-recorder-mode stat, per_pass or per_token")
         try:
             if action == "start":
-                recorder.start()
+                self.node.control("expert_recorder", "start")
                 return ExpertDistributionReqOutput(success=True, message="recording started")
             if action == "stop":
-                recorder.stop()
+                self.node.control("expert_recorder", "stop")
                 return ExpertDistributionReqOutput(success=True, message="recording stopped")
             if action == "dump":
                 path = recorder.dump()
@@ -496,9 +507,9 @@ class Scheduler:
         msg, self.update = self.update, None
         try:
             if msg.model_path is not None:
-                count = self.weights.update_from_disk(msg.model_path)
+                count = self.node.control("update_weights_from_disk", msg.model_path)
             else:
-                count = self.weights.update_from_arrays(msg.arrays or {})
+                count = self.node.control("update_weights_from_arrays", msg.arrays or {})
         except (ValueError, OSError) as e:  # CheckpointError is a ValueError
             logger.warning("weight update failed: %s", e)
             self.outputs.send_control(UpdateWeightsReqOutput(
@@ -510,10 +521,10 @@ class Scheduler:
         self.weight_version = msg.weight_version or str(self.weight_updates)
         self.outputs.weight_version = self.weight_version
         logger.info("weights updated (%d parameters in %.2fs); weight_version %s",
-                    count, self.weights.seconds, self.weight_version)
+                    count, self.node.control_ops.weights.seconds, self.weight_version)
         self.outputs.send_control(UpdateWeightsReqOutput(
             success=True, message="weights updated", weight_version=self.weight_version,
-            num_parameters=count, seconds=self.weights.seconds))
+            num_parameters=count, seconds=self.node.control_ops.weights.seconds))
 
     def server_info(self) -> dict[str, Any]:
         return {
@@ -556,8 +567,15 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: An
         pipe.send({"status": "error", "error": traceback.format_exc()})
         raise
     threading.current_thread().name = "scheduler"
+    if server_args.nnodes > 1:
+        # SIGTERM (Engine.shutdown) ends the loop, so the followers are told to stop.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         scheduler.event_loop()
+    except SystemExit:
+        logger.info("scheduler stopped")
     except BaseException:
         logger.error("scheduler crashed:\n%s", traceback.format_exc())
         raise
+    finally:
+        scheduler.node.close()

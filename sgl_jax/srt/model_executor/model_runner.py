@@ -13,7 +13,7 @@ buckets must leave it flat.
 
 The device page table ``req_to_page[req_slot, page_column]`` is device-resident: the step
 records the page of every token it computes, and the host sends a request's page row only
-once, when the request starts on a cached prefix (``_sync_prefix_pages``). So what the host
+once, when the request starts on a cached prefix (``prefix_page_rows``). So what the host
 sends per step grows with the batch's tokens and rows, never with batch x context.
 
 ``abstract=True`` builds the same runner with no weights and no memory (parameters, KV cache
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import hashlib
 import logging
 import math
 import time
@@ -94,13 +95,50 @@ class StepOutput:
     expert_pass: Any = None
 
 
+@dataclass
+class StepPlan:
+    """One step's host inputs: what every node of a multi-node job dispatches identically."""
+
+    mwb: ModelWorkerBatch
+    batch: ForwardBatch  # ``mwb`` padded to its bucket
+    prefix_pages: list[tuple[int, np.ndarray]]  # (request slot, page row) to send first
+
+    def digest(self) -> str:
+        """A hash of everything the devices receive, to check that nodes dispatch alike."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(repr(self.batch.forward_mode).encode())
+        for x in jax.tree.leaves(self.batch) + [a for row in self.prefix_pages for a in row]:
+            x = np.asarray(x)
+            h.update(f"{x.dtype}{x.shape}".encode())
+            h.update(np.ascontiguousarray(x).tobytes())
+        return h.hexdigest()
+
+
 def make_mesh(devices: Sequence[Any], tp_size: int, ep_size: int) -> Mesh:
+    """The ``("expert", "tensor")`` mesh on the first ``tp_size * ep_size`` devices, the
+    "tensor" axis over neighbouring devices. On a multi-host job the mesh must hold every
+    device (each host runs its share of every step) and "tensor" must stay within a host
+    (its all-reduces run in every layer; "expert" all-to-alls are fewer and larger)."""
     need = tp_size * ep_size
     if need > len(devices):
         raise ValueError(
             f"tp_size={tp_size} x ep_size={ep_size} needs {need} devices; {len(devices)} "
             f"available ({devices[0].platform})"
         )
+    hosts = {d.process_index for d in devices}
+    if len(hosts) > 1:
+        devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+        per_host = len(devices) // len(hosts)
+        if need != len(devices):
+            raise ValueError(
+                f"a {len(hosts)}-host job needs tp_size x ep_size = every device "
+                f"({len(devices)}: {per_host} per host); got tp_size={tp_size} x "
+                f"ep_size={ep_size} = {need}")
+        if per_host % tp_size:
+            raise ValueError(
+                f"tp_size={tp_size} must divide the {per_host} devices of each host: tensor "
+                f"parallelism stays within a host (span hosts with ep_size)")
+    # Host by host: a row of the grid ("tensor") never straddles two hosts.
     grid = np.array(list(devices)[:need]).reshape(ep_size, tp_size)
     return Mesh(grid, ("expert", "tensor"))
 
@@ -129,6 +167,9 @@ class ModelRunner:
         self.server_args = server_args
         self.model_config = model_config
         self.abstract = abstract
+        # A follower node of a multi-node job dispatches the steps rank 0 sends and reads no
+        # result (docs/parallelism.md, "Multi-node").
+        self.keeps_results = server_args.node_rank == 0
         if devices is None:
             # Before the first use of the backend: afterwards JAX only sees this host's devices.
             maybe_initialize_distributed(
@@ -408,6 +449,12 @@ class ModelRunner:
                 logprobs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *parts)
             else:
                 logprobs = logprob_outputs(logits, temps, targets, lp.token_ids)
+        # What the host reads is replicated: on a multi-host job every node holds all of it
+        # (rank 0 reads its own copy; no gather per step).
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        next_ids, routed_rows, logprobs, expert_pass = jax.tree.map(
+            lambda x: jax.lax.with_sharding_constraint(x, replicated),
+            (next_ids, routed_rows, logprobs, expert_pass))
         return (next_ids, sampled_logits, kv_caches, req_to_page, last_tokens, routed_rows,
                 logprobs, expert_state, expert_pass)
 
@@ -453,49 +500,14 @@ class ModelRunner:
     ) -> tuple[ForwardBatch, StepOutput]:
         """Pads ``mwb`` to its bucket and dispatches it; returns the padded batch and output.
         ``rids``: the requests' ids, for the per_token expert distribution recorder."""
-        if mwb.forward_mode.is_decode:
-            rows = self.padded_decode_bs(mwb.batch_size)
-            tokens = rows
-        else:
-            tokens = self.padded_extend_tokens(mwb.num_tokens)
-            rows = self.extend_rows(tokens)
-        routed = mwb.routed_tokens()  # only some requests asked: their tokens, else None
-        # Which KV slots will hold known rows: every token's, none, or only the askers'.
-        if routed is None:
-            self.capturer.on_forward_launch(mwb.out_cache_loc, mwb.return_routed_experts)
-        else:
-            mask = np.zeros(mwb.num_tokens, bool)
-            mask[routed] = True
-            self.capturer.on_forward_launch(mwb.out_cache_loc, mask)
-        synced = self._sync_prefix_pages(mwb)
-        batch = build_forward_batch(
-            mwb, tokens, rows, self.model_config.vocab_size, self.no_req_slot
-        )
-        # What this step copied from host to device (numpy leaves plus page rows sent).
-        self.last_step_host_bytes = synced + sum(x.nbytes for x in jax.tree.leaves(batch))
-        out = self.forward(batch)
-        self.last_step_copy_bytes = 0
-        if mwb.return_routed_experts:
-            if routed is not None:
-                with jax.set_mesh(self.mesh):
-                    out.routed_rows = self.capturer.select_rows(out.routed_rows, routed)
-            # Overlaps the step and the next one.
-            self.last_step_copy_bytes = self.capturer.start_copy(out.routed_rows)
-        if self.expert_recorder is not None:
-            self.expert_recorder.on_launch(out.expert_pass, mwb.forward_mode, mwb.num_tokens,
-                                           rids, mwb.prefix_lens, mwb.extend_lens)
-        if self.eplb_placement is not None:
-            self.eplb_passes += 1
-            every = self.server_args.eplb_rebalance_num_iterations
-            if every and self.eplb_passes % every == 0:
-                self.rebalance_experts()
-        return batch, out
+        return self.launch_step(self.plan_step(mwb, self.prefix_page_rows(mwb)), rids)
 
-    def _sync_prefix_pages(self, mwb: ModelWorkerBatch) -> int:
-        """Sends the page row of each request that starts on a cached prefix the device page
-        table does not hold yet (once per admission; the step records every other page).
-        Returns the bytes sent."""
-        sent = 0
+    def prefix_page_rows(self, mwb: ModelWorkerBatch) -> list[tuple[int, np.ndarray]]:
+        """The page row of each request that starts on a cached prefix the device page table
+        does not hold yet (once per admission; the step records every other page), read from
+        the host pool, which learns what the device will hold. The scheduler's side of a step:
+        on a multi-node job the rows travel to the followers with the batch."""
+        rows = []
         pool = self.req_to_token_pool
         for idx, prefix, extend in zip(
             mwb.req_pool_indices, mwb.prefix_lens, mwb.extend_lens, strict=True
@@ -503,13 +515,63 @@ class ModelRunner:
             if pool.device_len[idx] < prefix:
                 # A fresh array: on CPU the device may read it in place after we return.
                 pages = pool.req_to_token[idx, :: self.page_size] // self.page_size
-                with jax.set_mesh(self.mesh):
-                    self.req_to_page = self._set_page_row(
-                        self.req_to_page, np.int32(idx), pages.astype(np.int32)
-                    )
-                sent += pages.nbytes
+                rows.append((int(idx), pages.astype(np.int32)))
             pool.device_len[idx] = prefix + extend
-        return sent
+        return rows
+
+    def plan_step(
+        self, mwb: ModelWorkerBatch, prefix_pages: list[tuple[int, np.ndarray]],
+    ) -> StepPlan:
+        """The host inputs of one step: ``mwb`` padded to its bucket, plus the page rows."""
+        if mwb.forward_mode.is_decode:
+            rows = self.padded_decode_bs(mwb.batch_size)
+            tokens = rows
+        else:
+            tokens = self.padded_extend_tokens(mwb.num_tokens)
+            rows = self.extend_rows(tokens)
+        batch = build_forward_batch(
+            mwb, tokens, rows, self.model_config.vocab_size, self.no_req_slot
+        )
+        return StepPlan(mwb, batch, prefix_pages)
+
+    def launch_step(
+        self, plan: StepPlan, rids: list[str] | None = None,
+    ) -> tuple[ForwardBatch, StepOutput]:
+        """Dispatches a planned step. On a follower node (``node_rank > 0``) only what runs on
+        the devices happens: the host-side bookkeeping of results is rank 0's."""
+        mwb, batch = plan.mwb, plan.batch
+        routed = mwb.routed_tokens()  # only some requests asked: their tokens, else None
+        # Which KV slots will hold known rows: every token's, none, or only the askers'.
+        if self.keeps_results and routed is None:
+            self.capturer.on_forward_launch(mwb.out_cache_loc, mwb.return_routed_experts)
+        elif self.keeps_results:
+            mask = np.zeros(mwb.num_tokens, bool)
+            mask[routed] = True
+            self.capturer.on_forward_launch(mwb.out_cache_loc, mask)
+        with jax.set_mesh(self.mesh):
+            for idx, pages in plan.prefix_pages:
+                self.req_to_page = self._set_page_row(self.req_to_page, np.int32(idx), pages)
+        # What this step copied from host to device (numpy leaves plus page rows sent).
+        self.last_step_host_bytes = sum(p.nbytes for _, p in plan.prefix_pages) + sum(
+            x.nbytes for x in jax.tree.leaves(batch))
+        out = self.forward(batch)
+        self.last_step_copy_bytes = 0
+        if mwb.return_routed_experts:
+            if routed is not None:
+                with jax.set_mesh(self.mesh):
+                    out.routed_rows = self.capturer.select_rows(out.routed_rows, routed)
+            if self.keeps_results:  # overlaps the step and the next one
+                self.last_step_copy_bytes = self.capturer.start_copy(out.routed_rows)
+        if self.expert_recorder is not None and self.keeps_results:
+            self.expert_recorder.on_launch(out.expert_pass, mwb.forward_mode, mwb.num_tokens,
+                                           rids, mwb.prefix_lens, mwb.extend_lens)
+        if self.eplb_placement is not None:
+            # Every node counts passes and rebalances from its copy of the replicated counts.
+            self.eplb_passes += 1
+            every = self.server_args.eplb_rebalance_num_iterations
+            if every and self.eplb_passes % every == 0:
+                self.rebalance_experts()
+        return batch, out
 
     # -- padding buckets ------------------------------------------------------------------------
     def padded_decode_bs(self, bs: int) -> int:

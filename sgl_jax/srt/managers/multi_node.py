@@ -1,0 +1,225 @@
+"""One engine across hosts: rank 0 schedules, every node runs the same steps.
+
+A multi-node job (``--nnodes N --node-rank R --dist-init-addr HOST:PORT``, the same command on
+every host) is one JAX multi-controller program: ``jax.distributed`` joins the hosts' devices
+into one global mesh, and every process must dispatch the same jitted computations in the same
+order. Rank 0 runs the tokenizer manager, scheduler, detokenizer and HTTP server; the
+followers run only a ``ModelRunner`` and this module's loop.
+
+What changes a runner's device state goes through ``LeaderRunner`` on rank 0: it publishes
+the operation over the step channel (``step_channel.py``), then applies it itself. A step
+travels as the unpadded ``ModelWorkerBatch`` plus the prefix page rows read from rank 0's
+pools; each follower pads it to the same bucket and checks the digest of what its devices
+will receive against rank 0's before dispatching, so a follower can never run another batch.
+A control operation (weight update, EPLB rebalance, recorder start / stop) is followed by its
+outcome on rank 0, and a follower whose outcome differs stops: nodes never go on with
+different weights. Results (sampled tokens, routed-experts rows, logprobs) are replicated
+outputs of the step, read by rank 0 from its own devices: no gather per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.forward_batch_info import ModelWorkerBatch
+from sgl_jax.srt.managers.step_channel import FollowerChannel, LeaderChannel
+from sgl_jax.srt.model_executor.model_runner import ModelRunner, StepOutput
+from sgl_jax.srt.model_executor.weight_updater import WeightUpdater
+from sgl_jax.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# Flags that may differ between nodes: where things are on each host, and what only rank 0
+# uses (HTTP, logging). Every other flag shapes the compiled step and must be equal.
+NODE_LOCAL_FLAGS = frozenset({
+    "model_path", "tokenizer_path", "served_model_name", "host", "port", "api_key",
+    "node_rank", "log_level", "startup_timeout", "compilation_cache_dir",
+    "expert_distribution_recorder_dir", "init_expert_location",
+})
+
+
+def _file_digest(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def checkpoint_digest(model_path: str) -> str:
+    """A hash of every safetensors header (names, dtypes, shapes, offsets) of a checkpoint:
+    cheap, and it tells two checkpoints of one architecture apart."""
+    h = hashlib.sha256()
+    for path in sorted(Path(model_path).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            h.update(path.name.encode())
+            h.update(f.read(size))
+    return h.hexdigest()[:16]
+
+
+def node_fingerprint(server_args: ServerArgs, model_config: ModelConfig) -> dict[str, str]:
+    """What must be equal on every node, as printable values by name."""
+    fingerprint = {
+        "--" + name.replace("_", "-"): repr(value)
+        for name, value in dataclasses.asdict(server_args).items()
+        if name not in NODE_LOCAL_FLAGS
+    }
+    for name, value in dataclasses.asdict(model_config).items():
+        if name != "model_path":
+            fingerprint[f"model {name}"] = repr(value)
+    fingerprint["model weights (safetensors headers)"] = checkpoint_digest(
+        model_config.model_path)
+    if server_args.init_expert_location:
+        fingerprint["--init-expert-location contents"] = _file_digest(
+            server_args.init_expert_location)
+    return fingerprint
+
+
+def fingerprint_differences(leader: dict[str, str], follower: dict[str, str]) -> list[str]:
+    return [f"{key}: node 0 has {leader.get(key, '(none)')}, this node "
+            f"{follower.get(key, '(none)')}"
+            for key in sorted(set(leader) | set(follower))
+            if leader.get(key) != follower.get(key)]
+
+
+class RunnerControl:
+    """The control operations that change a runner's device state, by name: applied alike
+    on every node."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.weights = WeightUpdater(runner)
+
+    def apply(self, op: str, payload: Any) -> Any:
+        if op == "update_weights_from_disk":
+            return self.weights.update_from_disk(payload)
+        if op == "update_weights_from_arrays":
+            return self.weights.update_from_arrays(payload)
+        if op == "rebalance_experts":
+            return self.runner.rebalance_experts(payload)
+        if op == "expert_recorder":
+            recorder = self.runner.expert_recorder
+            if recorder is None or payload not in ("start", "stop"):
+                raise ValueError(f"expert recorder action {payload!r} is not possible here")
+            return getattr(recorder, payload)()
+        raise ValueError(f"unknown runner operation {op!r}")
+
+
+class LeaderRunner:
+    """Rank 0's runner: every step and control operation also goes to the followers (none on
+    a one-node job, where this is just the runner)."""
+
+    def __init__(self, runner: ModelRunner, channel: LeaderChannel | None) -> None:
+        self.runner = runner
+        self.channel = channel
+        self.control_ops = RunnerControl(runner)
+
+    def run_batch(self, mwb: ModelWorkerBatch, rids: list[str]) -> StepOutput:
+        runner = self.runner
+        plan = runner.plan_step(mwb, runner.prefix_page_rows(mwb))
+        if self.channel is not None:
+            self.channel.publish("batch", (mwb, plan.prefix_pages), plan.digest())
+        return runner.launch_step(plan, rids)[1]
+
+    def control(self, op: str, payload: Any) -> Any:
+        """Applies ``op`` on every node; an error here (ValueError, OSError) is raised after
+        the followers learn it, so they can check theirs."""
+        if self.channel is None:
+            return self.control_ops.apply(op, payload)
+        self.channel.publish(op, payload)
+        try:
+            result = self.control_ops.apply(op, payload)
+        except (ValueError, OSError) as e:
+            self.channel.publish("outcome", str(e))
+            raise
+        self.channel.publish("outcome", None)
+        return result
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+
+
+def exit_on_fatal(message: str) -> None:
+    """A multi-node job cannot go on without one of its nodes: stop this process now (from
+    any thread; the main one may be blocked in a collective that will never complete)."""
+    logger.error("multi-node job failed: %s; stopping this node", message)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(1)
+
+
+def open_leader_channel(server_args: ServerArgs, model_config: ModelConfig) -> LeaderChannel:
+    """Rank 0: waits for every follower's hello (before any JAX work: a mismatched node never
+    joins the JAX job) and checks its fingerprint."""
+    return LeaderChannel(
+        server_args.dist_init_addr, server_args.nnodes,
+        node_fingerprint(server_args, model_config), server_args.dist_timeout,
+        server_args.startup_timeout, exit_on_fatal, fingerprint_differences)
+
+
+class Follower:
+    """A follower node: a runner that applies rank 0's messages until rank 0 says goodbye."""
+
+    def __init__(self, server_args: ServerArgs) -> None:
+        model_config = ModelConfig.from_hf(server_args.model_path, server_args.context_length)
+        self.channel = FollowerChannel(
+            server_args.dist_init_addr, server_args.node_rank,
+            node_fingerprint(server_args, model_config), server_args.dist_timeout,
+            server_args.startup_timeout, exit_on_fatal)
+        logger.info("node %d joined rank 0; loading the model", server_args.node_rank)
+        self.runner = ModelRunner(server_args, model_config)  # joins the JAX job
+        if not server_args.disable_precompile:
+            self.runner.precompile()
+        self.control_ops = RunnerControl(self.runner)
+        self.steps = 0
+
+    def run(self) -> None:
+        logger.info("node ready: running rank 0's steps")
+        outcome: str | None = None  # this node's outcome of the last control operation
+        while (message := self.channel.receive()) is not None:
+            op, payload, digest = message
+            if op == "batch":
+                self._run_batch(*payload, digest)
+            elif op == "outcome":
+                if (outcome is None) != (payload is None):
+                    exit_on_fatal(
+                        f"the last operation {'failed' if payload else 'succeeded'} on rank 0 "
+                        f"({payload or 'ok'}) but {'failed' if outcome else 'succeeded'} here "
+                        f"({outcome or 'ok'}): the nodes would diverge")
+            else:
+                try:
+                    self.control_ops.apply(op, payload)
+                    outcome = None
+                except (ValueError, OSError) as e:
+                    outcome = str(e)
+        logger.info("rank 0 stopped the job after %d steps", self.steps)
+
+    def _run_batch(self, mwb: ModelWorkerBatch, prefix_pages: list[tuple[int, np.ndarray]],
+                   digest: str) -> None:
+        plan = self.runner.plan_step(mwb, prefix_pages)
+        if plan.digest() != digest:
+            exit_on_fatal(
+                f"step {self.steps + 1} padded here differs from rank 0's (digest "
+                f"{plan.digest()} vs {digest}): the nodes' flags or code differ")
+        self.runner.launch_step(plan)
+        self.steps += 1
+
+
+def run_follower(server_args: ServerArgs) -> int:
+    """``launch_server`` on a node of rank > 0: serves rank 0's steps; returns the exit code
+    (0 once rank 0 stops the job; a lost rank 0 exits 1 from the channel's thread)."""
+    try:
+        follower = Follower(server_args)
+    except (ValueError, TimeoutError, OSError) as e:
+        logger.error("node %d start-up failed: %s", server_args.node_rank, e)
+        return 1
+    follower.run()
+    return 0

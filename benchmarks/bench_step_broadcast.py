@@ -43,7 +43,7 @@ def step_payload(rows: int, tokens: int) -> bytes:
         forward_mode=ForwardMode.DECODE if rows == tokens else ForwardMode.EXTEND,
         req_pool_indices=ints(rows), prefix_lens=ints(rows),
         extend_lens=np.full(rows, tokens // rows, np.int32), input_ids=ints(tokens),
-        out_cache_loc=ints(tokens), sampling_params=[SamplingParams()] * rows,
+        out_cache_loc=ints(tokens), sampling_params=[SamplingParams() for _ in range(rows)],
         seeds=list(range(rows)), steps=[0] * rows)
     return pickle.dumps((1, "batch", (mwb, []), "0" * 32), protocol=pickle.HIGHEST_PROTOCOL)
 

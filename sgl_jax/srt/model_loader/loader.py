@@ -69,9 +69,19 @@ class SafetensorsCheckpoint:
         return set(self._where)
 
     def get(self, name: str) -> np.ndarray:
+        return self._handle(name).get_tensor(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """The block ``index`` of a tensor, reading only that block from the file."""
+        return self._handle(name).get_slice(name)[index]
+
+    def _handle(self, name: str) -> Any:
         if name not in self._where:
             raise CheckpointError(f"checkpoint lacks the tensor {name!r}")
-        return self._where[name].get_tensor(name)
+        return self._where[name]
 
 
 def hf_sources(
@@ -143,6 +153,12 @@ class ArraySource:
 
     def get(self, name: str) -> Any:
         return self._arrays[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._arrays[name].shape)
+
+    def read(self, name: str, index: tuple[slice, ...]) -> Any:
+        return self._arrays[name][index]
 
 
 def load_model(
@@ -234,8 +250,7 @@ def read_params(
     pure: dict[Path, jax.Array] = {}
     for path, var, names, transpose in tqdm(plan, desc="Loading weights", unit="tensor",
                                             disable=len(plan) < 2):
-        pure[path] = _place(var, mesh, names, [source.get(n) for n in names], transpose,
-                            config.architecture)
+        pure[path] = _place(var, mesh, names, source, transpose, config.architecture)
     logger.info("Read %d tensors from %s", sum(len(p[2]) for p in plan), where)
     return pure
 
@@ -248,23 +263,53 @@ def _layer_index(name: str) -> int:
     return -1
 
 
-def _place(var: nnx.Variable, mesh: Mesh, names: list[str], arrays: list[Any], transpose: bool,
+def _place(var: nnx.Variable, mesh: Mesh, names: list[str],
+           source: SafetensorsCheckpoint | ArraySource, transpose: bool,
            architecture: str) -> jax.Array:
-    """One parameter from its tensors: transposed, stacked, cast and placed. JAX arrays are
-    converted on their devices (no host copy); numpy arrays on the host."""
-    on_device = any(isinstance(a, jax.Array) for a in arrays)
-    xp = jnp if on_device else np
+    """One parameter from its tensors: transposed (Hugging Face stores linear weights [out,
+    in]), stacked (one tensor per expert, on a leading axis), cast and placed.
+
+    Each device's block is read on its own (``jax.make_array_from_callback``; blocks that
+    several devices share are read once), so a host of a multi-host job reads from the files
+    only the experts and slices its devices hold. JAX arrays (a weight update from arrays) are
+    converted on their devices instead (no host copy)."""
     target = var.get_value()
-    stacked = ".experts." in names[0]  # one tensor per expert, stacked on a leading axis
+    stacked = ".experts." in names[0]
     want = tuple(target.shape[1:] if stacked else target.shape)
     if transpose:
-        want = want[::-1]  # Hugging Face stores linear weights [out, in]
-    for name, array in zip(names, arrays, strict=True):
-        if tuple(array.shape) != want:
+        want = want[::-1]
+    for name in names:
+        if source.shape(name) != want:
             raise CheckpointError(
-                f"tensor {name!r} has shape {tuple(array.shape)}; {architecture} with this "
+                f"tensor {name!r} has shape {source.shape(name)}; {architecture} with this "
                 f"config.json expects {want}"
             )
-    arrays = [a.T if transpose else a for a in arrays]
-    value = xp.stack(arrays) if stacked else arrays[0]
-    return jax.device_put(value.astype(target.dtype), _param_sharding(var, mesh))
+    sharding = _param_sharding(var, mesh)
+    if isinstance(source, ArraySource) and any(
+            isinstance(source.get(n), jax.Array) for n in names):
+        arrays = [jnp.asarray(source.get(n)) for n in names]
+        arrays = [a.T if transpose else a for a in arrays]
+        value = jnp.stack(arrays) if stacked else arrays[0]
+        return jax.device_put(value.astype(target.dtype), sharding)
+
+    blocks: dict[tuple, np.ndarray] = {}
+
+    def block(index: tuple[slice, ...]) -> np.ndarray:
+        key = tuple((s.start, s.stop) for s in index)
+        if key not in blocks:
+            inner = index[1:] if stacked else index
+            hf_index = inner[::-1] if transpose else inner
+
+            def piece(name: str) -> np.ndarray:
+                part = np.asarray(source.read(name, hf_index))
+                return part.T if transpose else part
+
+            if stacked:
+                experts = range(*index[0].indices(len(names)))
+                value = np.stack([piece(names[e]) for e in experts])
+            else:
+                value = piece(names[0])
+            blocks[key] = value.astype(target.dtype)
+        return blocks[key]
+
+    return jax.make_array_from_callback(target.shape, sharding, block)

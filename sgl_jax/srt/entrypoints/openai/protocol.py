@@ -2,15 +2,18 @@
 
 Requests are validated from the raw JSON text in strict mode, so a wrong type (``"n": "2"``,
 ``"stream": 1``) is a 400 rather than a silent coercion; integers are still accepted where a
-float is expected. OpenAI request bodies ignore unknown fields (clients send many optional
-ones we do not implement and that do not change the output); the native ``/generate`` body
-forbids them, because there an unknown key is almost always a misspelt parameter.
+float is expected. Every body also declares the fields of SGLang's request schema that we do
+not implement (``sglang_fields``): accepted and ignored when they ask for nothing, a 400 naming
+the field otherwise. Beyond those, OpenAI request bodies ignore unknown fields (clients send
+many optional ones we do not implement and that do not change the output); the native
+``/generate`` body forbids them, because there an unknown key is almost always a misspelt
+parameter.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -18,15 +21,23 @@ from pydantic import (
     Field,
     ValidationError,
     create_model,
+    field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
+from sgl_jax.srt.managers import sglang_fields
 from sgl_jax.srt.managers.io_struct import GenerateReqInput
-from sgl_jax.srt.managers.request_options import RequestOptions, option_fields
+from sgl_jax.srt.managers.request_options import (
+    InvalidRequestError,
+    RequestOptions,
+    option_fields,
+)
 
 # n copies of every prompt are scheduled as independent requests; bound it so one request
 # cannot queue an unbounded amount of work.
 MAX_N = 128
+M = TypeVar("M", bound=BaseModel)
 
 
 class OpenAIError(Exception):
@@ -96,12 +107,37 @@ def _short(value: Any, limit: int = 60) -> str:
 
 
 # -- requests ---------------------------------------------------------------------------------
+def with_sglang_fields(base: type[M], surface: str) -> type[M]:
+    """``base`` plus the ``sglang_fields`` table's fields of ``surface``: each optional and
+    untyped here, checked by the table (a refused value is a validation error at the field,
+    so the 400 names it)."""
+    table = sglang_fields.fields_of(surface)
+
+    def check(cls: type, value: Any, info: Any) -> Any:
+        message = table[info.field_name].refusal(value)
+        if message is not None:
+            raise PydanticCustomError("unsupported_sglang_field", message)
+        return value
+
+    validator = field_validator(*table, mode="after")(check)
+    return create_model(  # type: ignore[call-overload, no-any-return]
+        base.__name__.lstrip("_"), __base__=base, __module__=base.__module__,
+        __validators__={"_check_sglang_fields": validator},
+        **{name: (Any, None) for name in table},
+    )
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-class StreamOptions(_Request):
+class _StreamOptions(BaseModel):
+    # Closed: an option we do not know could change what the stream carries.
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+
+
+StreamOptions = with_sglang_fields(_StreamOptions, sglang_fields.STREAM_OPTIONS)
 
 
 def _set_options(body: BaseModel) -> dict[str, Any]:
@@ -132,9 +168,12 @@ class OpenAISamplingRequest(_OpenAIOptions):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
+    # SGLang's name for the seed (sglang-router forwards this one, and drops an unknown "seed"
+    # inside sampling_params): the same as seed, which wins if both are given and agree.
+    sampling_seed: int | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = None  # type: ignore[valid-type]
     user: str | None = None
 
     def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
@@ -159,17 +198,29 @@ class OpenAISamplingRequest(_OpenAIOptions):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def request_seed(self) -> int | None:
+        """``seed``, or SGLang's ``sampling_seed``; both given, they must agree."""
+        if None not in (self.seed, self.sampling_seed) and self.seed != self.sampling_seed:
+            raise InvalidRequestError(
+                f"'seed' ({self.seed}) and 'sampling_seed' ({self.sampling_seed}) disagree; "
+                f"give one of them", "sampling_seed")
+        return self.seed if self.seed is not None else self.sampling_seed
+
     def options(self) -> dict[str, Any]:
         return _set_options(self)
 
 
-class CompletionRequest(OpenAISamplingRequest):
+class _CompletionRequest(OpenAISamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = None
     best_of: int | None = None
+
+
+CompletionRequest = with_sglang_fields(_CompletionRequest, sglang_fields.COMPLETION)
 
 
 class ChatMessage(BaseModel):
@@ -193,15 +244,19 @@ class ChatMessage(BaseModel):
         return self
 
 
-class ChatCompletionRequest(OpenAISamplingRequest):
+class _ChatCompletionRequest(OpenAISamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
 
+ChatCompletionRequest = with_sglang_fields(_ChatCompletionRequest, sglang_fields.CHAT)
+
+
 class _GenerateBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None  # SGLang's multi-model field; None: the served model
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
@@ -216,8 +271,11 @@ class _GenerateBody(BaseModel):
 
 
 # The native /generate body: GenerateReqInput's fields, the request options flat beside them
-# (each a value, or a list of one value per prompt of a batch).
-GenerateRequest = create_model("GenerateRequest", __base__=_GenerateBody, **option_fields())
+# (each a value, or a list of one value per prompt of a batch), and SGLang's fields we do not
+# implement.
+GenerateRequest = with_sglang_fields(
+    create_model("GenerateRequest", __base__=_GenerateBody, **option_fields()),
+    sglang_fields.GENERATE)
 
 
 class AbortRequest(BaseModel):

@@ -13,7 +13,7 @@ parameter.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -37,7 +37,6 @@ from sgl_jax.srt.managers.request_options import (
 # n copies of every prompt are scheduled as independent requests; bound it so one request
 # cannot queue an unbounded amount of work.
 MAX_N = 128
-M = TypeVar("M", bound=BaseModel)
 
 
 class OpenAIError(Exception):
@@ -107,10 +106,11 @@ def _short(value: Any, limit: int = 60) -> str:
 
 
 # -- requests ---------------------------------------------------------------------------------
-def with_sglang_fields(base: type[M], surface: str) -> type[M]:
-    """``base`` plus the ``sglang_fields`` table's fields of ``surface``: each optional and
-    untyped here, checked by the table (a refused value is a validation error at the field,
-    so the 400 names it)."""
+def sglang_fields_model(surface: str) -> type[BaseModel]:
+    """A base holding the ``sglang_fields`` table's fields of ``surface``, to list beside a
+    body's own base: each optional and untyped here, checked by the table (a refused value is
+    a validation error at that field, so the 400 names it). Its config is empty: the body's
+    own base decides strictness and unknown keys."""
     table = sglang_fields.fields_of(surface)
 
     def check(cls: type, value: Any, info: Any) -> Any:
@@ -119,10 +119,9 @@ def with_sglang_fields(base: type[M], surface: str) -> type[M]:
             raise PydanticCustomError("unsupported_sglang_field", message)
         return value
 
-    validator = field_validator(*table, mode="after")(check)
-    return create_model(  # type: ignore[call-overload, no-any-return]
-        base.__name__.lstrip("_"), __base__=base, __module__=base.__module__,
-        __validators__={"_check_sglang_fields": validator},
+    return create_model(
+        f"SGLang{surface.title().replace('_', '')}Fields",
+        __validators__={"_check_sglang_fields": field_validator(*table)(check)},
         **{name: (Any, None) for name in table},
     )
 
@@ -131,13 +130,10 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-class _StreamOptions(BaseModel):
+class StreamOptions(sglang_fields_model(sglang_fields.STREAM_OPTIONS)):
     # Closed: an option we do not know could change what the stream carries.
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
-
-
-StreamOptions = with_sglang_fields(_StreamOptions, sglang_fields.STREAM_OPTIONS)
 
 
 def _set_options(body: BaseModel) -> dict[str, Any]:
@@ -168,12 +164,11 @@ class OpenAISamplingRequest(_OpenAIOptions):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
-    # SGLang's name for the seed (sglang-router forwards this one, and drops an unknown "seed"
-    # inside sampling_params): the same as seed, which wins if both are given and agree.
+    # SGLang's name for the seed: the same as seed (both given, they must agree).
     sampling_seed: int | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
-    stream_options: StreamOptions | None = None  # type: ignore[valid-type]
+    stream_options: StreamOptions | None = None
     user: str | None = None
 
     def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
@@ -211,7 +206,7 @@ class OpenAISamplingRequest(_OpenAIOptions):
         return _set_options(self)
 
 
-class _CompletionRequest(OpenAISamplingRequest):
+class CompletionRequest(OpenAISamplingRequest, sglang_fields_model(sglang_fields.COMPLETION)):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
@@ -219,8 +214,6 @@ class _CompletionRequest(OpenAISamplingRequest):
     logprobs: int | None = None
     best_of: int | None = None
 
-
-CompletionRequest = with_sglang_fields(_CompletionRequest, sglang_fields.COMPLETION)
 
 
 class ChatMessage(BaseModel):
@@ -244,14 +237,12 @@ class ChatMessage(BaseModel):
         return self
 
 
-class _ChatCompletionRequest(OpenAISamplingRequest):
+class ChatCompletionRequest(OpenAISamplingRequest, sglang_fields_model(sglang_fields.CHAT)):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
-
-ChatCompletionRequest = with_sglang_fields(_ChatCompletionRequest, sglang_fields.CHAT)
 
 
 class _GenerateBody(BaseModel):
@@ -273,9 +264,9 @@ class _GenerateBody(BaseModel):
 # The native /generate body: GenerateReqInput's fields, the request options flat beside them
 # (each a value, or a list of one value per prompt of a batch), and SGLang's fields we do not
 # implement.
-GenerateRequest = with_sglang_fields(
-    create_model("GenerateRequest", __base__=_GenerateBody, **option_fields()),
-    sglang_fields.GENERATE)
+GenerateRequest = create_model(
+    "GenerateRequest", __base__=(_GenerateBody, sglang_fields_model(sglang_fields.GENERATE)),
+    **option_fields())
 
 
 class AbortRequest(BaseModel):

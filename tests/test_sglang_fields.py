@@ -34,6 +34,35 @@ ROUTER_CHAT = {
     "no_stop_trim": False, "ignore_eos": False, "continue_final_message": False,
     "skip_special_tokens": True, "separate_reasoning": True, "stream_reasoning": True,
     "return_hidden_states": False}
+# Every field name sglang-router 0.3.2 forwarded when given one (the captured bodies).
+ROUTER_FIELDS = {
+    sglang_fields.GENERATE: (
+        "text model input_ids input_embeds image_data video_data audio_data sampling_params rid "
+        "return_logprob logprob_start_len top_logprobs_num token_ids_logprob "
+        "return_text_in_logprobs stream log_metrics return_hidden_states modalities "
+        "session_params lora_path lora_id custom_logit_processor bootstrap_host bootstrap_port "
+        "bootstrap_room bootstrap_pair_key data_parallel_rank background conversation_id "
+        "priority extra_key no_logs custom_labels return_bytes return_entropy"),
+    sglang_fields.CHAT: (
+        "messages model frequency_penalty function_call functions logit_bias logprobs "
+        "max_tokens max_completion_tokens metadata modalities n parallel_tool_calls "
+        "presence_penalty reasoning_effort response_format safety_identifier seed service_tier "
+        "stop stream stream_options temperature tool_choice tools top_logprobs top_p verbosity "
+        "top_k min_p min_tokens repetition_penalty regex ebnf stop_token_ids no_stop_trim "
+        "ignore_eos continue_final_message skip_special_tokens lora_path session_params "
+        "separate_reasoning stream_reasoning chat_template_kwargs return_hidden_states "
+        "sampling_seed"),
+    sglang_fields.COMPLETION: (
+        "model prompt suffix max_tokens temperature top_p n stream stream_options logprobs echo "
+        "stop presence_penalty frequency_penalty best_of logit_bias user seed top_k min_p "
+        "min_tokens repetition_penalty regex ebnf json_schema stop_token_ids no_stop_trim "
+        "ignore_eos skip_special_tokens lora_path session_params return_hidden_states "
+        "sampling_seed"),
+    sglang_fields.SAMPLING: (
+        "temperature max_new_tokens top_p top_k frequency_penalty presence_penalty "
+        "repetition_penalty stop ignore_eos skip_special_tokens json_schema regex ebnf min_p "
+        "min_new_tokens stop_token_ids no_stop_trim n sampling_seed"),
+}
 ROUTER_COMPLETION = {
     "model": "m", "prompt": ["a", "b"], "stream": False, "echo": False, "no_stop_trim": False,
     "ignore_eos": False, "skip_special_tokens": True, "return_hidden_states": False}
@@ -67,6 +96,14 @@ def test_the_routers_bodies_validate_as_sent():
     chat = validate(ChatCompletionRequest, ROUTER_CHAT)
     assert chat.max_completion_tokens == 4 and chat.top_k == 1
     assert validate(CompletionRequest, ROUTER_COMPLETION).prompt == ["a", "b"]
+
+
+@pytest.mark.parametrize("surface", sorted(ROUTER_FIELDS))
+def test_every_field_the_router_forwards_is_ours_or_in_the_table(surface):
+    ours = (set(SamplingParams().to_dict()) | {"sampling_seed"}
+            if surface == sglang_fields.SAMPLING else set(BODIES[surface][0].model_fields))
+    missing = set(ROUTER_FIELDS[surface].split()) - ours - set(sglang_fields.fields_of(surface))
+    assert not missing, missing
 
 
 @pytest.mark.parametrize("surface,name", cases())

@@ -10,9 +10,11 @@ its value, as long as it has the right JSON type.
 
 The table covers the fields of SGLang's request bodies as sglang-router 0.3.2 forwards them
 (``GenerateRequest``, ``ChatCompletionRequest``, ``CompletionRequest`` and the
-``sampling_params`` object), minus the ones sgl_jax implements (those are real fields of our
-bodies, ``RequestOptions`` or ``SamplingParams``). Truly unknown fields keep their old fate:
-a 400 on ``/generate`` and in ``sampling_params``, ignored on the OpenAI routes.
+``sampling_params`` object), plus a few of SGLang's that the router drops (``routed_dp_rank``,
+``stop_regex``, ``structural_tag``, ``custom_params``, the stream options), minus the ones
+sgl_jax implements (those are real fields of our bodies, ``RequestOptions`` or
+``SamplingParams``). Truly unknown fields keep their old fate: a 400 on ``/generate``, in
+``sampling_params`` and in ``stream_options``, ignored on the OpenAI routes.
 
 This module imports nothing of ours, so that both the HTTP bodies and ``SamplingParams`` can
 use it; callers turn a refusal message into their own error type.

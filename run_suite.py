@@ -34,6 +34,7 @@ UNIT = [
     "tests/test_aot_report.py",
     "tests/test_routed_experts_codec.py",
     "tests/test_request_options.py",
+    "tests/test_sglang_fields.py",
     "tests/test_routed_experts_transport.py",
     "tests/test_expert_load_tool.py",
     "tests/test_eplb.py",
@@ -55,6 +56,7 @@ E2E = [
     "tests/test_expert_distribution.py",
     "tests/test_eplb_engine.py",
     "tests/test_multi_node.py",
+    "tests/test_router.py",
 ]
 # Optional checks outside every suite (they skip without packages the project does not need).
 OPTIONAL = ["tests/test_hf_transformers.py"]

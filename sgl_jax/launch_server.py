@@ -23,7 +23,9 @@ OpenAI-compatible /v1/completions, /v1/chat/completions and /v1/models, plus /he
 With --enable-return-routed-experts, a request with "return_routed_experts": true gets the
 router's top-k expert ids of every token and layer as base64 little-endian int32 in
 meta_info["routed_experts"] (OpenAI routes: choices[i].meta_info.routed_experts); reshape
-them to (-1, num_hidden_layers, num_experts_per_tok) from /get_model_info.
+them to (-1, num_hidden_layers, num_experts_per_tok) from /get_model_info. Behind a gateway
+that drops that field (sglang-router), --return-routed-experts-default returns them for every
+request that does not say false (docs/scaling.md).
 
 SIGTERM or Ctrl-C aborts running requests, stops the engine's processes and exits 0; if an
 engine process dies, requests get HTTP 503 and the server exits with code 1.

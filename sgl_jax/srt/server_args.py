@@ -119,6 +119,11 @@ class ServerArgs:
     enable_return_routed_experts: bool = _arg(
         False, "Capture the router's top-k expert ids so requests can ask for them with "
                "return_routed_experts.")
+    return_routed_experts_default: bool = _arg(
+        False, "Return the routed experts of every request that does not say "
+               "return_routed_experts=false, as if it had asked. For gateways that drop the "
+               "request field: sglang-router forwards neither it nor a header on /generate and "
+               "chat (docs/scaling.md). Needs --enable-return-routed-experts.")
     enable_return_routed_expert_weights: bool = _arg(
         False, "Also capture the router's top-k weights, so requests can ask for them with "
                "return_routed_expert_weights (needs --enable-return-routed-experts; 4 more "
@@ -215,6 +220,9 @@ class ServerArgs:
                  f"{', '.join(ATTENTION_BACKENDS)}")
         if self.enable_return_routed_expert_weights and not self.enable_return_routed_experts:
             fail("enable_return_routed_expert_weights needs enable_return_routed_experts")
+        if self.return_routed_experts_default and not self.enable_return_routed_experts:
+            fail("return_routed_experts_default needs enable_return_routed_experts (without "
+                 "it no request can have routed experts); add --enable-return-routed-experts")
         if self.routed_experts_dtype not in ROUTED_EXPERTS_DTYPES:
             fail(f"routed_experts_dtype={self.routed_experts_dtype!r}; use one of "
                  f"{', '.join(ROUTED_EXPERTS_DTYPES)}")

@@ -193,7 +193,7 @@ class Engine:
         prompt: str | list[str] | None = None,
         sampling_params: dict | list[dict] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
-        return_routed_experts: bool | list[bool] = False,
+        return_routed_experts: bool | list[bool] | None = None,
         routed_experts_start_len: int | list[int] | None = None,
         stream: bool = False,
         rid: str | list[str] | None = None,
@@ -207,9 +207,9 @@ class Engine:
         ``return_routed_expert_weights``, ``routed_expert_weights_dtype``) or sampling
         parameters, e.g.
         ``generate("Hi", max_new_tokens=16, temperature=0)``. Bad input raises ValueError.
+        ``return_routed_experts`` None (not given) follows ``return_routed_experts_default``.
         """
-        kwargs.update(return_routed_experts=return_routed_experts,
-                      routed_experts_start_len=routed_experts_start_len)
+        _add_routed_experts(kwargs, return_routed_experts, routed_experts_start_len)
         obj = self._make_request(prompt, sampling_params, input_ids, stream, rid, kwargs)
         agen = self.tokenizer_manager.generate_request(obj)
         if stream:
@@ -231,15 +231,14 @@ class Engine:
         prompt: str | list[str] | None = None,
         sampling_params: dict | list[dict] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
-        return_routed_experts: bool | list[bool] = False,
+        return_routed_experts: bool | list[bool] | None = None,
         routed_experts_start_len: int | list[int] | None = None,
         stream: bool = False,
         rid: str | list[str] | None = None,
         **kwargs: Any,
     ) -> dict[str, Any] | list[dict[str, Any]] | AsyncIterator[dict[str, Any]]:
         """``generate`` in the caller's event loop."""
-        kwargs.update(return_routed_experts=return_routed_experts,
-                      routed_experts_start_len=routed_experts_start_len)
+        _add_routed_experts(kwargs, return_routed_experts, routed_experts_start_len)
         obj = self._make_request(prompt, sampling_params, input_ids, stream, rid, kwargs)
         agen = self.tokenizer_manager.generate_request(obj)
         if stream:
@@ -342,6 +341,14 @@ class Engine:
         if self._closed:
             raise RuntimeError("the engine is shut down")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+
+def _add_routed_experts(kwargs: dict[str, Any], want: bool | list[bool] | None,
+                        start_len: int | list[int] | None) -> None:
+    # Left out when not given, so that the server's return_routed_experts_default applies.
+    if want is not None:
+        kwargs["return_routed_experts"] = want
+    kwargs["routed_experts_start_len"] = start_len
 
 
 async def _collect(agen: AsyncIterator[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,8 +1,9 @@
 """The HTTP server: a FastAPI app over ONE TokenizerManager, run by uvicorn.
 
 Routes: native ``/generate``; OpenAI ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models``; operations ``/health``, ``/health_generate``, ``/get_model_info``,
-``/get_server_info``, ``/flush_cache``, ``/abort_request``, ``/update_weights_from_disk``,
+``/v1/models``; operations ``/health``, ``/health_generate``, ``/get_model_info`` (also
+``/model_info``), ``/get_server_info`` (also ``/server_info``), ``/get_load``,
+``/flush_cache``, ``/abort_request``, ``/update_weights_from_disk``,
 ``/pause_generation``, ``/continue_generation``; the expert distribution recorder
 ``/start_expert_distribution_record``, ``/stop_expert_distribution_record``,
 ``/dump_expert_distribution_record``, ``/expert_load``, ``/expert_load.png`` and
@@ -128,7 +129,9 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        obj = (await read_json(request, GenerateRequest)).to_input()
+        body = await read_json(request, GenerateRequest)
+        ctx.completions.check_model(body.model)
+        obj = body.to_input()
         # rids are fixed here, not by the manager, so a disconnect can abort them by id.
         return await run(request, _NativePlan(obj, obj.ensure_rids()))
 
@@ -160,12 +163,16 @@ def create_app(ctx: ServerContext) -> FastAPI:
         # One greedy token from a one-token prompt: proves the whole pipeline still works.
         rid = f"health-{uuid.uuid4().hex}"
         obj = GenerateReqInput(input_ids=[0], rid=rid,
-                               sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+                               sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                               options={"return_routed_experts": False})
         plan = _NativePlan(obj, [rid])
         await asyncio.wait_for(run(request, plan), HEALTH_GENERATE_TIMEOUT)
         return JSONResponse({"status": "ok"})
 
+    # sglang-router reads /model_info and /server_info (SGLang's newer names) when it adds a
+    # worker: the served model name becomes the worker's model id.
     @app.get("/get_model_info")
+    @app.get("/model_info")
     async def get_model_info() -> Response:
         return JSONResponse({
             "model_path": cfg.model_path,
@@ -184,8 +191,22 @@ def create_app(ctx: ServerContext) -> FastAPI:
         })
 
     @app.get("/get_server_info")
+    @app.get("/server_info")
     async def get_server_info() -> Response:
         return JSONResponse(await tm.get_server_info())
+
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        # SGLang's shape, one entry per data-parallel rank (we are one): sglang-router's
+        # /get_loads and load-aware policies read num_tokens.
+        info = await tm.get_server_info()
+        waiting = info["num_waiting_reqs"]
+        in_use = (info["total_kv_slots"] - info["available_kv_slots"]
+                  - info["evictable_kv_slots"])
+        return JSONResponse([{
+            "dp_rank": 0, "num_reqs": info["num_running_reqs"] + waiting,
+            "num_waiting_reqs": waiting, "num_tokens": in_use,
+        }])
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:

@@ -30,11 +30,16 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
     error_body,
 )
 from sgl_jax.srt.managers.io_struct import GenerateReqInput
+from sgl_jax.srt.managers.request_options import InvalidRequestError
 from sgl_jax.srt.managers.tokenizer_manager import EngineDeadError, TokenizerManager
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
+# return_routed_experts as a header, for gateways that forward headers but drop body fields
+# they do not know (sglang-router 0.3.2 forwards neither: docs/scaling.md).
+ROUTED_EXPERTS_HEADER = "X-Return-Routed-Experts"
+_HEADER_BOOLEANS = {"1": True, "true": True, "0": False, "false": False}
 OPEN_PATHS = frozenset({"/health", "/health_generate"})  # reachable without the API key
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -157,11 +162,26 @@ async def _sse(plan: Plan, gen: Generation, first: dict[str, Any]) -> AsyncItera
     yield _event(b"[DONE]")
 
 
+def apply_routed_experts_header(request: Request, obj: GenerateReqInput) -> None:
+    """``X-Return-Routed-Experts: 1`` (or true, 0, false) asks like the body field; the body
+    wins when it gives the field, and either wins over the server's default."""
+    raw = request.headers.get(ROUTED_EXPERTS_HEADER)
+    if raw is None:
+        return
+    value = _HEADER_BOOLEANS.get(raw.strip().lower())
+    if value is None:
+        raise InvalidRequestError(
+            f"the {ROUTED_EXPERTS_HEADER} header must be 1, true, 0 or false, not {raw!r}",
+            "return_routed_experts")
+    obj.options.setdefault("return_routed_experts", value)
+
+
 async def serve(request: Request, tm: TokenizerManager, plan: Plan,
                 unavailable: str | None = None) -> Response:
     """Runs ``plan`` and answers: JSON, or an event stream once the first piece is ready."""
     if unavailable is not None:
         raise EngineDeadError(unavailable)
+    apply_routed_experts_header(request, plan.obj)
     gen = Generation(tm, plan.obj, plan.rids)
     try:
         if not plan.stream:

@@ -151,7 +151,10 @@ class TokenizerManager:
                 f"tokens exceeds the context length {self.context_len}; lower max_new_tokens "
                 f"to at most {self.context_len - len(input_ids)}"
             )
-        options = RequestOptions(**obj.options).validate(
+        given = obj.options
+        if self.server_args.return_routed_experts_default:
+            given = {"return_routed_experts": True, **given}
+        options = RequestOptions(**given).validate(
             len(input_ids), self.server_args.enable_return_routed_experts,
             num_experts=self.model_config.num_experts,
             default_dtype=self.server_args.routed_experts_dtype,

@@ -14,6 +14,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+from sgl_jax.srt.managers import sglang_fields
+
 # A temperature below this is greedy decoding; the device sampler uses the same threshold, so a
 # request is greedy on the host exactly when it is greedy on the device.
 SAMPLING_EPS = 1e-6
@@ -24,6 +26,11 @@ MAX_TOKEN_IDS_LOGPROB = 64
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63  # exclusive; seeds fit a signed 64-bit integer (what most clients can send)
+
+# SGLang's names of our parameters (sglang-router forwards "sampling_seed" and drops "seed").
+_ALIASES = {"sampling_seed": "seed"}
+# SGLang's parameters we do not implement: accepted when they ask for nothing, else refused.
+_SGLANG_ONLY = sglang_fields.fields_of(sglang_fields.SAMPLING)
 
 # The penalties are accepted only at their neutral values: the engine does not implement them,
 # and silently ignoring a non-neutral penalty would return different text than the user asked for.
@@ -69,7 +76,12 @@ class SamplingParams:
             )
         accepted = [f.name for f in dataclasses.fields(cls)]
         kwargs: dict[str, Any] = {}
-        for key, value in d.items():
+        for key, value in _resolve_aliases(d).items():
+            if key in _SGLANG_ONLY:
+                refusal = _SGLANG_ONLY[key].refusal(value)
+                if refusal is not None:
+                    raise ValueError(f"sampling_params.{key}: {refusal} (got {_describe(value)})")
+                continue
             if key not in _FIELD_CHECKERS:
                 raise ValueError(
                     f"unknown sampling parameter {key!r}; accepted parameters: "
@@ -156,6 +168,21 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _resolve_aliases(d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` with SGLang's spellings renamed to ours; both given, they must agree."""
+    out = dict(d)
+    for alias, name in _ALIASES.items():
+        if alias not in out:
+            continue
+        value = out.pop(alias)
+        if out.get(name) is not None and value is not None and out[name] != value:
+            raise ValueError(f"{name} ({out[name]!r}) and its alias {alias} ({value!r}) "
+                             f"disagree; give one of them")
+        if out.get(name) is None:
+            out[name] = value
+    return out
 
 
 # ---------------------------------------------------------------------- type checkers

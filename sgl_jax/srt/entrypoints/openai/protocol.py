@@ -2,9 +2,12 @@
 
 Requests are validated from the raw JSON text in strict mode, so a wrong type (``"n": "2"``,
 ``"stream": 1``) is a 400 rather than a silent coercion; integers are still accepted where a
-float is expected. OpenAI request bodies ignore unknown fields (clients send many optional
-ones we do not implement and that do not change the output); the native ``/generate`` body
-forbids them, because there an unknown key is almost always a misspelt parameter.
+float is expected. Every body also declares the fields of SGLang's request schema that we do
+not implement (``sglang_fields``): accepted and ignored when they ask for nothing, a 400 naming
+the field otherwise. Beyond those, OpenAI request bodies ignore unknown fields (clients send
+many optional ones we do not implement and that do not change the output); the native
+``/generate`` body forbids them, because there an unknown key is almost always a misspelt
+parameter.
 """
 
 from __future__ import annotations
@@ -18,11 +21,18 @@ from pydantic import (
     Field,
     ValidationError,
     create_model,
+    field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
+from sgl_jax.srt.managers import sglang_fields
 from sgl_jax.srt.managers.io_struct import GenerateReqInput
-from sgl_jax.srt.managers.request_options import RequestOptions, option_fields
+from sgl_jax.srt.managers.request_options import (
+    InvalidRequestError,
+    RequestOptions,
+    option_fields,
+)
 
 # n copies of every prompt are scheduled as independent requests; bound it so one request
 # cannot queue an unbounded amount of work.
@@ -96,11 +106,33 @@ def _short(value: Any, limit: int = 60) -> str:
 
 
 # -- requests ---------------------------------------------------------------------------------
+def sglang_fields_model(surface: str) -> type[BaseModel]:
+    """A base holding the ``sglang_fields`` table's fields of ``surface``, to list beside a
+    body's own base: each optional and untyped here, checked by the table (a refused value is
+    a validation error at that field, so the 400 names it). Its config is empty: the body's
+    own base decides strictness and unknown keys."""
+    table = sglang_fields.fields_of(surface)
+
+    def check(cls: type, value: Any, info: Any) -> Any:
+        message = table[info.field_name].refusal(value)
+        if message is not None:
+            raise PydanticCustomError("unsupported_sglang_field", message)
+        return value
+
+    return create_model(
+        f"SGLang{surface.title().replace('_', '')}Fields",
+        __validators__={"_check_sglang_fields": field_validator(*table)(check)},
+        **{name: (Any, None) for name in table},
+    )
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-class StreamOptions(_Request):
+class StreamOptions(sglang_fields_model(sglang_fields.STREAM_OPTIONS)):
+    # Closed: an option we do not know could change what the stream carries.
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
@@ -132,6 +164,8 @@ class OpenAISamplingRequest(_OpenAIOptions):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
+    # SGLang's name for the seed: the same as seed (both given, they must agree).
+    sampling_seed: int | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -159,17 +193,27 @@ class OpenAISamplingRequest(_OpenAIOptions):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def request_seed(self) -> int | None:
+        """``seed``, or SGLang's ``sampling_seed``; both given, they must agree."""
+        if None not in (self.seed, self.sampling_seed) and self.seed != self.sampling_seed:
+            raise InvalidRequestError(
+                f"'seed' ({self.seed}) and 'sampling_seed' ({self.sampling_seed}) disagree; "
+                f"give one of them", "sampling_seed")
+        return self.seed if self.seed is not None else self.sampling_seed
+
     def options(self) -> dict[str, Any]:
         return _set_options(self)
 
 
-class CompletionRequest(OpenAISamplingRequest):
+class CompletionRequest(OpenAISamplingRequest, sglang_fields_model(sglang_fields.COMPLETION)):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = None
     best_of: int | None = None
+
 
 
 class ChatMessage(BaseModel):
@@ -193,15 +237,17 @@ class ChatMessage(BaseModel):
         return self
 
 
-class ChatCompletionRequest(OpenAISamplingRequest):
+class ChatCompletionRequest(OpenAISamplingRequest, sglang_fields_model(sglang_fields.CHAT)):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
 
 
+
 class _GenerateBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None  # SGLang's multi-model field; None: the served model
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
@@ -216,8 +262,11 @@ class _GenerateBody(BaseModel):
 
 
 # The native /generate body: GenerateReqInput's fields, the request options flat beside them
-# (each a value, or a list of one value per prompt of a batch).
-GenerateRequest = create_model("GenerateRequest", __base__=_GenerateBody, **option_fields())
+# (each a value, or a list of one value per prompt of a batch), and SGLang's fields we do not
+# implement.
+GenerateRequest = create_model(
+    "GenerateRequest", __base__=(_GenerateBody, sglang_fields_model(sglang_fields.GENERATE)),
+    **option_fields())
 
 
 class AbortRequest(BaseModel):

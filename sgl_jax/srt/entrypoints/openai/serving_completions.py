@@ -152,11 +152,12 @@ class OpenAIServing:
         """``n`` independent requests per prompt, in choice order."""
         response_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         params, expanded = [], []
+        seed = req.request_seed
         for prompt, max_new in zip(prompts, max_new_tokens, strict=True):
             for j in range(req.n):
                 p = req.sampling_params(max_new)
-                if req.seed is not None:
-                    p["seed"] = req.seed + j  # distinct but reproducible copies
+                if seed is not None:
+                    p["seed"] = seed + j  # distinct but reproducible copies
                 params.append(p)
                 expanded.append(prompt)
         # rids derive from the response id, so a client can abort a choice via /abort_request.

@@ -113,8 +113,9 @@ class _IoThread:
                         return
             if self.monitor in ready:
                 recv_monitor_message(self.monitor)
-                if not self.closing:
-                    self.on_fatal(f"lost the connection to {self._who()}")
+                if not self.closing:  # the event does not say which peer: name them all
+                    who = self._who() if len(self.peers) == 1 else f"one of {self._who()}"
+                    self.on_fatal(f"lost the connection to {who}")
                     return
             silent = [p for p, t in self.last_seen.items()
                       if time.monotonic() - t > self.timeout]

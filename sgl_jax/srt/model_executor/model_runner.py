@@ -265,8 +265,9 @@ class ModelRunner:
             # Shared experts (Qwen2-MoE, DeepSeek-V3, GLM-4.5) run as their own dense MLP,
             # not fused into the routed experts as extra ids: the capture sees k columns.
             num_fused_shared_experts=0,
-            # An abstract runner never serves: no host rows (they can be gigabytes).
-            num_tokens=1 if abstract else num_slots,
+            # An abstract runner never serves and a follower node reads no result: no host
+            # rows (they can be gigabytes).
+            num_tokens=num_slots if self.keeps_results and not abstract else 1,
             max_running_requests=self.max_running_requests,
             chunked_prefill_size=server_args.chunked_prefill_size,
             weights=server_args.enable_return_routed_expert_weights,

@@ -11,6 +11,7 @@ SIGTERM to node 0 stops both; a node with other flags fails at start-up saying w
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import requests
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.utils import free_port
 from sgl_jax.testing import MultiNodeJob, ServerProcess, server_flags, wait_until
+from sgl_jax.tools.make_random_model import write_random_model
 from tests.engine_utils import decoded_rows, expected_rows, prompt_ids, reference_greedy
 
 CFG = ModelConfig.from_hf(None)
@@ -107,6 +109,34 @@ def test_equal_to_single_process(two_node_results, single_process, name):
 
 def test_the_prefix_cache_was_used(two_node_results):
     assert two_node_results["cached_prefix"][0]["meta_info"]["cached_tokens"] >= 16
+
+
+@pytest.fixture(scope="module")
+def second_ckpt(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("second_ckpt"))
+    write_random_model(path, "tiny", seed=1)
+    return path
+
+
+def test_weight_update_reaches_every_node(two_nodes, two_node_results, second_ckpt, tmp_path):
+    """/update_weights_from_disk on node 0 replaces the weights on both nodes: the outputs
+    then equal the reference of the new checkpoint (a node left on the old weights would
+    change every cross-node all-reduce)."""
+    server = two_nodes.leader
+    res = server.post("/update_weights_from_disk", json={"model_path": second_ckpt})
+    assert res.status_code == 200 and res.json()["success"], res.text
+    ids = PROMPTS["alone"][0]
+    (out,) = generate(server, [ids])
+    assert out["meta_info"]["weight_version"] == "1"
+    assert out["output_ids"] == reference_greedy(ids, NEW_TOKENS, path=second_ckpt)
+    rows = decoded_rows(out, CFG.num_hidden_layers, CFG.num_experts_per_tok)
+    assert (rows == expected_rows(ids, out["output_ids"], path=second_ckpt)).all()
+    # An update that fails while loading (a config that matches, no weights) fails alike on
+    # both nodes (the same outcome): the job goes on serving on the weights it had.
+    shutil.copy(os.path.join(second_ckpt, "config.json"), tmp_path)
+    res = server.post("/update_weights_from_disk", json={"model_path": str(tmp_path)})
+    assert res.status_code == 400 and "no *.safetensors" in res.text, res.text
+    assert generate(server, [ids])[0]["output_ids"] == out["output_ids"]
 
 
 def test_sigterm_on_node_0_stops_every_process(two_nodes, two_node_results):

@@ -118,7 +118,7 @@ def make_mesh(devices: Sequence[Any], tp_size: int, ep_size: int) -> Mesh:
     """The ``("expert", "tensor")`` mesh on the first ``tp_size * ep_size`` devices, the
     "tensor" axis over neighbouring devices. On a multi-host job the mesh must hold every
     device (each host runs its share of every step) and "tensor" must stay within a host
-    (its all-reduces run in every layer; "expert" all-to-alls are fewer and larger)."""
+    (its all-reduces run in every attention and MoE block: they want the fastest links)."""
     need = tp_size * ep_size
     if need > len(devices):
         raise ValueError(
@@ -168,7 +168,7 @@ class ModelRunner:
         self.model_config = model_config
         self.abstract = abstract
         # A follower node of a multi-node job dispatches the steps rank 0 sends and reads no
-        # result (docs/parallelism.md, "Multi-node").
+        # result (docs/parallelism.md, "Several hosts").
         self.keeps_results = server_args.node_rank == 0
         if devices is None:
             # Before the first use of the backend: afterwards JAX only sees this host's devices.

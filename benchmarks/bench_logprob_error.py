@@ -11,8 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from sgl_jax import Engine
-from sgl_jax.srt.configs.model_config import resolve_model_path
-from sgl_jax.testing import engine_args
+from sgl_jax.testing import TEST_MODEL_PATH, engine_args
 from sgl_jax.tools.reference_forward import ReferenceModel
 
 
@@ -23,7 +22,7 @@ def reference_logprobs(ref: ReferenceModel, ids: list[int], temperature: float) 
 
 
 def main() -> None:
-    ref = ReferenceModel(resolve_model_path(None))
+    ref = ReferenceModel(TEST_MODEL_PATH)
     engine = Engine(**engine_args())
     rng = np.random.default_rng(0)
     worst = {"output": 0.0, "input": 0.0, "top": 0.0}

@@ -1,8 +1,19 @@
-"""What tests and benchmarks share: the fast settings, and one launcher of a real server.
+"""What tests and benchmarks share: the test checkpoint, the fast settings, and one launcher
+of a real server.
+
+``TEST_MODEL_PATH`` is the checkpoint the exactness tests run (not the bundled model): the
+bundled model's shape with random weights, ``make_random_model --preset tiny --seed 0``,
+whose k-th / (k+1)-th router gaps on the tool's sample prompts are >= 1e-3, far above float32
+rounding. The bundled model is trained (``tools/train_tiny``) and a trained router has
+near-ties (smallest gap ~1e-6 over the corpus, below float32 error), so a float32 engine and
+the float64 reference may legitimately pick different experts there. The checkpoint is
+written on first use (about a second) into a cache directory and checked against a pinned
+SHA-256, so it is the same bytes everywhere, without a second binary copy in the repository.
 
 ``FAST_SETTINGS`` are the ServerArgs that keep a start-up short on a CPU (few, small compile
-buckets; the persistent compilation cache makes restarts cheap). ``engine_args`` gives them as
-``Engine(**kwargs)``, ``server_flags`` as command-line flags, both with overrides.
+buckets; the persistent compilation cache makes restarts cheap) and select the test
+checkpoint. ``engine_args`` gives them as ``Engine(**kwargs)``, ``server_flags`` as
+command-line flags, both with overrides (``model_path=None``: the bundled model).
 
 ``ServerProcess`` starts ``python -m sgl_jax.launch_server`` on a free loopback port, its log in
 a temp file, and waits until ``/health`` answers; a server that fails to start raises with the
@@ -12,13 +23,17 @@ log's tail. Needs the ``test`` extra (``requests``).
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import requests
@@ -26,23 +41,86 @@ import requests
 from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.utils import free_port
 
+TEST_MODEL_PRESET, TEST_MODEL_SEED = "tiny", 0
+# model.safetensors of that checkpoint (the bundled model's bytes before it was trained). A
+# change means make_random_model writes other weights: measure the new routing margin (its
+# CLI prints it) and the tests before updating this.
+TEST_MODEL_SHA256 = "6523dbd17cf4883e413621d2104a644918245dab19a1c3b2c8d8dee1373457e9"
+_TEST_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors",
+                     "tokenizer.json", "tokenizer_config.json")
+
+
+# Beside the persistent compilation cache (ServerArgs.compilation_cache_dir).
+TEST_MODEL_PATH = os.path.join(os.path.expanduser("~"), ".cache", "sgl_jax",
+                               f"tiny-qwen3-moe-random-s{TEST_MODEL_SEED}-{TEST_MODEL_SHA256[:12]}")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _is_test_model(path: Path) -> bool:
+    return (all((path / name).is_file() for name in _TEST_MODEL_FILES)
+            and _sha256(path / "model.safetensors") == TEST_MODEL_SHA256)
+
+
+def ensure_test_model() -> str:
+    """Writes the test checkpoint at ``TEST_MODEL_PATH`` unless it is already there, intact;
+    returns the path. Safe to call from several processes at once (a lock, then an atomic
+    rename of a complete directory)."""
+    target = Path(TEST_MODEL_PATH)
+    if _is_test_model(target):
+        return TEST_MODEL_PATH
+    from sgl_jax.tools.make_random_model import write_random_model  # numpy + the reference
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _is_test_model(target):  # written by another process while we waited
+            return TEST_MODEL_PATH
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        try:
+            write_random_model(str(staging), TEST_MODEL_PRESET, seed=TEST_MODEL_SEED)
+            got = _sha256(staging / "model.safetensors")
+            if got != TEST_MODEL_SHA256:
+                raise RuntimeError(
+                    f"make_random_model --preset {TEST_MODEL_PRESET} --seed {TEST_MODEL_SEED} "
+                    f"wrote model.safetensors {got}, not the pinned test checkpoint "
+                    f"{TEST_MODEL_SHA256} (sgl_jax/testing.py)")
+            staging.chmod(0o755)
+            shutil.rmtree(target, ignore_errors=True)
+            staging.rename(target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return TEST_MODEL_PATH
+
+
 FAST_SETTINGS: dict[str, Any] = {
+    "model_path": TEST_MODEL_PATH,
     "precompile_bs_paddings": [1, 4],  # max_running_requests follows: 4
     "precompile_token_paddings": [64, 256],
     "chunked_prefill_size": 256,
 }
 
 
+def _settings(overrides: dict[str, Any]) -> dict[str, Any]:
+    settings = {**FAST_SETTINGS, **overrides}
+    if settings.get("model_path") == TEST_MODEL_PATH:
+        ensure_test_model()
+    return settings
+
+
 def engine_args(**overrides: Any) -> dict[str, Any]:
-    """``Engine(**engine_args(...))``: the fast settings, quiet logs, then ``overrides``."""
-    return {**FAST_SETTINGS, "log_level": "warning", **overrides}
+    """``Engine(**engine_args(...))``: the fast settings (the test checkpoint), quiet logs,
+    then ``overrides``."""
+    return {**_settings(overrides), "log_level": "warning", **overrides}
 
 
 def server_flags(**overrides: Any) -> list[str]:
     """The fast settings and ``overrides`` (ServerArgs fields) as launch_server flags."""
     names = {f.name for f in dataclasses.fields(ServerArgs)}
     flags: list[str] = []
-    for name, value in {**FAST_SETTINGS, **overrides}.items():
+    for name, value in _settings(overrides).items():
         if name not in names:
             raise TypeError(f"{name!r} is not a ServerArgs field")
         flag = "--" + name.replace("_", "-")

@@ -6,3 +6,11 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The reference forward multiplies tiny matrices: BLAS threads only add overhead there.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
+def pytest_configure(config) -> None:
+    # The exactness tests' checkpoint (sgl_jax/testing.py): written once, before any test
+    # module reads its config.json at import time.
+    from sgl_jax.testing import ensure_test_model
+
+    ensure_test_model()

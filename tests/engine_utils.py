@@ -6,13 +6,13 @@ import functools
 
 import numpy as np
 
-from sgl_jax.srt.configs.model_config import BUNDLED_MODEL_PATH
 from sgl_jax.srt.routed_experts_codec import extract_routed_experts_from_meta_info
+from sgl_jax.testing import TEST_MODEL_PATH
 from sgl_jax.tools.reference_forward import ReferenceModel, routed_experts_rows
 
 
 @functools.lru_cache(maxsize=4)
-def reference(path: str = BUNDLED_MODEL_PATH) -> ReferenceModel:
+def reference(path: str = TEST_MODEL_PATH) -> ReferenceModel:
     return ReferenceModel(path)
 
 
@@ -25,11 +25,11 @@ def _greedy(path: str, ids: tuple[int, ...], n: int) -> tuple[int, ...]:
     return tuple(reference(path).greedy_generate(list(ids), n))
 
 
-def reference_greedy(ids: list[int], n: int, path: str = BUNDLED_MODEL_PATH) -> list[int]:
+def reference_greedy(ids: list[int], n: int, path: str = TEST_MODEL_PATH) -> list[int]:
     return list(_greedy(path, tuple(ids), n))
 
 
-def expected_rows(ids: list[int], output_ids: list[int], path: str = BUNDLED_MODEL_PATH):
+def expected_rows(ids: list[int], output_ids: list[int], path: str = TEST_MODEL_PATH):
     return routed_experts_rows(reference(path), ids, output_ids)
 
 

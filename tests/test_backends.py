@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import pytest
 
-from sgl_jax.srt.configs.model_config import BUNDLED_MODEL_PATH, ModelConfig
+from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.model_executor.model_runner import ModelRunner
 from sgl_jax.srt.server_args import ServerArgs
+from sgl_jax.testing import TEST_MODEL_PATH
 from sgl_jax.tools.make_random_model import write_random_model
 from tests.backend_scenario import assert_matches, reference_scenario, run_scenario
 
@@ -26,10 +27,10 @@ HEAD128 = "head128"
 
 # (model, attention backend, moe backend, page size)
 COMBINATIONS = [
-    (BUNDLED_MODEL_PATH, "native", "dense", 1),
-    (BUNDLED_MODEL_PATH, "native", "ragged", 1),
-    (BUNDLED_MODEL_PATH, "native", "dense", 16),
-    (BUNDLED_MODEL_PATH, "native", "ragged", 16),
+    (TEST_MODEL_PATH, "native", "dense", 1),
+    (TEST_MODEL_PATH, "native", "ragged", 1),
+    (TEST_MODEL_PATH, "native", "dense", 16),
+    (TEST_MODEL_PATH, "native", "ragged", 16),
     (HEAD128, "native", "ragged", 16),
     (HEAD128, "pallas", "dense", 1),
     (HEAD128, "pallas", "ragged", 1),
@@ -42,7 +43,7 @@ COMBINATIONS = [
 def models(tmp_path_factory) -> dict[str, str]:
     path = str(tmp_path_factory.mktemp("models") / HEAD128)
     write_random_model(path, "tiny", {"head_dim": 128}, seed=5)
-    return {BUNDLED_MODEL_PATH: BUNDLED_MODEL_PATH, HEAD128: path}
+    return {TEST_MODEL_PATH: TEST_MODEL_PATH, HEAD128: path}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def references(models) -> dict[str, dict]:
 
 def _id(combo: tuple) -> str:
     model, attention, moe, page = combo
-    return f"{'bundled' if model == BUNDLED_MODEL_PATH else model}-{attention}-{moe}-p{page}"
+    return f"{'tiny' if model == TEST_MODEL_PATH else model}-{attention}-{moe}-p{page}"
 
 
 @pytest.mark.parametrize("combo", COMBINATIONS, ids=[_id(c) for c in COMBINATIONS])
@@ -75,7 +76,7 @@ def test_backend_matches_reference(models, references, combo):
 def test_pallas_rejects_small_head_dim():
     args = ServerArgs(attention_backend="pallas")
     with pytest.raises(ValueError, match="head_dim to be a multiple of 128"):
-        ModelRunner(args, ModelConfig.from_hf(None))
+        ModelRunner(args, ModelConfig.from_hf(TEST_MODEL_PATH))
 
 
 def test_dtype_auto_and_backend_auto_by_platform():

@@ -18,7 +18,7 @@ from sgl_jax import Engine
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.routed_experts_codec import extract_routed_experts_from_meta_info
 from sgl_jax.srt.server_args import ServerArgs
-from sgl_jax.testing import engine_args
+from sgl_jax.testing import TEST_MODEL_PATH, engine_args
 from tests.engine_utils import (
     assert_no_leak,
     decoded_rows,
@@ -140,7 +140,7 @@ def deterministic_engine():
 
 
 def test_deterministic_outputs_equal_the_reference(deterministic_engine):
-    cfg = ModelConfig.from_hf(None)
+    cfg = ModelConfig.from_hf(TEST_MODEL_PATH)
     prompts = [prompt_ids(700 + i, n) for i, n in enumerate((5, 90, 300))]
     params = [{**GREEDY, "max_new_tokens": 12}] * len(prompts)
     outs = deterministic_engine.generate(input_ids=prompts, sampling_params=params,

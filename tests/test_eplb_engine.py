@@ -10,12 +10,12 @@ import requests
 
 from sgl_jax import Engine
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.testing import engine_args, server_flags
+from sgl_jax.testing import TEST_MODEL_PATH, engine_args, server_flags
 from tests.engine_utils import decoded_rows, expected_rows, prompt_ids, reference_greedy
 from tests.server_utils import server_fixture
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 5}
-CFG = ModelConfig.from_hf(None)
+CFG = ModelConfig.from_hf(TEST_MODEL_PATH)
 EPLB = {"enable_eplb": True, "ep_num_redundant_experts": 2, "enable_return_routed_experts": True}
 
 

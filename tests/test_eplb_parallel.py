@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sgl_jax.srt.configs.model_config import BUNDLED_MODEL_PATH, ModelConfig
+from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.testing import TEST_MODEL_PATH
 from tests.backend_scenario import assert_matches, reference_scenario, run_scenario
 
 REPO = Path(__file__).absolute().parents[1]
@@ -103,7 +104,7 @@ def _worker(out_dir: str) -> None:
     from sgl_jax.srt.utils import enable_compilation_cache
 
     enable_compilation_cache(ServerArgs())
-    cfg = ModelConfig.from_hf(None)
+    cfg = ModelConfig.from_hf(TEST_MODEL_PATH)
     results: dict[str, Any] = {}
     for backend in BACKENDS:
         runner = ModelRunner(_args(backend), cfg)
@@ -169,7 +170,7 @@ def results() -> dict[str, Any]:
                     out[backend][when] = dict(z)
         with np.load(os.path.join(tmp, "init.npz")) as z:
             out["init"] = dict(z)
-        out["reference"] = reference_scenario(BUNDLED_MODEL_PATH)
+        out["reference"] = reference_scenario(TEST_MODEL_PATH)
         return out
 
 

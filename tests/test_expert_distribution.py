@@ -16,13 +16,13 @@ import requests
 
 from sgl_jax import Engine
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.testing import engine_args, server_flags
+from sgl_jax.testing import TEST_MODEL_PATH, engine_args, server_flags
 from sgl_jax.tools.make_random_model import write_random_model
 from tests.engine_utils import decoded_rows, expected_rows, prompt_ids
 from tests.server_utils import server_fixture
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
-CFG = ModelConfig.from_hf(None)
+CFG = ModelConfig.from_hf(TEST_MODEL_PATH)
 
 
 def bincount(rows: np.ndarray, moe_layers: list[int], num_experts: int) -> np.ndarray:

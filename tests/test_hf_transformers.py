@@ -4,8 +4,12 @@ Optional: skipped unless both transformers and torch are installed (they are not
 dependencies; use a side venv, e.g. /work/hfvenv with torch==2.13.0 CPU and transformers,
 plus PYTHONPATH=<repo>). Checked with transformers 5.23.0.
 
-- The bundled checkpoint is read by transformers as a real Qwen3-MoE model: same logits and
-  routing as the reference (our "HF layout" really is HF's), tokenizer and chat template.
+- The bundled (trained) checkpoint is read by transformers as a real Qwen3-MoE model: same
+  logits and router logits as the reference (our "HF layout" really is HF's), tokenizer and
+  chat template. The exact comparison of routed experts (and of the argmax) runs on the tests'
+  random checkpoint (``TEST_MODEL_PATH``): the trained router has near-ties below float32
+  rounding (docs/trained_model.md), where float32 transformers and the float64 reference may
+  legitimately disagree.
 - For every other family (Qwen2-MoE, Mixtral, DeepSeek-V3 with MLA/YaRN, GLM-4.5 MoE) a tiny
   random model is built and saved by transformers itself; the reference reads the saved
   directory and must give the same logits (relative error < 1e-5, float32 HF vs float64) and
@@ -23,6 +27,7 @@ torch = pytest.importorskip("torch")
 import numpy as np  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
+from sgl_jax.testing import TEST_MODEL_PATH, ensure_test_model  # noqa: E402
 from sgl_jax.tools.make_random_model import BUNDLED_DIR  # noqa: E402
 from sgl_jax.tools.reference_forward import ReferenceModel  # noqa: E402
 from sgl_jax.tools.train_tokenizer import CORPUS_PATH  # noqa: E402
@@ -43,17 +48,21 @@ def _dtype_kwargs() -> dict:
     return {"dtype": torch.float32} if major >= 5 else {"torch_dtype": torch.float32}
 
 
-@pytest.fixture(scope="module")
-def model():
+def _load(path: str):
     from transformers import AutoModelForCausalLM
 
     model, info = AutoModelForCausalLM.from_pretrained(
-        PATH, output_loading_info=True, **_dtype_kwargs()
+        path, output_loading_info=True, **_dtype_kwargs()
     )
     assert not info["missing_keys"], info
     assert not info["unexpected_keys"], info
     assert not info["mismatched_keys"], info
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _load(PATH)
 
 
 @pytest.fixture(scope="module")
@@ -107,21 +116,27 @@ def test_chat_template(hf_tokenizer, raw_tokenizer) -> None:
     assert list(ids) == raw_tokenizer.encode(text).ids
 
 
-def test_logits_and_routing_match_reference(model, raw_tokenizer) -> None:
+@pytest.mark.parametrize("which", ["bundled", "test"])
+def test_logits_and_routing_match_reference(which, model, raw_tokenizer) -> None:
+    path = PATH if which == "bundled" else ensure_test_model()
+    hf = model if which == "bundled" else _load(TEST_MODEL_PATH)
     ids = raw_tokenizer.encode(CORPUS_PATH.read_text(encoding="utf-8")).ids[:200]
-    ref = ReferenceModel(PATH).forward(ids)
+    ref = ReferenceModel(path).forward(ids)
     with torch.no_grad():
-        out = model(torch.tensor([ids]), output_router_logits=True)
+        out = hf(torch.tensor([ids]), output_router_logits=True)
     logits = out.logits[0].double().numpy()
     # float32 vs float64 through 4 layers: ~3e-5 absolute on logits of std ~3.
     np.testing.assert_allclose(logits, ref.logits, rtol=0, atol=3e-4)
-    assert np.array_equal(logits.argmax(-1), ref.logits.argmax(-1))
+    exact = which == "test"  # router gaps >= 1e-3 on these tokens (make_random_model)
+    if exact:
+        assert np.array_equal(logits.argmax(-1), ref.logits.argmax(-1))
     for layer, router_logits in enumerate(out.router_logits):
         r = router_logits.double().numpy().reshape(len(ids), -1)
         np.testing.assert_allclose(r, ref.router_logits[:, layer], rtol=0, atol=3e-4)
-        # Same experts in the same order (descending weight) for every token.
-        top = np.argsort(-r, axis=-1, kind="stable")[:, : model.config.num_experts_per_tok]
-        np.testing.assert_array_equal(top, ref.topk_ids[:, layer])
+        if exact:
+            # Same experts in the same order (descending weight) for every token.
+            top = np.argsort(-r, axis=-1, kind="stable")[:, : hf.config.num_experts_per_tok]
+            np.testing.assert_array_equal(top, ref.topk_ids[:, layer])
 
 
 # --------------------------------------------------------------------------------------------

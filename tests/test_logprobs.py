@@ -13,8 +13,7 @@ import openai
 import pytest
 
 from sgl_jax import Engine
-from sgl_jax.srt.configs.model_config import resolve_model_path
-from sgl_jax.testing import engine_args, server_flags
+from sgl_jax.testing import TEST_MODEL_PATH, engine_args, server_flags
 from sgl_jax.tools.reference_forward import ReferenceModel
 from tests.server_utils import server_fixture
 
@@ -31,7 +30,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def reference(engine):
-    return ReferenceModel(resolve_model_path(None))
+    return ReferenceModel(TEST_MODEL_PATH)
 
 
 def ref_logprobs(reference, ids: list[int], temperature: float) -> np.ndarray:

@@ -1,4 +1,6 @@
-"""The random-checkpoint tool, its tokenizer, and the bundled tiny Qwen3-MoE checkpoint.
+"""The random-checkpoint tool, its tokenizer, the bundled tiny Qwen3-MoE checkpoint's layout,
+and the tests' random checkpoint (``sgl_jax.testing.TEST_MODEL_PATH``: the tool's tiny preset,
+seed 0, whose routing margin the exactness tests rely on).
 
 Everything is checked on real files: checkpoints are written to tmp_path and read back with
 safetensors, the tokenizer with the `tokenizers` library, the chat template with jinja2.
@@ -6,6 +8,7 @@ safetensors, the tokenizer with the `tokenizers` library, the chat template with
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import pytest
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
+from sgl_jax.testing import TEST_MODEL_PATH, TEST_MODEL_SHA256
 from sgl_jax.tools.make_random_model import (
     BUNDLED_DIR,
     PRESETS,
@@ -103,14 +107,17 @@ def _safetensors_header(path: Path) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# The bundled checkpoint
+# The bundled (trained) checkpoint and the tests' random one: same shape, same files
 # --------------------------------------------------------------------------------------------
 
+TEST_DIR = Path(TEST_MODEL_PATH)
 
-def test_bundled_checkpoint_layout() -> None:
+
+@pytest.mark.parametrize("directory", [BUNDLED_DIR, TEST_DIR], ids=["bundled", "test"])
+def test_checkpoint_layout(directory: Path) -> None:
     for name in CHECKPOINT_FILES:
-        assert (BUNDLED_DIR / name).is_file(), name
-    cfg = _read_json(BUNDLED_DIR / "config.json")
+        assert (directory / name).is_file(), name
+    cfg = _read_json(directory / "config.json")
     assert cfg["architectures"] == ["Qwen3MoeForCausalLM"]
     assert cfg["model_type"] == "qwen3_moe"
     expected = {
@@ -136,15 +143,25 @@ def test_bundled_checkpoint_layout() -> None:
     }
     assert {k: cfg[k] for k in expected} == expected
 
-    path = BUNDLED_DIR / "model.safetensors"
+    path = directory / "model.safetensors"
     assert 1.5e6 < path.stat().st_size < 3e6
     assert _safetensors_header(path)["__metadata__"] == {"format": "pt"}
     tensors = load_file(str(path))
     assert {k: tuple(t.shape) for k, t in tensors.items()} == _expected_shapes(cfg)
     assert all(t.dtype == np.float32 for t in tensors.values())
-    # Norm weights carry noise around 1 so that a kernel ignoring them is caught.
+    assert all(np.isfinite(t).all() for t in tensors.values())
+    # Norm weights are not all 1 (random ones carry noise, trained ones moved), so a kernel
+    # ignoring them is caught.
     norm = tensors["model.layers.0.input_layernorm.weight"]
-    assert 0.01 < float(np.std(norm)) < 0.3 and abs(float(np.mean(norm)) - 1) < 0.1
+    assert 0.01 < float(np.std(norm))
+
+
+def test_bundled_files_besides_weights_are_the_tools() -> None:
+    """Training changed only the weights: config, tokenizer, chat template and generation
+    config are byte for byte what make_random_model writes for the tiny preset."""
+    for name in CHECKPOINT_FILES:
+        if name != "model.safetensors":
+            assert (BUNDLED_DIR / name).read_bytes() == (TEST_DIR / name).read_bytes(), name
 
 
 def test_bundled_special_token_ids_match_config() -> None:
@@ -170,30 +187,33 @@ def test_bundled_special_token_ids_match_config() -> None:
     assert all(d["special"] for d in tc["added_tokens_decoder"].values())
 
 
-def test_tool_reproduces_bundled_checkpoint(tmp_path: Path) -> None:
-    """The asset is exactly what the tool writes for preset tiny, seed 0 (router search incl.)."""
+def test_tool_reproduces_test_checkpoint(tmp_path: Path) -> None:
+    """The tests' checkpoint is exactly what the tool writes for preset tiny, seed 0 (router
+    search incl.): the pinned bytes, which were the bundled model's before it was trained."""
     cfg = write_random_model(str(tmp_path), "tiny", seed=0)
-    assert cfg == _read_json(BUNDLED_DIR / "config.json")
+    assert cfg == _read_json(TEST_DIR / "config.json")
     for name in CHECKPOINT_FILES:
-        assert (tmp_path / name).read_bytes() == (BUNDLED_DIR / name).read_bytes(), name
+        assert (tmp_path / name).read_bytes() == (TEST_DIR / name).read_bytes(), name
+    digest = hashlib.sha256((tmp_path / "model.safetensors").read_bytes()).hexdigest()
+    assert digest == TEST_MODEL_SHA256
 
 
-def test_bundled_routing_margin_and_logits() -> None:
+def test_test_checkpoint_routing_margin_and_logits() -> None:
     """The documented guarantee: on the sample prompts, top-(k+1) router logits differ by >= 1e-3."""
-    tok = Tokenizer.from_file(str(BUNDLED_DIR / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(TEST_DIR / "tokenizer.json"))
     prompts = sample_prompts(tok)
     assert prompts[0] == tok.encode(CORPUS_PATH.read_text(encoding="utf-8")).ids[:200]
     assert 400 <= sum(len(p) for p in prompts) <= 1000
-    m = measure(str(BUNDLED_DIR), prompts)
+    m = measure(str(TEST_DIR), prompts)
     assert m.order_gap.min() >= 1e-3
     assert m.topk_gap.min() >= m.order_gap.min()
     # Non-degenerate next-token distributions for sampling tests.
     assert 1.5 < m.logits_std < 6.0
 
 
-def test_bundled_routing_is_spread_over_experts() -> None:
-    ref = ReferenceModel(str(BUNDLED_DIR))
-    tok = Tokenizer.from_file(str(BUNDLED_DIR / "tokenizer.json"))
+def test_test_checkpoint_routing_is_spread_over_experts() -> None:
+    ref = ReferenceModel(str(TEST_DIR))
+    tok = Tokenizer.from_file(str(TEST_DIR / "tokenizer.json"))
     out = ref.forward(sample_prompts(tok)[0])
     for layer in range(ref.num_layers):
         counts = np.bincount(out.topk_ids[:, layer].ravel(), minlength=ref.num_experts)

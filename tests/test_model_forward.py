@@ -11,10 +11,11 @@ import jax
 import numpy as np
 import pytest
 
-from sgl_jax.srt.configs.model_config import BUNDLED_MODEL_PATH, ModelConfig
+from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch_info import ForwardMode
 from sgl_jax.srt.model_executor.model_runner import ModelRunner
 from sgl_jax.srt.server_args import ServerArgs
+from sgl_jax.testing import TEST_MODEL_PATH
 from sgl_jax.tools.reference_forward import ReferenceModel
 from tests.model_driver import ModelDriver
 
@@ -36,13 +37,13 @@ def runner() -> ModelRunner:
         max_total_tokens=4096,
         attention_block_size=16,  # small blocks: the prefix loop runs several times
     )
-    r = ModelRunner(args, ModelConfig.from_hf(None))
+    r = ModelRunner(args, ModelConfig.from_hf(TEST_MODEL_PATH))
     return r
 
 
 @pytest.fixture(scope="module")
 def ref() -> ReferenceModel:
-    return ReferenceModel(BUNDLED_MODEL_PATH)
+    return ReferenceModel(TEST_MODEL_PATH)
 
 
 @pytest.fixture
@@ -196,10 +197,10 @@ def test_each_runner_traces_with_its_own_capturer():
     common = dict(max_running_requests=4, chunked_prefill_size=32,
                   precompile_token_paddings=[32], precompile_bs_paddings=[4],
                   max_total_tokens=512, attention_block_size=16, context_length=256)
-    cfg = ModelConfig.from_hf(None, 256)
+    cfg = ModelConfig.from_hf(TEST_MODEL_PATH, 256)
     first = ModelRunner(ServerArgs(**common, enable_return_routed_experts=True), cfg)
     second = ModelRunner(ServerArgs(**common), cfg)
     assert second.capturer.host_cache is None
     # first's step is traced only now, after second exists.
-    assert_matches(run_scenario(first), reference_scenario(BUNDLED_MODEL_PATH), REL_TOL)
+    assert_matches(run_scenario(first), reference_scenario(TEST_MODEL_PATH), REL_TOL)
 

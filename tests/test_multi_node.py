@@ -23,11 +23,11 @@ import requests
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.utils import free_port
-from sgl_jax.testing import MultiNodeJob, ServerProcess, server_flags, wait_until
+from sgl_jax.testing import TEST_MODEL_PATH, MultiNodeJob, ServerProcess, server_flags, wait_until
 from sgl_jax.tools.make_random_model import write_random_model
 from tests.engine_utils import decoded_rows, expected_rows, prompt_ids, reference_greedy
 
-CFG = ModelConfig.from_hf(None)
+CFG = ModelConfig.from_hf(TEST_MODEL_PATH)
 NEW_TOKENS = 6
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": NEW_TOKENS}
 LAYOUT = server_flags(

@@ -12,7 +12,7 @@ import pytest
 
 from sgl_jax import Engine
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.testing import engine_args
+from sgl_jax.testing import TEST_MODEL_PATH, engine_args
 from tests.engine_utils import (
     assert_no_leak,
     decoded_rows,
@@ -21,7 +21,7 @@ from tests.engine_utils import (
     reference_greedy,
 )
 
-CFG = ModelConfig.from_hf(None)
+CFG = ModelConfig.from_hf(TEST_MODEL_PATH)
 L, K = CFG.num_hidden_layers, CFG.num_experts_per_tok
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 

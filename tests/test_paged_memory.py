@@ -20,6 +20,7 @@ from sgl_jax.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAlloc
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
 from sgl_jax.srt.mem_cache.routed_experts_host_cache import RoutedExpertsHostCache
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
+from sgl_jax.testing import TEST_MODEL_PATH
 from tests.test_radix_cache import assert_paged, check_invariants, drain, run_request
 
 # -- the allocator ------------------------------------------------------------------------------
@@ -229,7 +230,7 @@ def test_eviction_frees_whole_pages_and_respects_locks(cache: RadixCache) -> Non
 
 def _memory(page: int, size: int = 64, capture: bool = False) -> ReqMemory:
     alloc = TokenToKVPoolAllocator(size, page_size=page)
-    cfg = ModelConfig.from_hf(None)
+    cfg = ModelConfig.from_hf(TEST_MODEL_PATH)
     rows = RoutedExpertsHostCache(alloc.num_slots, cfg.num_hidden_layers,
                                   cfg.num_experts_per_tok, cfg.num_experts) if capture else None
     return ReqMemory(ReqToTokenPool(4, 64), alloc, RadixCache(alloc, page_size=page), rows)

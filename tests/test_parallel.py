@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sgl_jax.srt.configs.model_config import BUNDLED_MODEL_PATH, ModelConfig
+from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.distributed import check_parallel_layout, maybe_initialize_distributed
 from sgl_jax.srt.layers.moe.ep_moe import ExpertMapping, balanced_mapping, expert_load
+from sgl_jax.testing import TEST_MODEL_PATH
 from tests.backend_scenario import assert_matches, reference_scenario, run_scenario
 
 REPO = Path(__file__).absolute().parents[1]
@@ -42,21 +43,21 @@ RAGGED = {"moe_backend": "ragged"}
 # args). A worker runs its configurations one after the other; the single-device references
 # use a 1-device mesh (devices[:1]) of a multi-device process, the same single-device program.
 CONFIGS: dict[str, tuple[int, str, int, int, str | None, dict[str, Any]]] = {
-    "single": (2, BUNDLED_MODEL_PATH, 1, 1, None, {}),
-    "tp2": (2, BUNDLED_MODEL_PATH, 2, 1, None, {}),
-    "ep2": (2, BUNDLED_MODEL_PATH, 1, 2, None, {}),
-    "tp2_ep2": (4, BUNDLED_MODEL_PATH, 2, 2, None, {}),
-    "ep4_mapped": (4, BUNDLED_MODEL_PATH, 1, 4, EP4_MAPPING, {}),
-    "ep8": (8, BUNDLED_MODEL_PATH, 1, 8, None, {}),
+    "single": (2, TEST_MODEL_PATH, 1, 1, None, {}),
+    "tp2": (2, TEST_MODEL_PATH, 2, 1, None, {}),
+    "ep2": (2, TEST_MODEL_PATH, 1, 2, None, {}),
+    "tp2_ep2": (4, TEST_MODEL_PATH, 2, 2, None, {}),
+    "ep4_mapped": (4, TEST_MODEL_PATH, 1, 4, EP4_MAPPING, {}),
+    "ep8": (8, TEST_MODEL_PATH, 1, 8, None, {}),
     "wide_tp4_ep2": (8, WIDE, 4, 2, None, {}),
     # The sparse expert backend: each device sorts and computes only its experts' assignments.
-    "single_ragged": (2, BUNDLED_MODEL_PATH, 1, 1, None, RAGGED),
-    "tp2_ragged": (2, BUNDLED_MODEL_PATH, 2, 1, None, RAGGED),
-    "tp2_ep2_ragged": (4, BUNDLED_MODEL_PATH, 2, 2, None, RAGGED),
-    "ep4_mapped_ragged": (4, BUNDLED_MODEL_PATH, 1, 4, EP4_MAPPING, RAGGED),
+    "single_ragged": (2, TEST_MODEL_PATH, 1, 1, None, RAGGED),
+    "tp2_ragged": (2, TEST_MODEL_PATH, 2, 1, None, RAGGED),
+    "tp2_ep2_ragged": (4, TEST_MODEL_PATH, 2, 2, None, RAGGED),
+    "ep4_mapped_ragged": (4, TEST_MODEL_PATH, 1, 4, EP4_MAPPING, RAGGED),
     "wide_tp4_ep2_ragged": (8, WIDE, 4, 2, None, RAGGED),
     # Pages of 16, and the Pallas kernel (interpret mode) per device under shard_map.
-    "tp2_ep2_ragged_p16": (4, BUNDLED_MODEL_PATH, 2, 2, None, {**RAGGED, "page_size": 16}),
+    "tp2_ep2_ragged_p16": (4, TEST_MODEL_PATH, 2, 2, None, {**RAGGED, "page_size": 16}),
     "head128_tp2_pallas_p16": (
         2, HEAD128, 2, 1, None, {"attention_backend": "pallas", "page_size": 16}),
     "head128_tp2_ep2_pallas_ragged": (
@@ -76,8 +77,8 @@ RANDOM_MODELS = {
     "deepseek_v3": ("tiny-deepseek-v3", {}, 0),
     "glm4_moe": ("tiny-glm4-moe", {}, 0),
 }
-HEAD_DIM = {WIDE: 16, HEAD128: 128, BUNDLED_MODEL_PATH: 16}
-HEADS = {WIDE: (8, 8), HEAD128: (4, 2), BUNDLED_MODEL_PATH: (4, 2)}
+HEAD_DIM = {WIDE: 16, HEAD128: 128, TEST_MODEL_PATH: 16}
+HEADS = {WIDE: (8, 8), HEAD128: (4, 2), TEST_MODEL_PATH: (4, 2)}
 
 
 def _layout(runner: Any, mapping_spec: str | None) -> dict[str, Any]:
@@ -153,7 +154,7 @@ def _worker(job: dict[str, Any]) -> None:
     # A layout that does not fit this process's devices fails at start-up, clearly.
     n = job["devices"]
     try:
-        ModelRunner(ServerArgs(tp_size=2, ep_size=n), ModelConfig.from_hf(None))
+        ModelRunner(ServerArgs(tp_size=2, ep_size=n), ModelConfig.from_hf(TEST_MODEL_PATH))
         results["too_many_devices_error"] = None
     except ValueError as e:
         results["too_many_devices_error"] = str(e)
@@ -259,7 +260,7 @@ def test_too_many_devices_fails_clearly(results):
 # -- layout checks and mapping helpers (no devices needed) ------------------------------------
 @pytest.fixture(scope="module")
 def tiny() -> ModelConfig:
-    return ModelConfig.from_hf(None)
+    return ModelConfig.from_hf(TEST_MODEL_PATH)
 
 
 def test_valid_layouts_pass(tiny):

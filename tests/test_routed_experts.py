@@ -21,7 +21,7 @@ from sgl_jax.srt.routed_experts_codec import (
     extract_routed_expert_weights_from_meta_info,
     extract_routed_experts_from_meta_info,
 )
-from sgl_jax.testing import engine_args
+from sgl_jax.testing import TEST_MODEL_PATH, engine_args
 from sgl_jax.tools.make_random_model import write_random_model
 from tests.engine_utils import (
     assert_no_leak,
@@ -31,7 +31,7 @@ from tests.engine_utils import (
     reference,
 )
 
-CFG = ModelConfig.from_hf(None)
+CFG = ModelConfig.from_hf(TEST_MODEL_PATH)
 L, K = CFG.num_hidden_layers, CFG.num_experts_per_tok
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 

@@ -17,10 +17,11 @@ import pytest
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch_info import ForwardMode
 from sgl_jax.srt.layers.moe.routed_experts_capturer import GatheredRows, index_bucket
+from sgl_jax.testing import TEST_MODEL_PATH
 from tests.engine_utils import expected_rows, prompt_ids, reference
 from tests.test_scheduler_abort import SteppedScheduler
 
-CFG = ModelConfig.from_hf(None)
+CFG = ModelConfig.from_hf(TEST_MODEL_PATH)
 L, K = CFG.num_hidden_layers, CFG.num_experts_per_tok
 
 

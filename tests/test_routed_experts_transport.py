@@ -21,6 +21,7 @@ from sgl_jax.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAlloc
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
 from sgl_jax.srt.mem_cache.routed_experts_host_cache import RoutedExpertsHostCache
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
+from sgl_jax.testing import TEST_MODEL_PATH
 
 LAYERS, TOP_K = 48, 8
 
@@ -187,6 +188,6 @@ def test_bounded_messages_carry_the_wire_dtype(pipe) -> None:
 
 
 def test_model_config_of_the_bundled_model_fits_uint8() -> None:
-    cfg = ModelConfig.from_hf(None)
+    cfg = ModelConfig.from_hf(TEST_MODEL_PATH)
     assert RoutedExpertsHostCache(4, cfg.num_hidden_layers, cfg.num_experts_per_tok,
                                   cfg.num_experts).dtype == np.uint8

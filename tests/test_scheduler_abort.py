@@ -21,11 +21,11 @@ from sgl_jax.srt.managers.scheduler import Scheduler
 from sgl_jax.srt.managers.transport import recv_obj
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
-from sgl_jax.testing import engine_args
+from sgl_jax.testing import TEST_MODEL_PATH, engine_args
 from tests.engine_utils import expected_rows, prompt_ids, reference
 
 CHUNK = 16
-CFG = ModelConfig.from_hf(None)
+CFG = ModelConfig.from_hf(TEST_MODEL_PATH)
 
 
 class SteppedScheduler:

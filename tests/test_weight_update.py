@@ -1,6 +1,6 @@
 """New weights without a restart, and pause / continue (M10 items 2-3).
 
-A server on the bundled checkpoint is updated from a second checkpoint of the same shapes
+A server on the test checkpoint (``TEST_MODEL_PATH``) is updated from a second checkpoint of the same shapes
 (``make_random_model`` with another seed). After the update its outputs must equal a fresh
 Engine started on the second checkpoint, token for token and row for row, and its routed
 experts the independent float64 reference of the second checkpoint; nothing is recompiled and
@@ -22,16 +22,15 @@ import pytest
 from safetensors.numpy import load_file
 
 from sgl_jax import Engine
-from sgl_jax.srt.configs.model_config import resolve_model_path
 from sgl_jax.srt.routed_experts_codec import extract_routed_experts_from_meta_info
-from sgl_jax.testing import engine_args, server_flags, wait_until
+from sgl_jax.testing import TEST_MODEL_PATH, engine_args, server_flags, wait_until
 from sgl_jax.tools.make_random_model import write_random_model
 from sgl_jax.tools.reference_forward import ReferenceModel, routed_experts_rows
 from tests.server_utils import server_fixture
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 8], list(range(30, 90))]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
-BUNDLED = resolve_model_path(None)
+BASE = TEST_MODEL_PATH  # the checkpoint the server starts on
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +89,8 @@ def test_update_from_disk_equals_a_fresh_engine(server, fresh, second_ckpt):
     assert any(a["output_ids"] != b["output_ids"] for a, b in zip(before, after, strict=True))
     assert info(server)["num_compiles"] == compiles  # parameters swapped, steps reused
     assert info(server)["weight_version"] == "1"
-    # Back to the bundled weights, with a caller's version string.
-    status, out = update(server, BUNDLED, weight_version="step-7", load_format="safetensors")
+    # Back to the first weights, with a caller's version string.
+    status, out = update(server, BASE, weight_version="step-7", load_format="safetensors")
     assert status == 200 and out["weight_version"] == "step-7"
     again = generate(server, PROMPTS)
     assert [r["output_ids"] for r in again] == [r["output_ids"] for r in before]
@@ -112,7 +111,7 @@ def test_update_from_another_shape_is_a_400_naming_it(server, tmp_path, make, ne
     assert re.search(needle, out["error"]["message"]), out
     after = generate(server, PROMPTS[:1])
     assert after[0]["output_ids"] == before[0]["output_ids"]  # still the same weights
-    assert update(server, BUNDLED, load_format="pt")[0] == 400  # only safetensors is read
+    assert update(server, BASE, load_format="pt")[0] == 400  # only safetensors is read
 
 
 def test_running_requests_finish_on_the_old_weights_or_are_aborted(server, second_ckpt):
@@ -139,7 +138,7 @@ def test_running_requests_finish_on_the_old_weights_or_are_aborted(server, secon
     assert drained["weight_version"] == version and out["weight_version"] != version
 
     thread = long_request("aborted")
-    status, out = update(server, BUNDLED, abort_all_requests=True)
+    status, out = update(server, BASE, abort_all_requests=True)
     thread.join(30)
     assert status == 200
     aborted = results["aborted"]["meta_info"]
@@ -175,18 +174,18 @@ def test_pause_keeps_every_request_and_continue_resumes_it_identically(server, s
 
 
 def test_engine_update_from_arrays(fresh, second_ckpt):
-    """All the bundled checkpoint's tensors given as arrays (half numpy, half JAX) turn the
-    fresh engine into the bundled model: rows equal the bundled checkpoint's reference."""
-    tensors = load_file(f"{BUNDLED}/model.safetensors")
+    """All the test checkpoint's tensors given as arrays (half numpy, half JAX) turn the
+    fresh engine into that model: rows equal its reference."""
+    tensors = load_file(f"{BASE}/model.safetensors")
     arrays = {name: (jnp.asarray(a) if i % 2 else a) for i, (name, a) in
               enumerate(sorted(tensors.items()))}
     compiles = fresh.get_server_info()["num_compiles"]
-    out = fresh.update_weights_from_arrays(arrays, weight_version="bundled")
-    assert out["weight_version"] == "bundled"
-    ref = ReferenceModel(BUNDLED)
+    out = fresh.update_weights_from_arrays(arrays, weight_version="base")
+    assert out["weight_version"] == "base"
+    ref = ReferenceModel(BASE)
     got = fresh.generate(input_ids=PROMPTS, sampling_params=GREEDY, return_routed_experts=True)
     for r, prompt in zip(got, PROMPTS, strict=True):
-        assert r["meta_info"]["weight_version"] == "bundled"
+        assert r["meta_info"]["weight_version"] == "base"
         np.testing.assert_array_equal(extract_routed_experts_from_meta_info(r),
                                       routed_experts_rows(ref, prompt, r["output_ids"]))
     assert fresh.get_server_info()["num_compiles"] == compiles

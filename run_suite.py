@@ -58,6 +58,7 @@ E2E = [
     "tests/test_eplb_engine.py",
     "tests/test_multi_node.py",
     "tests/test_router.py",
+    "tests/test_security.py",
 ]
 # Optional checks outside every suite (they skip without packages the project does not need).
 OPTIONAL = ["tests/test_hf_transformers.py"]

@@ -24,7 +24,7 @@ def test_defaults_and_empty_inputs() -> None:
 def test_from_dict_accepts_valid_values() -> None:
     p = SamplingParams.from_dict(
         {
-            "max_new_tokens": 16.0,  # integral floats are fine: JSON has one number type
+            "max_new_tokens": 16,
             "temperature": 1,  # ints are fine for float fields
             "top_p": 0.9,
             "top_k": 40,
@@ -70,6 +70,9 @@ def test_not_a_dict() -> None:
         ("max_new_tokens", "10", "integer"),
         ("max_new_tokens", True, "integer"),
         ("max_new_tokens", 1.5, "integer"),
+        # Integral floats too: integers are strict on every surface, as on the OpenAI routes.
+        ("max_new_tokens", 100.0, "integer"),
+        ("top_k", 4.0, "integer"),
         ("max_new_tokens", math.inf, "integer"),
         ("top_k", False, "integer"),
         ("n", [1], "integer"),
@@ -114,6 +117,8 @@ def test_from_dict_type_errors_name_field_and_type(key: str, value, expected: st
         ({"stop": ""}, "stop strings must be non-empty"),
         ({"stop": ["a", ""]}, "stop strings must be non-empty"),
         ({"stop": [str(i) for i in range(17)]}, "stop accepts at most 16"),
+        ({"stop": "x" * 1025}, "at most 1024 characters"),
+        ({"stop_token_ids": [1] * 257}, "stop_token_ids accepts at most 256"),
         ({"seed": -1}, "seed must be in [0, 2**63)"),
         ({"seed": 2**63}, "seed"),
         ({"n": 0}, "n must be >= 1"),

@@ -48,7 +48,25 @@ class ServerArgs:
     # HTTP server
     host: str = _arg("127.0.0.1", "Address the HTTP server binds.")
     port: int = _arg(30000, "Port of the HTTP server.")
-    api_key: str | None = _arg(None, "If set, requests must send 'Authorization: Bearer KEY'.")
+    api_key: str | None = _arg(
+        None, "If set, every route but /health and /health_generate needs 'Authorization: "
+              "Bearer KEY' (the admin key is accepted too). Without --admin-api-key, this key "
+              "also opens the admin routes (docs/security.md).")
+    admin_api_key: str | None = _arg(
+        None, "If set, the routes that change the server for everyone (weight updates, "
+              "pause/continue, flush_cache, the expert distribution recorder, rebalance, "
+              "abort_request) need 'Authorization: Bearer ADMIN_KEY'; --api-key no longer "
+              "opens them (403). Other routes take either key (docs/security.md).")
+    max_prompts_per_request: int = _arg(
+        1024, "Most sequences one request may ask for: prompts of a batch times n (OpenAI "
+              "'n', also per prompt). More is a 400 before any work is done.")
+    http_header_timeout: float = _arg(
+        10.0, "Seconds a client has to send a request's headers (from its connection, or from "
+              "the previous response on a kept-alive one) before it is disconnected.")
+    http_max_connections: int = _arg(
+        2048, "Most open HTTP connections. A new connection beyond it closes the one that has "
+              "waited longest for its headers (or itself, if every connection is busy), so a "
+              "flood of idle connections cannot take the file descriptors /health needs.")
 
     # Scheduling and memory
     max_running_requests: int | None = _arg(
@@ -202,7 +220,8 @@ class ServerArgs:
         if self.log_level not in LOG_LEVELS:
             fail(f"log_level={self.log_level!r}; use one of {', '.join(LOG_LEVELS)}")
         for name in ("max_running_requests", "chunked_prefill_size", "stream_interval",
-                     "tp_size", "ep_size", "attention_block_size", "nnodes"):
+                     "tp_size", "ep_size", "attention_block_size", "nnodes",
+                     "max_prompts_per_request", "http_max_connections"):
             if getattr(self, name) < 1:
                 fail(f"{name}={getattr(self, name)} must be >= 1")
         if not 0 <= self.node_rank < self.nnodes:
@@ -211,6 +230,11 @@ class ServerArgs:
             fail(f"nnodes={self.nnodes} needs dist_init_addr (host:port of node 0)")
         if self.dist_init_addr and not self.dist_init_addr.rpartition(":")[2].isdigit():
             fail(f"dist_init_addr={self.dist_init_addr!r} must be host:port")
+        if self.http_header_timeout <= 0:
+            fail(f"http_header_timeout={self.http_header_timeout} must be > 0 seconds")
+        if self.api_key is not None and self.api_key == self.admin_api_key:
+            fail("api_key and admin_api_key are the same: every client would be an admin; "
+                 "give the admin key a value of its own")
         if self.dist_timeout <= 0:
             fail(f"dist_timeout={self.dist_timeout} must be > 0 seconds")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -293,8 +317,9 @@ class ServerArgs:
     def redacted(self) -> dict[str, Any]:
         """The fields as a dict, fit to show (``/get_server_info``): secrets replaced."""
         out = dataclasses.asdict(self)
-        if out["api_key"]:
-            out["api_key"] = "<redacted>"
+        for secret in ("api_key", "admin_api_key"):
+            if out[secret]:
+                out[secret] = "<redacted>"
         return out
 
     # -- buckets --------------------------------------------------------------------------------

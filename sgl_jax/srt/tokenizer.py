@@ -13,6 +13,7 @@ sequence differ from the concatenation of the decodes of its pieces, which strea
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -227,6 +228,15 @@ class Tokenizer:
 
     def __len__(self) -> int:
         return self.vocab_size
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The longest token's text in UTF-8 bytes: an upper bound on how much text one token
+        covers (byte-level and metaspace vocabularies spell a byte or a space with a longer
+        character, so this only overestimates). A text of B bytes is at least B / this many
+        tokens, which bounds a prompt's length before it is tokenized."""
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        return max((len(token.encode("utf-8")) for token in vocab), default=1) or 1
 
     # ---- chat ------------------------------------------------------------------------------
 

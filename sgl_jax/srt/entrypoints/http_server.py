@@ -33,8 +33,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sgl_jax.srt.entrypoints.http_connections import guarded_h11_protocol
 from sgl_jax.srt.entrypoints.http_transport import (
-    ApiKeyMiddleware,
+    AuthMiddleware,
     ClientGone,
     Plan,
     handle_error,
@@ -60,6 +61,13 @@ from sgl_jax.tools.expert_load import PlotUnavailableError, render_expert_load_p
 
 logger = logging.getLogger(__name__)
 
+# The routes that change the server for everyone: with --admin-api-key they need the admin
+# key (docs/security.md). A client cancels its own request by closing its connection.
+ADMIN_PATHS = frozenset({
+    "/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache",
+    "/start_expert_distribution_record", "/stop_expert_distribution_record",
+    "/dump_expert_distribution_record", "/rebalance_experts", "/abort_request",
+})
 HEALTH_GENERATE_TIMEOUT = 30.0
 # After a child dies the server answers 503 for this long (in-flight requests get their error,
 # health checks see the reason), then exits with code 1.
@@ -120,8 +128,10 @@ def create_app(ctx: ServerContext) -> FastAPI:
     for exc_type in (OpenAIError, ValidationError, ValueError, EngineDeadError, TimeoutError,
                      StarletteHTTPException, ClientGone, Exception):
         app.add_exception_handler(exc_type, handle_error)
-    if ctx.server_args.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=ctx.server_args.api_key)
+    args = ctx.server_args
+    if args.api_key or args.admin_api_key:
+        app.add_middleware(AuthMiddleware, api_key=args.api_key,
+                           admin_api_key=args.admin_api_key, admin_paths=ADMIN_PATHS)
     tm, cfg = ctx.tm, ctx.tm.model_config
 
     async def run(request: Request, plan: Plan) -> Response:
@@ -142,7 +152,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        plan = ctx.chat.plan(await read_json(request, ChatCompletionRequest))
+        plan = await ctx.chat.plan(await read_json(request, ChatCompletionRequest))
         return await run(request, plan)
 
     @app.get("/v1/models")
@@ -283,8 +293,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         rid = (await read_json(request, AbortRequest)).rid
-        running = rid in tm.states
-        tm.abort_request(rid)
+        running = tm.abort_request(rid)
         return JSONResponse({"success": running,
                              "message": "aborted" if running else f"no running request {rid!r}"})
 
@@ -307,6 +316,16 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def _log_access_policy(args: ServerArgs) -> None:
+    """Says at start-up who may do what (docs/security.md)."""
+    if not args.api_key and not args.admin_api_key:
+        logger.warning("No --api-key: anyone who reaches %s:%d can generate and use the admin "
+                       "routes (weights, pause, flush, ...)", args.host, args.port)
+    elif not args.admin_api_key:
+        logger.warning("--api-key without --admin-api-key: every key holder can also use the "
+                       "admin routes (weights, pause, flush, ...)")
 
 
 def run_server(server_args: ServerArgs) -> int:
@@ -357,14 +376,18 @@ def run_server(server_args: ServerArgs) -> int:
         logger.error("cannot listen on %s:%d: %s", server_args.host, server_args.port, e)
         return 1
     port = sock.getsockname()[1]
+    _log_access_policy(server_args)
     try:
         tm, procs = launch_engine(server_args)
     except BaseException:
         sock.close()
         raise
     ctx = ServerContext(server_args=server_args, tm=tm)
-    config = uvicorn.Config(create_app(ctx), log_config=None, log_level=server_args.log_level,
-                            timeout_graceful_shutdown=3, lifespan="off")
+    config = uvicorn.Config(
+        create_app(ctx), log_config=None, log_level=server_args.log_level,
+        timeout_graceful_shutdown=3, lifespan="off",
+        http=guarded_h11_protocol(server_args.http_header_timeout,
+                                  server_args.http_max_connections))
     server = _Server(config)
     try:
         server.run(sockets=[sock])

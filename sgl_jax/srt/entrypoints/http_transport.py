@@ -36,6 +36,9 @@ from sgl_jax.srt.managers.tokenizer_manager import EngineDeadError, TokenizerMan
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
+# Bodies up to this size are decoded and validated on the event loop (well under a
+# millisecond); larger ones in a thread, so that one large body never delays other clients.
+INLINE_PARSE_BYTES = 256 * 1024
 # return_routed_experts as a header, for gateways that forward headers but drop body fields
 # they do not know (sglang-router 0.3.2 forwards neither: docs/scaling.md).
 ROUTED_EXPERTS_HEADER = "X-Return-Routed-Experts"
@@ -68,13 +71,13 @@ class Generation:
 
     Invariant: the consumer never awaits inside the manager, so cancelling the consumer leaves
     the manager's request states in place; ``close()`` (synchronous, so it also works inside a
-    cancelled scope) then aborts every rid still running and cancels the pump.
+    cancelled scope) cancels the pump, and the manager's generator, cancelled, aborts its own
+    submissions by their keys (not by rid: a new request may already reuse an aborted rid).
     """
 
     _END = object()
 
-    def __init__(self, tm: TokenizerManager, obj: GenerateReqInput, rids: list[str]) -> None:
-        self._tm, self._rids = tm, rids
+    def __init__(self, tm: TokenizerManager, obj: GenerateReqInput) -> None:
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._task = asyncio.create_task(self._pump(tm.generate_request(obj)))
 
@@ -101,8 +104,6 @@ class Generation:
 
     def close(self) -> None:
         if not self._task.done():
-            for rid in self._rids:
-                self._tm.abort_request(rid)
             self._task.cancel()
 
 
@@ -182,7 +183,7 @@ async def serve(request: Request, tm: TokenizerManager, plan: Plan,
     if unavailable is not None:
         raise EngineDeadError(unavailable)
     apply_routed_experts_header(request, plan.obj)
-    gen = Generation(tm, plan.obj, plan.rids)
+    gen = Generation(tm, plan.obj)
     try:
         if not plan.stream:
             return Response(plan.response(await until_disconnect(request, gen.collect())),
@@ -243,26 +244,72 @@ async def read_json(request: Request, model: type[M]) -> M:
         if size > MAX_BODY_BYTES:
             raise too_big
         chunks.append(chunk)
+    body = b"".join(chunks)
+    if size <= INLINE_PARSE_BYTES:
+        return _parse(body, model)
+    return await asyncio.to_thread(_parse, body, model)  # a large body: off the event loop
+
+
+def _parse(body: bytes, model: type[M]) -> M:
     try:
-        text = b"".join(chunks).decode("utf-8")
+        text = body.decode("utf-8")
     except UnicodeDecodeError as e:
         raise OpenAIError(400, f"the request body is not valid UTF-8 (byte {e.start})") from None
     return model.model_validate_json(text)
 
 
-class ApiKeyMiddleware:
-    """Requires ``Authorization: Bearer KEY`` on every path but the health checks."""
+class AuthMiddleware:
+    """The API keys (docs/security.md): ``Authorization: Bearer KEY`` on every path but the
+    health checks when ``api_key`` is set, and on ``admin_paths`` the admin key when
+    ``admin_api_key`` is set (without it, ``api_key`` opens them too, as in SGLang). The admin
+    key opens every path. A missing or unknown key is a 401; a valid non-admin key on an
+    admin path is a 403."""
 
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app, self.expected = app, api_key.encode()
+    def __init__(self, app: Any, api_key: str | None, admin_api_key: str | None,
+                 admin_paths: frozenset[str]) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.admin_key = admin_api_key.encode() if admin_api_key else None
+        self.admin_paths = admin_paths
+
+    def _key_of(self, scope: Any) -> bytes | None:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, key = header.partition(b" ")
+        return key.strip() if scheme.lower() == b"bearer" else None
+
+    def _refusal(self, scope: Any) -> tuple[int, dict[str, Any]] | None:
+        path = scope["path"]
+        if path in OPEN_PATHS:
+            return None
+        key = self._key_of(scope)
+        # compare_digest on both keys, whichever matches: no timing tells which key was near.
+        is_admin = key is not None and self.admin_key is not None and hmac.compare_digest(
+            key, self.admin_key)
+        is_user = key is not None and self.api_key is not None and hmac.compare_digest(
+            key, self.api_key)
+        if path in self.admin_paths and self.admin_key is not None:
+            if is_admin:
+                return None
+            if is_user:
+                return 403, error_body(
+                    f"{path} changes the server for everyone and needs the admin API key "
+                    "(--admin-api-key)", "permission_error", code="admin_key_required")
+            return 401, _invalid_key("the admin API key")
+        if self.api_key is None or is_user or is_admin:
+            return None
+        return 401, _invalid_key("the API key")
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, key = header.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.expected):
-                body = error_body("missing or invalid API key (send 'Authorization: Bearer KEY')",
-                                  "authentication_error", code="invalid_api_key")
-                await JSONResponse(body, status_code=401)(scope, receive, send)
+        if scope["type"] == "http":
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                status, body = refusal
+                logger.info("%s -> %d: %s", scope["path"], status, body["error"]["message"])
+                await JSONResponse(body, status_code=status)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _invalid_key(which: str) -> dict[str, Any]:
+    return error_body(f"missing or invalid API key (send 'Authorization: Bearer KEY' with "
+                      f"{which})", "authentication_error", code="invalid_api_key")

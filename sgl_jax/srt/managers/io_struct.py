@@ -11,6 +11,8 @@ import numpy as np
 from sgl_jax.srt.managers.request_options import InvalidRequestError, RequestOptions
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
+MAX_RID_CHARS = 256
+
 
 @dataclass
 class GenerateReqInput:
@@ -74,14 +76,20 @@ class GenerateReqInput:
         if self.is_single:
             if not isinstance(self.rid, str):
                 raise InvalidRequestError("'rid' must be a string for one prompt", "rid")
-            return [self.rid]
-        if not (isinstance(self.rid, list) and all(isinstance(r, str) for r in self.rid)):
+            rids = [self.rid]
+        elif not (isinstance(self.rid, list) and all(isinstance(r, str) for r in self.rid)):
             raise InvalidRequestError(
                 "'rid' must be a list of strings (one per prompt) for a batch", "rid"
             )
-        if len(self.rid) != n:
+        elif len(self.rid) != n:
             raise InvalidRequestError(f"'rid' has {len(self.rid)} entries for {n} prompts", "rid")
-        return list(self.rid)
+        else:
+            rids = list(self.rid)
+        # A rid is echoed in every output of its request (meta_info "id") and in logs.
+        if any(not 0 < len(r) <= MAX_RID_CHARS or not r.isprintable() for r in rids):
+            raise InvalidRequestError(
+                f"'rid' must be 1 to {MAX_RID_CHARS} printable characters", "rid")
+        return rids
 
     def split(self) -> list[GenerateReqInput]:
         """One single-prompt request per prompt; per-prompt fields may be lists or scalars."""

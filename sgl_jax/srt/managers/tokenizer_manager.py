@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -19,7 +20,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,15 @@ from sgl_jax.srt.server_args import PortArgs, ServerArgs
 from sgl_jax.srt.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+# Threads that tokenize and render chat templates, off the event loop (the tokenizers library
+# releases the GIL while it encodes). Few: a huge prompt then queues instead of taking memory
+# side by side with others.
+TOKENIZER_THREADS = 2
+# How much a normalizer may shrink a text before it is tokenized (Unicode composition turns
+# three Hangul jamo into one syllable): margin of the cheap prompt-length bound.
+_NORMALIZER_SHRINK = 4
+MAX_WEIGHT_VERSION_CHARS = 128
 
 
 class EngineDeadError(RuntimeError):
@@ -114,19 +124,56 @@ class TokenizerManager:
         self._closing = False
         self._receiver = threading.Thread(target=self._receive_loop, name="tm-recv", daemon=True)
         self._receiver.start()
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, "tokenize")
+        # A text longer than this cannot fit the context, whatever its tokens: refused before
+        # it is tokenized (tokens >= UTF-8 bytes / longest token >= characters / longest token).
+        self.max_prompt_chars = (_NORMALIZER_SHRINK * self.context_len
+                                 * self.tokenizer.max_token_bytes)
+
+    # -- cheap checks, before any work ----------------------------------------------------------
+    def check_sequence_count(self, count: int, what: str = "prompts", param: str = "text") -> None:
+        """One request may ask for at most ``--max-prompts-per-request`` sequences."""
+        limit = self.server_args.max_prompts_per_request
+        if count > limit:
+            raise InvalidRequestError(
+                f"the request asks for {count} {what}; this server takes at most {limit} per "
+                f"request (--max-prompts-per-request): split it into several requests", param)
+
+    def check_prompt_chars(self, chars: int, param: str = "text") -> None:
+        """Refuses a prompt text that is certainly longer than the context, in O(1)."""
+        if chars > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"the prompt has {chars} characters; it cannot fit the context length of "
+                f"{self.context_len} tokens (a prompt of more than {self.max_prompt_chars} "
+                f"characters never does)", param)
+
+    async def in_tokenizer_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Runs tokenizer work (encoding, a chat template) off the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, functools.partial(fn, *args))
 
     # -- validation -----------------------------------------------------------------------------
-    def tokenize(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
-        """Checks one single-prompt request and turns it into what the scheduler takes."""
+    def check_prompt_size(self, obj: GenerateReqInput) -> None:
+        """The checks of one prompt that cost O(1): its type and a bound on its length."""
         if obj.text is not None:
             if not isinstance(obj.text, str):
                 raise ValueError("'text' must be a string")
+            self.check_prompt_chars(len(obj.text))
+        elif not isinstance(obj.input_ids, list):
+            raise ValueError("'input_ids' must be a list of integers")
+        elif len(obj.input_ids) >= self.context_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(obj.input_ids)} tokens; the context length is "
+                f"{self.context_len}, so prompts must be shorter", "input_ids")
+
+    def tokenize(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
+        """Checks one single-prompt request and turns it into what the scheduler takes."""
+        self.check_prompt_size(obj)
+        if obj.text is not None:
             input_ids = self.tokenizer.encode(obj.text)
         else:
             input_ids = obj.input_ids
-            if not isinstance(input_ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in input_ids
-            ):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
                 raise ValueError("'input_ids' must be a list of integers")
             bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
             if bad:
@@ -174,19 +221,21 @@ class TokenizerManager:
         is sent, so a bad prompt in a batch rejects the whole batch.
         """
         self._check_alive()
-        tokenized = [self.tokenize(s) for s in obj.split()]
-        if len({t.rid for t in tokenized}) != len(tokenized) or any(
-            t.rid in self.states for t in tokenized
-        ):
-            raise InvalidRequestError(
-                "request ids ('rid') must be unique among running requests", "rid"
-            )
+        self.check_sequence_count(obj.batch_size)
+        prompts = obj.split()
+        for prompt in prompts:  # O(1) each: a hopeless request costs no tokenizing
+            self.check_prompt_size(prompt)
+        tokenized = await self.in_tokenizer_thread(lambda: [self.tokenize(p) for p in prompts])
+        self._check_rids_free(tokenized)
         groups = _same_prompt_groups(tokenized)
         split_at = _split_routed_rows(tokenized, groups)
         loop = asyncio.get_running_loop()
         keys: list[str] = []
         try:
             await self._prefill_shared_prompts(tokenized, groups, loop, keys)
+            # Checked again with no await until every rid is registered: another request may
+            # have taken one meanwhile.
+            self._check_rids_free(tokenized)
             for i, t in enumerate(tokenized):
                 keys.append(self._submit(t, loop, split_at.get(i)))
             if obj.is_single:
@@ -202,6 +251,14 @@ class TokenizerManager:
                 for key in keys:
                     self._send_obj(AbortReq(rid=key))
             raise
+
+    def _check_rids_free(self, tokenized: list[TokenizedGenerateReqInput]) -> None:
+        if len({t.rid for t in tokenized}) != len(tokenized) or any(
+            t.rid in self.states for t in tokenized
+        ):
+            raise InvalidRequestError(
+                "request ids ('rid') must be unique among running requests", "rid"
+            )
 
     def _submit(self, req: TokenizedGenerateReqInput, loop: asyncio.AbstractEventLoop,
                 split_at: int | None = None) -> str:
@@ -297,13 +354,20 @@ class TokenizerManager:
                     if done:
                         return
         finally:
-            self.states.pop(req.rid, None)
+            if self.states.get(req.rid) is state:  # not a later request that reuses the rid
+                del self.states[req.rid]
             self._by_key.pop(state.key, None)
 
-    def abort_request(self, rid: str) -> None:
-        state = self.states.get(rid)
-        if state is not None and self.dead_reason is None:
+    def abort_request(self, rid: str) -> bool:
+        """Aborts the running request ``rid`` (False if there is none). The rid is free for a
+        new request at once; the aborted one still gets its final output (finish reason
+        "abort"), which carries its own key."""
+        state = self.states.pop(rid, None)
+        if state is None:
+            return False
+        if self.dead_reason is None:
             self._send_obj(AbortReq(rid=state.key))
+        return True
 
     # -- control --------------------------------------------------------------------------------
     async def flush_cache(self) -> FlushCacheReqOutput:
@@ -312,6 +376,7 @@ class TokenizerManager:
     async def update_weights(self, req: UpdateWeightsReq) -> UpdateWeightsReqOutput:
         """Replaces the served weights (see ``UpdateWeightsReq``). No time limit: by default
         the update waits for the running requests to finish."""
+        check_weight_version(req.weight_version)
         if req.arrays is not None:
             # The scheduler is another process: arrays go as host bytes (device arrays are
             # fetched here).
@@ -484,10 +549,29 @@ class TokenizerManager:
 
     def close(self) -> None:
         self._closing = True
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self._receiver.join(timeout=2)
         self._send.close(linger=0)
         self._recv.close(linger=0)
         self._ctx.term()
+
+
+def check_weight_version(version: str | None) -> None:
+    """A weight version is echoed in every response: a short printable label, or None."""
+    if version is None:
+        return
+    if not isinstance(version, str) or not 0 < len(version) <= MAX_WEIGHT_VERSION_CHARS \
+            or not version.isprintable():
+        raise InvalidRequestError(
+            f"weight_version must be a printable string of 1 to {MAX_WEIGHT_VERSION_CHARS} "
+            f"characters (got {_describe_version(version)})",
+            "weight_version")
+
+
+def _describe_version(version: object) -> str:
+    if isinstance(version, str):
+        return f"{len(version)} characters" if version.isprintable() else "control characters"
+    return type(version).__name__
 
 
 def _same_prompt_groups(tokenized: list[TokenizedGenerateReqInput]) -> list[list[int]]:

@@ -25,6 +25,8 @@ MAX_TOP_LOGPROBS = 20
 MAX_TOKEN_IDS_LOGPROB = 64
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024  # each stop string is searched for in every new piece of text
+MAX_STOP_TOKEN_IDS = 256
 MAX_SEED = 2**63  # exclusive; seeds fit a signed 64-bit integer (what most clients can send)
 
 # SGLang's names of our parameters (sglang-router forwards "sampling_seed" and drops "seed").
@@ -66,7 +68,8 @@ class SamplingParams:
 
         A value of ``None`` means "not given" and leaves the field at its default, because
         OpenAI-style clients routinely send explicit nulls for parameters they do not set.
-        Integral floats (``128.0``) are accepted for integer fields; JSON has a single number type.
+        Integer fields take integers only (``128.0`` is refused), as on the OpenAI routes:
+        one rule for every surface (docs/reliability.md); float fields take integers too.
         """
         if d is None:
             return cls()
@@ -116,6 +119,9 @@ class SamplingParams:
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.stop_token_ids is not None:
+            if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+                raise ValueError(f"stop_token_ids accepts at most {MAX_STOP_TOKEN_IDS} ids, "
+                                 f"got {len(self.stop_token_ids)}")
             for tid in self.stop_token_ids:
                 if not (0 <= tid < vocab_size):
                     raise ValueError(
@@ -128,6 +134,9 @@ class SamplingParams:
             )
         if any(s == "" for s in stops):
             raise ValueError("stop strings must be non-empty, got an empty string")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+            raise ValueError(f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters, "
+                             f"got {max(len(s) for s in stops)}")
         if self.seed is not None and not (0 <= self.seed < MAX_SEED):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.n < 1:
@@ -199,11 +208,7 @@ def _describe(value: Any) -> str:
 
 
 def _check_int(name: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {_describe(value)}")
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value)
     raise ValueError(f"{name} must be an integer, got {_describe(value)}")
 

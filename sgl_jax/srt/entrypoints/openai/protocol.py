@@ -27,7 +27,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from sgl_jax.srt.managers import sglang_fields
-from sgl_jax.srt.managers.io_struct import GenerateReqInput
+from sgl_jax.srt.managers.io_struct import MAX_RID_CHARS, GenerateReqInput
 from sgl_jax.srt.managers.request_options import (
     InvalidRequestError,
     RequestOptions,
@@ -79,7 +79,7 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
     if first["type"] == "json_invalid":
         return f"the request body is not valid JSON: {first['msg']}", None
     if not first["loc"]:
-        return f"the request body: {first['msg']} (got {_short(first.get('input'))})", None
+        return f"the request body: {first['msg']} (got {short_repr(first.get('input'))})", None
     param = str(first["loc"][0])
     # A value that fits no branch of a union yields one error per branch (loc names the
     # branch type, e.g. ("prompt", "list[int]", 1)); list the accepted forms once instead.
@@ -92,7 +92,7 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
     loc = ".".join(str(p) for p in first["loc"] if not _is_type_name(p))
     message = f"{loc}: {first['msg']}"
     if first["type"] != "missing":
-        message += f" (got {_short(first.get('input'))})"
+        message += f" (got {short_repr(first.get('input'))})"
     return message, param
 
 
@@ -100,7 +100,7 @@ def _is_type_name(part: Any) -> bool:
     return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool"})
 
 
-def _short(value: Any, limit: int = 60) -> str:
+def short_repr(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -271,14 +271,14 @@ GenerateRequest = create_model(
 
 class AbortRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    rid: str
+    rid: str = Field(max_length=MAX_RID_CHARS)
 
 
 class UpdateWeightsFromDiskRequest(BaseModel):
     """SGLang's body: a checkpoint directory of the served architecture and shapes."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    model_path: str
+    model_path: str = Field(max_length=4096)  # PATH_MAX
     load_format: Literal["auto", "safetensors"] | None = None  # safetensors is all we read
     weight_version: str | None = None
     abort_all_requests: bool = False

@@ -86,12 +86,16 @@ class OpenAIServingChat(OpenAIServing):
     def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         messages = [m.model_dump() for m in req.messages]
         prompt = self.tm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        self.tm.check_prompt_chars(len(prompt), "messages")
         return self.tm.tokenizer.encode(prompt, add_special_tokens=False)
 
-    def plan(self, req: ChatCompletionRequest) -> ChatPlan:
+    async def plan(self, req: ChatCompletionRequest) -> ChatPlan:
         self.check_model(req.model)
         options = chat_options(req.logprobs, req.top_logprobs)
-        ids = self.prompt_ids(req)
+        # The template only adds text: messages already longer than the bound never fit.
+        self.tm.check_prompt_chars(sum(_content_chars(m.content) for m in req.messages),
+                                   "messages")
+        ids = await self.tm.in_tokenizer_thread(self.prompt_ids, req)
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         if max_new is None:
@@ -100,3 +104,12 @@ class OpenAIServingChat(OpenAIServing):
         obj, rids, response_id = self.make_batch(req, [ids], [max_new], options)
         return ChatPlan(obj, rids, response_id, self.served_model_name, req.n,
                         req.include_usage, logprobs=bool(options))
+
+
+def _content_chars(content: str | list[dict[str, Any]] | None) -> int:
+    """Characters of a message's text (its text parts, for a list of content parts)."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p["text"]) for p in content if isinstance(p.get("text"), str))
+    return 0

@@ -33,6 +33,7 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
     OpenAIError,
     OpenAISamplingRequest,
     UsageInfo,
+    short_repr,
 )
 from sgl_jax.srt.managers.io_struct import GenerateReqInput, order_results
 from sgl_jax.srt.managers.tokenizer_manager import TokenizerManager
@@ -141,7 +142,7 @@ class OpenAIServing:
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
             raise OpenAIError(
-                404, f"the model {model!r} does not exist; this server serves "
+                404, f"the model {short_repr(model)} does not exist; this server serves "
                 f"{self.served_model_name!r}", param="model", code="model_not_found",
             )
 
@@ -150,6 +151,7 @@ class OpenAIServing:
         max_new_tokens: list[int | None], options: dict[str, Any] | None = None,
     ) -> tuple[GenerateReqInput, list[str], str]:
         """``n`` independent requests per prompt, in choice order."""
+        self.tm.check_sequence_count(len(prompts) * req.n, "completions (prompts x n)", "n")
         response_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         params, expanded = [], []
         seed = req.request_seed

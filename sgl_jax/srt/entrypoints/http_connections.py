@@ -1,0 +1,91 @@
+"""HTTP connections that cannot be held open for free: a header deadline and a connection cap.
+
+uvicorn closes an idle kept-alive connection after ``timeout_keep_alive``, but a connection that
+sends part of a request's headers and then nothing stays open for as long as the client likes,
+and every one holds a file descriptor. A few thousand such connections (slowloris) keep their
+descriptors forever; ~20,000 exhaust the process's limit and ``/health`` itself can no longer be
+accepted.
+
+``guarded_h11_protocol`` builds uvicorn's h11 protocol with two rules:
+
+- **Header deadline**: a connection has ``header_timeout`` seconds, from when it opens or from
+  its previous response, to complete a request's headers; then it is closed. (Slow bodies are
+  the request handler's business: the body is read with a size limit as it arrives.)
+- **Connection cap**: at most ``max_connections`` are open. One more closes the connection
+  that has waited longest for headers (the cheapest to lose: it has asked for nothing yet),
+  or the new one if every connection is busy with a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+logger = logging.getLogger(__name__)
+
+
+def guarded_h11_protocol(header_timeout: float, max_connections: int) -> type[H11Protocol]:
+    """uvicorn's h11 protocol class with the rules above (``uvicorn.Config(http=...)``)."""
+
+    class GuardedH11Protocol(H11Protocol):
+        # When this connection started waiting for a request's headers; None while a request
+        # is being read or answered.
+        waiting_since: float | None = None
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._await_headers()
+            if len(self.connections) > max_connections:
+                self._make_room()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_deadline()
+            super().connection_lost(exc)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE:  # a request's headers are complete
+                self.waiting_since = None
+                self._cancel_deadline()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self._await_headers()
+
+        def _await_headers(self) -> None:
+            self._cancel_deadline()
+            self.waiting_since = self.loop.time()
+            self._deadline = self.loop.call_later(header_timeout, self._on_deadline)
+
+        def _cancel_deadline(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _on_deadline(self) -> None:
+            self._deadline = None
+            if self.waiting_since is not None and not self.transport.is_closing():
+                self._close("sent no complete request headers within "
+                            f"{header_timeout:g} s (--http-header-timeout)")
+
+        def _make_room(self) -> None:
+            waiting = [c for c in self.connections
+                       if getattr(c, "waiting_since", None) is not None
+                       and not c.transport.is_closing()]
+            victim = min(waiting, key=lambda c: c.waiting_since) if waiting else self
+            victim._close(f"the server holds {max_connections} connections "
+                          "(--http-max-connections)")
+
+        def _close(self, why: str) -> None:
+            logger.debug("closing the connection of %s: %s", self.client, why)
+            self.waiting_since = None
+            self._cancel_deadline()
+            self.transport.close()
+
+    return GuardedH11Protocol
+

@@ -321,8 +321,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def _log_access_policy(args: ServerArgs) -> None:
     """Says at start-up who may do what (docs/security.md)."""
     if not args.api_key and not args.admin_api_key:
-        logger.warning("No --api-key: anyone who reaches %s:%d can generate and use the admin "
-                       "routes (weights, pause, flush, ...)", args.host, args.port)
+        if args.host not in ("127.0.0.1", "localhost", "::1"):
+            logger.warning("No --api-key: anyone who reaches %s:%d can generate and use the "
+                           "admin routes (weights, pause, flush, ...)", args.host, args.port)
     elif not args.admin_api_key:
         logger.warning("--api-key without --admin-api-key: every key holder can also use the "
                        "admin routes (weights, pause, flush, ...)")

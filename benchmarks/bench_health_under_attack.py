@@ -33,8 +33,7 @@ import numpy as np
 import psutil
 import requests
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_utils import machine_description, markdown_table  # noqa: E402
 

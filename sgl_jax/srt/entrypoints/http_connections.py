@@ -30,27 +30,31 @@ logger = logging.getLogger(__name__)
 def guarded_h11_protocol(header_timeout: float, max_connections: int) -> type[H11Protocol]:
     """uvicorn's h11 protocol class with the rules above (``uvicorn.Config(http=...)``)."""
 
+    # The connections waiting for a request's headers, the longest waiting first (a dict keeps
+    # insertion order, and a connection is re-inserted when it starts waiting again): the one
+    # to close for room is found in O(1), even under a flood of thousands of connections.
+    waiting: dict[GuardedH11Protocol, None] = {}
+
     class GuardedH11Protocol(H11Protocol):
-        # When this connection started waiting for a request's headers; None while a request
-        # is being read or answered.
-        waiting_since: float | None = None
         _deadline: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._await_headers()
             if len(self.connections) > max_connections:
-                self._make_room()
+                # Every other connection busy with a request: the new one goes.
+                victim = next(iter(waiting)) if len(waiting) > 1 else self
+                victim._close(f"the server holds {max_connections} connections "
+                              "(--http-max-connections)")
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._cancel_deadline()
+            self._stop_waiting()
             super().connection_lost(exc)
 
         def handle_events(self) -> None:
             super().handle_events()
             if self.conn.their_state is not h11.IDLE:  # a request's headers are complete
-                self.waiting_since = None
-                self._cancel_deadline()
+                self._stop_waiting()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -58,33 +62,25 @@ def guarded_h11_protocol(header_timeout: float, max_connections: int) -> type[H1
                 self._await_headers()
 
         def _await_headers(self) -> None:
-            self._cancel_deadline()
-            self.waiting_since = self.loop.time()
+            self._stop_waiting()
+            waiting[self] = None
             self._deadline = self.loop.call_later(header_timeout, self._on_deadline)
 
-        def _cancel_deadline(self) -> None:
+        def _stop_waiting(self) -> None:
+            waiting.pop(self, None)
             if self._deadline is not None:
                 self._deadline.cancel()
                 self._deadline = None
 
         def _on_deadline(self) -> None:
             self._deadline = None
-            if self.waiting_since is not None and not self.transport.is_closing():
+            if self in waiting:
                 self._close("sent no complete request headers within "
                             f"{header_timeout:g} s (--http-header-timeout)")
 
-        def _make_room(self) -> None:
-            waiting = [c for c in self.connections
-                       if getattr(c, "waiting_since", None) is not None
-                       and not c.transport.is_closing()]
-            victim = min(waiting, key=lambda c: c.waiting_since) if waiting else self
-            victim._close(f"the server holds {max_connections} connections "
-                          "(--http-max-connections)")
-
         def _close(self, why: str) -> None:
             logger.debug("closing the connection of %s: %s", self.client, why)
-            self.waiting_since = None
-            self._cancel_deadline()
+            self._stop_waiting()
             self.transport.close()
 
     return GuardedH11Protocol

@@ -80,6 +80,9 @@ class ServerContext:
     # Graceful drain (SIGTERM): no new generation, running requests finish until the deadline.
     draining: bool = False
     drain_deadline: float = 0.0
+    # Generation requests admitted but maybe not yet submitted to the manager (tokenizing):
+    # the drain waits for them too. A stream's response exists only once it was submitted.
+    admitting: int = 0
 
     def __post_init__(self) -> None:
         model_path = self.tm.model_config.model_path
@@ -106,7 +109,7 @@ class ServerContext:
 
     def drain_over(self) -> bool:
         """True once nothing runs any more, or at the deadline (what is left gets aborted)."""
-        if not self.tm.states:
+        if not self.tm.states and not self.admitting:
             logger.info("drained: every request finished")
             return True
         if time.monotonic() >= self.drain_deadline:
@@ -156,7 +159,11 @@ def create_app(ctx: ServerContext) -> FastAPI:
         if ctx.draining and tm.dead_reason is None:
             raise OpenAIError(503, ctx.unavailable_reason() or "", type="server_error",
                               code="draining")
-        return await serve(request, tm, plan, ctx.unavailable_reason())
+        ctx.admitting += 1
+        try:
+            return await serve(request, tm, plan, ctx.unavailable_reason())
+        finally:
+            ctx.admitting -= 1
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:

@@ -59,6 +59,8 @@ E2E = [
     "tests/test_multi_node.py",
     "tests/test_router.py",
     "tests/test_security.py",
+    "tests/test_metrics.py",
+    "tests/test_drain.py",
 ]
 # Optional checks outside every suite (they skip without packages the project does not need).
 OPTIONAL = ["tests/test_hf_transformers.py"]

@@ -327,6 +327,8 @@ def gone(pid: int) -> bool:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_aborts_requests_and_stops_children(sig):
+    """SIGINT stops at once; a first SIGTERM drains (tests/test_drain.py), a second one stops
+    at once too."""
     server = start_server(ARGS)
     try:
         pids = server.get("/get_server_info").json()["pids"]
@@ -334,6 +336,10 @@ def test_signal_aborts_requests_and_stops_children(sig):
                           stream=True)
         lines = res.iter_lines(decode_unicode=True)
         next(lines)
+        if sig == signal.SIGTERM:
+            server.proc.send_signal(sig)
+            assert wait_until(lambda: requests.get(server.url + "/health", timeout=5)
+                              .status_code == 503, timeout=5)
         t0 = time.monotonic()
         server.proc.send_signal(sig)
         events = sse_events(lines)

@@ -558,12 +558,16 @@ def test_detokenizer_death_under_load_gives_503_and_nonzero_exit():
         server.stop()
 
 
-def test_sigterm_under_load_aborts_everything_and_exits_zero(server):
-    """Runs last: it stops the shared server. Sixteen running and four queued requests all get
-    an answer (finish reason abort) and the server exits 0 within a few seconds."""
+def test_second_sigterm_under_load_aborts_everything_and_exits_zero(server):
+    """Runs last: it stops the shared server. The first SIGTERM starts a drain
+    (tests/test_drain.py), the second stops now: sixteen running and four queued requests all
+    get an answer (finish reason abort) and the server exits 0 within a few seconds."""
     pids = info_of(server)["pids"]
     threads, outcomes = start_load(server, 20)
     assert wait_until(lambda: in_flight(server) == 20, timeout=10)
+    server.proc.send_signal(signal.SIGTERM)
+    assert wait_until(lambda: requests.get(server.url + "/health", timeout=5).status_code == 503,
+                      timeout=5)
     t0 = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
     for t in threads:

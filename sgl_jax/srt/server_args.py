@@ -206,6 +206,20 @@ class ServerArgs:
 
     # Operation
     log_level: str = _arg("info", "Logging level.", choices=LOG_LEVELS)
+    enable_metrics: bool = _arg(
+        False, "Serve Prometheus metrics at GET /metrics (SGLang's sglang:* names where they "
+               "exist: running / queued requests, KV token usage, cache hit rate, token "
+               "counters, TTFT / inter-token / end-to-end latency histograms; docs/"
+               "reliability.md). Off: /metrics is 404 and nothing is recorded.")
+    log_requests: bool = _arg(
+        False, "Log one line per finished request: rid, prompt / completion / cached tokens, "
+               "finish reason, end-to-end latency, routed-experts rows returned. Never the "
+               "prompt or output text.")
+    graceful_shutdown_timeout: float = _arg(
+        30.0, "On SIGTERM, stop admitting (new generation requests and /health answer 503 "
+              "'draining') and let running requests finish for up to this many seconds, then "
+              "abort what is left and exit 0. A second SIGTERM / SIGINT stops at once; 0 "
+              "stops at once (running requests end with finish_reason abort).")
     startup_timeout: float = _arg(600.0, "Seconds to wait for the scheduler to load and compile.")
 
     def __post_init__(self) -> None:
@@ -235,6 +249,9 @@ class ServerArgs:
         if self.api_key is not None and self.api_key == self.admin_api_key:
             fail("api_key and admin_api_key are the same: every client would be an admin; "
                  "give the admin key a value of its own")
+        if self.graceful_shutdown_timeout < 0:
+            fail(f"graceful_shutdown_timeout={self.graceful_shutdown_timeout} must be >= 0 "
+                 "seconds")
         if self.dist_timeout <= 0:
             fail(f"dist_timeout={self.dist_timeout} must be > 0 seconds")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

@@ -4,14 +4,16 @@ Routes: native ``/generate``; OpenAI ``/v1/completions``, ``/v1/chat/completions
 ``/v1/models``; operations ``/health``, ``/health_generate``, ``/get_model_info`` (also
 ``/model_info``), ``/get_server_info`` (also ``/server_info``), ``/get_load``,
 ``/flush_cache``, ``/abort_request``, ``/update_weights_from_disk``,
-``/pause_generation``, ``/continue_generation``; the expert distribution recorder
+``/pause_generation``, ``/continue_generation``, ``/metrics`` (``--enable-metrics``,
+Prometheus: :mod:`sgl_jax.srt.metrics`); the expert distribution recorder
 ``/start_expert_distribution_record``, ``/stop_expert_distribution_record``,
 ``/dump_expert_distribution_record``, ``/expert_load``, ``/expert_load.png`` and
 ``POST /rebalance_experts`` (EPLB)
 (docs/expert_load.md). Request plumbing (bodies, errors,
 API key, disconnects, streaming) lives in :mod:`http_transport`; the OpenAI formatting in
 :mod:`openai`. ``run_server`` owns the process: it binds, loads the engine, serves, and turns
-SIGTERM / SIGINT into a clean stop (exit 0) and a dead child into exit code 1.
+SIGTERM into a graceful drain then a clean stop (exit 0; ``--graceful-shutdown-timeout``),
+SIGINT or a second signal into a stop now (exit 0), and a dead child into exit code 1.
 """
 
 from __future__ import annotations
@@ -51,11 +53,13 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
     ModelList,
     OpenAIError,
     UpdateWeightsFromDiskRequest,
+    error_body,
 )
 from sgl_jax.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sgl_jax.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from sgl_jax.srt.managers.io_struct import GenerateReqInput, UpdateWeightsReq
 from sgl_jax.srt.managers.tokenizer_manager import EngineDeadError, TokenizerManager
+from sgl_jax.srt.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.tools.expert_load import PlotUnavailableError, render_expert_load_png
 
@@ -81,6 +85,12 @@ class ServerContext:
     served_model_name: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     shutting_down: bool = False
+    # Graceful drain (SIGTERM): no new generation, running requests finish until the deadline.
+    draining: bool = False
+    drain_deadline: float = 0.0
+    # Generation requests admitted but maybe not yet submitted to the manager (tokenizing):
+    # the drain waits for them too. A stream's response exists only once it was submitted.
+    admitting: int = 0
 
     def __post_init__(self) -> None:
         model_path = self.tm.model_config.model_path
@@ -97,9 +107,30 @@ class ServerContext:
         for rid in list(self.tm.states):
             self.tm.abort_request(rid)
 
+    def begin_drain(self, timeout: float) -> None:
+        """Stops admitting (new generation requests and /health answer 503 "draining") and
+        gives the running requests, streams included, ``timeout`` seconds to finish."""
+        self.draining = True
+        self.drain_deadline = time.monotonic() + timeout
+        logger.info("draining %d request(s), up to %.0f s (a second SIGTERM or Ctrl-C stops now)",
+                    len(self.tm.states), timeout)
+
+    def drain_over(self) -> bool:
+        """True once nothing runs any more, or at the deadline (what is left gets aborted)."""
+        if not self.tm.states and not self.admitting:
+            logger.info("drained: every request finished")
+            return True
+        if time.monotonic() >= self.drain_deadline:
+            logger.warning("drain timed out: aborting %d request(s)", len(self.tm.states))
+            return True
+        return False
+
     def unavailable_reason(self) -> str | None:
         if self.tm.dead_reason is not None:
             return self.tm.dead_reason
+        if self.draining and not self.shutting_down:
+            return ("the server is draining: it finishes its running requests and takes no new "
+                    "ones; send the request to another replica")
         return "the server is shutting down" if self.shutting_down else None
 
 
@@ -135,7 +166,14 @@ def create_app(ctx: ServerContext) -> FastAPI:
     tm, cfg = ctx.tm, ctx.tm.model_config
 
     async def run(request: Request, plan: Plan) -> Response:
-        return await serve(request, tm, plan, ctx.unavailable_reason())
+        if ctx.draining and tm.dead_reason is None:
+            raise OpenAIError(503, ctx.unavailable_reason() or "", type="server_error",
+                              code="draining")
+        ctx.admitting += 1
+        try:
+            return await serve(request, tm, plan, ctx.unavailable_reason())
+        finally:
+            ctx.admitting -= 1
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
@@ -164,9 +202,29 @@ def create_app(ctx: ServerContext) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         reason = ctx.unavailable_reason()
+        if ctx.draining and tm.dead_reason is None:
+            # 503 takes the replica out of a router's rotation; the body says why.
+            return JSONResponse({"status": "draining", "running_requests": len(tm.states),
+                                 **error_body(reason or "draining", "server_error",
+                                              code="draining")}, status_code=503)
         if reason is not None:
             raise EngineDeadError(reason)
         return JSONResponse({"status": "ok"})
+
+    if ctx.server_args.enable_metrics:
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            # Two control calls to the scheduler (answered between steps), then the text is
+            # rendered in a worker thread: the event loop does no heavy work.
+            info = await tm.get_server_info()
+            load = None
+            if ctx.server_args.expert_distribution_recorder_mode == "stat":
+                try:
+                    load = (await tm.expert_distribution("load")).load
+                except ValueError:  # nothing recorded yet
+                    load = None
+            body = await asyncio.to_thread(tm.observer.render, info, load)
+            return Response(body, media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/health_generate")
     async def health_generate(request: Request) -> Response:
@@ -342,10 +400,17 @@ def run_server(server_args: ServerArgs) -> int:
         def handle_exit(self, sig: int, frame: Any) -> None:
             # Not uvicorn's: it re-raises the signal after a graceful stop, which would end
             # the process by SIGTERM instead of with exit code 0.
-            if self.should_exit and sig == signal.SIGINT:
-                self.force_exit = True
-            elif not self.should_exit:
-                logger.info("Got %s: shutting down", signal.Signals(sig).name)
+            if self.should_exit:
+                if sig == signal.SIGINT:
+                    self.force_exit = True
+                return
+            name = signal.Signals(sig).name
+            if (sig == signal.SIGTERM and not ctx.draining
+                    and server_args.graceful_shutdown_timeout > 0):
+                logger.info("Got %s: draining before shutting down", name)
+                ctx.begin_drain(server_args.graceful_shutdown_timeout)
+                return  # on_tick ends the drain
+            logger.info("Got %s: shutting down%s", name, " now" if ctx.draining else "")
             self.should_exit = True
 
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -365,6 +430,8 @@ def run_server(server_args: ServerArgs) -> int:
                     logger.error("the engine is dead; exiting in %.0fs", DEAD_LINGER_SECONDS)
                 if time.monotonic() - self.dead_since > DEAD_LINGER_SECONDS:
                     return True
+            if ctx.draining and not self.should_exit and ctx.drain_over():
+                self.should_exit = True
             return await super().on_tick(counter)
 
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:

@@ -77,6 +77,7 @@ class DetokenizerManager:
             output_routed_expert_weights=out.output_routed_expert_weights,
             weight_version=out.weight_version,
             output_logprobs=out.output_logprobs,
+            first_token_times=out.first_token_times,
         )
 
 

@@ -236,6 +236,9 @@ class BatchTokenIDOut:
     # Per request: its logprob entries since its previous message (LogprobRecord.take_new),
     # or None when it did not ask.
     output_logprobs: list[dict[str, list] | None] = field(default_factory=list)
+    # Per request: when the scheduler took its first output token (time.monotonic(), a
+    # system-wide clock on one host), or None: the metrics' time to first token.
+    first_token_times: list[float | None] = field(default_factory=list)
 
 
 @dataclass
@@ -254,3 +257,4 @@ class BatchStrOut:
     output_routed_expert_weights: list[np.ndarray | None] = field(default_factory=list)
     weight_version: str = "0"
     output_logprobs: list[dict[str, list] | None] = field(default_factory=list)
+    first_token_times: list[float | None] = field(default_factory=list)  # as above

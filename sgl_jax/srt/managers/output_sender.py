@@ -64,6 +64,7 @@ class OutputSender:
             skip_special_tokens=[r.sampling_params.skip_special_tokens for r in out],
             weight_version=self.weight_version,
             output_logprobs=[None if r.logprobs is None else r.logprobs.take_new() for r in out],
+            first_token_times=[r.first_token_time for r in out],
         )
         routed = [self._routed_rows(r) for r in out]
         msg.output_routed_experts = [ids for ids, _ in routed]

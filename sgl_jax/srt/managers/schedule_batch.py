@@ -60,6 +60,7 @@ class Req:
     routed_sent: int = 0  # of its rows from start_len on, how many have been streamed out
     sent_len: int = 0  # output ids already handed to the detokenizer
     arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None  # time.monotonic() when its first output was taken
     logprobs: LogprobRecord | None = None  # when it asked (return_logprob)
 
     def __post_init__(self) -> None:

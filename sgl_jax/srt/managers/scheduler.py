@@ -353,6 +353,7 @@ class Scheduler:
         if batch.logprob_rows:
             self._record_logprobs(batch, out, all_ids)
         next_ids = all_ids[: len(batch.reqs)].tolist()
+        now = time.monotonic()  # the metrics' first-token time (one clock read per step)
         changed: list[Req] = []
         for req, samples, token in zip(batch.reqs, batch.samples_output, next_ids, strict=True):
             if not samples or req.finished:  # a chunk boundary, or ended while this step ran
@@ -362,6 +363,8 @@ class Scheduler:
                 req.finished_reason = finish_length(0)
             else:
                 req.output_ids.append(token)
+                if req.first_token_time is None:
+                    req.first_token_time = now
                 self.num_generated_tokens += 1
                 self.finish_checker.check(req)
             if req.finished:

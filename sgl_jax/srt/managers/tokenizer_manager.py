@@ -46,6 +46,7 @@ from sgl_jax.srt.managers.io_struct import (
 )
 from sgl_jax.srt.managers.request_options import InvalidRequestError, RequestOptions
 from sgl_jax.srt.managers.transport import recv_obj
+from sgl_jax.srt.metrics import RequestObserver, create_observer
 from sgl_jax.srt.routed_experts_codec import (
     encode_routed_expert_weights,
     encode_routed_experts,
@@ -86,6 +87,7 @@ class ReqState:
     # routed_experts_split: rows before this index (the prompt's) are ``prompt_routed_experts``
     split_at: int | None = None
     logprobs: dict[str, list] = field(default_factory=dict)  # every entry so far, by key
+    progress: Any = None  # the RequestObserver's record of it (metrics, --log-requests)
 
 
 class TokenizerManager:
@@ -97,6 +99,8 @@ class TokenizerManager:
         self.model_config = model_config
         self.served_model_name = server_args.served_model_name or model_config.model_path
         self._child_pids = child_pids or dict
+        # --enable-metrics / --log-requests; a no-op object when both are off.
+        self.observer: RequestObserver = create_observer(server_args, self.served_model_name)
         self.tokenizer = Tokenizer.from_pretrained(
             server_args.tokenizer_path or model_config.model_path
         )
@@ -261,10 +265,13 @@ class TokenizerManager:
             )
 
     def _submit(self, req: TokenizedGenerateReqInput, loop: asyncio.AbstractEventLoop,
-                split_at: int | None = None) -> str:
-        """Registers ``req``'s state and sends it; returns its per-submission key."""
+                split_at: int | None = None, observe: bool = True) -> str:
+        """Registers ``req``'s state and sends it; returns its per-submission key.
+        ``observe``: a caller's request (counted by the metrics), not an internal one."""
         state = ReqState(rid=req.rid, key=f"{req.rid}#{next(self._keys)}", loop=loop,
                          event=asyncio.Event(), options=req.options, split_at=split_at)
+        if observe:
+            self.observer.start(state)
         self.states[req.rid] = self._by_key[state.key] = state
         self._send_obj(dataclasses.replace(req, rid=state.key))
         return state.key
@@ -300,7 +307,7 @@ class TokenizerManager:
                 options=options,
             ))
         for req in warm:
-            keys.append(self._submit(req, loop))
+            keys.append(self._submit(req, loop, observe=False))
         for req in warm:
             async for _ in self._wait_one(req):
                 pass
@@ -354,6 +361,7 @@ class TokenizerManager:
                     if done:
                         return
         finally:
+            self.observer.on_cancel(state)  # a no-op once its final piece was seen
             if self.states.get(req.rid) is state:  # not a later request that reuses the rid
                 del self.states[req.rid]
             self._by_key.pop(state.key, None)
@@ -466,10 +474,20 @@ class TokenizerManager:
                     state, out.output_routed_experts[i], weights[i] if weights else None))
             if out.output_logprobs and out.output_logprobs[i] is not None:
                 meta.update(self._logprob_meta(state, out.output_logprobs[i]))
+            if self.observer.enabled:  # before the piece is handed over (it may end the wait)
+                self._observe(state, out, i, meta)
             state.pending.append(
                 {"text": out.output_strs[i], "output_ids": out.new_output_ids[i], "meta_info": meta}
             )
             state.loop.call_soon_threadsafe(state.event.set)
+
+    def _observe(self, state: ReqState, out: BatchStrOut, i: int, meta: dict[str, Any]) -> None:
+        rows = out.output_routed_experts[i] if out.output_routed_experts else None
+        weights = out.output_routed_expert_weights[i] if out.output_routed_expert_weights \
+            else None
+        self.observer.on_output(
+            state, meta, out.first_token_times[i] if out.first_token_times else None,
+            0 if rows is None else rows.nbytes, 0 if weights is None else weights.nbytes)
 
     def _routed_meta(
         self, state: ReqState, rows: np.ndarray, weights: np.ndarray | None

@@ -57,6 +57,7 @@ E2E = [
     "tests/test_expert_distribution.py",
     "tests/test_eplb_engine.py",
     "tests/test_multi_node.py",
+    "tests/test_node_security.py",
     "tests/test_router.py",
 ]
 # Optional checks outside every suite (they skip without packages the project does not need).

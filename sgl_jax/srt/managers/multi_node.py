@@ -31,6 +31,7 @@ import numpy as np
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch_info import ModelWorkerBatch
+from sgl_jax.srt.managers import node_wire
 from sgl_jax.srt.managers.node_auth import load_node_secret
 from sgl_jax.srt.managers.step_channel import FollowerChannel, LeaderChannel
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, StepOutput
@@ -74,6 +75,7 @@ def node_fingerprint(server_args: ServerArgs, model_config: ModelConfig) -> dict
     for name, value in dataclasses.asdict(model_config).items():
         if name != "model_path":
             fingerprint[f"model {name}"] = repr(value)
+    fingerprint["step channel types"] = node_wire.schema()  # what the codec sends by position
     fingerprint["model weights (safetensors headers)"] = checkpoint_digest(
         model_config.model_path)
     if server_args.init_expert_location:

@@ -9,7 +9,9 @@ only those:
 - numpy arrays of an allow-listed numeric dtype, as (dtype name, shape, raw little-endian
   bytes): never ``object`` dtype, and the byte count must match the shape;
 - the dataclasses in ``_DATACLASSES`` (the step's ``ModelWorkerBatch`` and what it holds), by
-  name into their constructor with exactly their fields, and the enums in ``_ENUMS``.
+  name into their constructor with exactly their fields' values (in declaration order; the
+  start-up fingerprint holds ``schema()``, so nodes whose fields differ never join), and the
+  enums in ``_ENUMS``.
 
 Numpy scalars are written as the Python number of equal value. Anything else is refused when
 encoding (a ``ValueError`` on rank 0, naming the type), and a message that is not what this
@@ -25,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import operator
 import struct
 from typing import Any
 
@@ -40,6 +43,7 @@ _EXT_NDARRAY = 1
 _EXT_TUPLE = 2
 _EXT_DATACLASS = 3
 _EXT_ENUM = 4
+_EXT_OBJECTS = 5  # a list of objects of one dataclass type, by column
 
 # The numeric dtypes an array may have, by numpy name (bfloat16 / float8: ml_dtypes, what
 # weight updates of a bf16 or fp8 checkpoint carry). Never object, string or void dtypes.
@@ -55,6 +59,20 @@ _MAX_NDIM = 32
 _DATACLASSES: dict[str, type] = {
     cls.__name__: cls for cls in (ModelWorkerBatch, SamplingParams, LogprobRequest)
 }
+# Their fields in declaration order: an object goes as its values in that order (a step holds
+# one SamplingParams per request; names and ``dataclasses.fields`` per object cost 10x more).
+# Both ends must have the same fields: ``schema()`` is in the nodes' start-up fingerprint.
+_FIELDS: dict[type, tuple[str, ...]] = {
+    cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _DATACLASSES.values()
+}
+assert all(f.init for cls in _DATACLASSES.values() for f in dataclasses.fields(cls))
+assert all(len(names) > 1 for names in _FIELDS.values())  # attrgetter gives a tuple
+_GETTERS = {cls: operator.attrgetter(*names) for cls, names in _FIELDS.items()}
+
+
+def schema() -> str:
+    """The types this codec carries and their fields: equal on every node of a job."""
+    return "; ".join(f"{cls.__name__}({', '.join(_FIELDS[cls])})" for cls in _FIELDS)
 _ENUMS: dict[str, type[enum.Enum]] = {cls.__name__: cls for cls in (ForwardMode,)}
 
 
@@ -83,12 +101,10 @@ def _default(obj: Any) -> Any:
         if _ENUMS.get(name) is not type(obj):
             raise TypeError(f"enum {name} is not on the step channel's list")
         return msgpack.ExtType(_EXT_ENUM, _pack([name, obj.value]))
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        name = type(obj).__name__
-        if _DATACLASSES.get(name) is not type(obj):
-            raise TypeError(f"type {name} is not on the step channel's list")
-        fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-        return msgpack.ExtType(_EXT_DATACLASS, _pack([name, fields]))
+    getter = _GETTERS.get(type(obj))
+    if getter is not None:
+        values = [_by_column(v) for v in getter(obj)]
+        return msgpack.ExtType(_EXT_DATACLASS, _pack([type(obj).__name__, values]))
     if isinstance(obj, np.bool_):
         return bool(obj)
     if isinstance(obj, np.integer):
@@ -101,6 +117,19 @@ def _default(obj: Any) -> Any:
         return str(obj)
     raise TypeError(f"type {type(obj).__module__}.{type(obj).__qualname__} is not on the step "
                     "channel's list")
+
+
+def _by_column(value: Any) -> Any:
+    """A field's value; a list of objects of one listed type goes column by column (a step's
+    per-request SamplingParams: one ext and one packing for all, not one per request)."""
+    if type(value) is not list or not value:
+        return value
+    cls = type(value[0])
+    getter = _GETTERS.get(cls)
+    if getter is None or any(type(v) is not cls for v in value):
+        return value
+    columns = [list(column) for column in zip(*map(getter, value), strict=True)]
+    return msgpack.ExtType(_EXT_OBJECTS, _pack([cls.__name__, columns]))
 
 
 def _array_bytes(a: np.ndarray) -> bytes:
@@ -156,19 +185,29 @@ def _ext_hook(code: int, data: bytes) -> Any:
         except ValueError as e:
             raise _Refused(f"step channel message: {e}") from e
     if code == _EXT_DATACLASS:
-        name, fields = _pair(_unpack(data), "object")
+        name, values = _pair(_unpack(data), "object")
         cls = _DATACLASSES.get(name)
         if cls is None:
             raise _Refused(f"step channel message names unknown type {name!r}; it carries "
-                             f"only {', '.join(sorted(_DATACLASSES))}")
-        if not isinstance(fields, dict):
-            raise _Refused(f"step channel message: the fields of {name} are not a map")
-        expected = {f.name for f in dataclasses.fields(cls) if f.init}
-        if set(fields) != expected:
+                           f"only {', '.join(sorted(_DATACLASSES))}")
+        if not isinstance(values, list) or len(values) != len(_FIELDS[cls]):
+            count = len(values) if isinstance(values, list) else "no list of"
             raise _Refused(
-                f"step channel message: {name} with fields {sorted(fields)}, expected "
-                f"{sorted(expected)}")
-        return cls(**fields)
+                f"step channel message: a {name} of {count} values, expected its "
+                f"{len(_FIELDS[cls])} fields ({', '.join(_FIELDS[cls])})")
+        return cls(*values)
+    if code == _EXT_OBJECTS:
+        name, columns = _pair(_unpack(data), "objects")
+        cls = _DATACLASSES.get(name)
+        if cls is None:
+            raise _Refused(f"step channel message names unknown type {name!r}; it carries "
+                           f"only {', '.join(sorted(_DATACLASSES))}")
+        width = len(_FIELDS[cls])
+        if not (isinstance(columns, list) and len(columns) == width
+                and all(isinstance(c, list) and len(c) == len(columns[0]) for c in columns)):
+            raise _Refused(f"step channel message: {name} objects that are not {width} "
+                           f"columns of equal length ({', '.join(_FIELDS[cls])})")
+        return [cls(*row) for row in zip(*columns, strict=True)]
     raise _Refused(f"step channel message holds unknown extension type {code}")
 
 

@@ -96,7 +96,7 @@ class _IoThread:
                  timeout: float, on_fatal: Callable[[str], None], name: str) -> None:
         self.sock, self.names, self.timeout = sock, peers, timeout
         self.peers = list(peers)
-        self.router = sock.socket_type == zmq.ROUTER
+        self.router = sock.type == zmq.ROUTER
         self.on_fatal = on_fatal
         self.strangers = _StrangerLog()
         addr = f"inproc://step-channel-{id(self)}"

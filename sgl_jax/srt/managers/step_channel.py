@@ -17,7 +17,8 @@ mismatch. A hello that does not verify, or anything else from a stranger, is ref
 and rank 0 goes on waiting for its followers. ZMQ names the followers' connections itself (the
 followers set no identity), so no stranger can take a follower's name.
 
-Every later message of rank 0 is numbered, tagged over its number and the job's nonce, and a
+Every later message of rank 0 (the unpadded batch of a step with its prefix page rows and the
+digest of its padded inputs, or a control operation) is numbered, tagged over its number and the job's nonce, and a
 follower applies them in order only: a replayed, reordered, altered or foreign message stops
 the follower (it cannot go on without the step it missed).
 
@@ -28,9 +29,9 @@ disconnects (a process that dies closes its connections) or sends nothing for ``
 seconds (a process that is stopped or cut off). Rank 0's thread hears only its followers'
 heartbeats: frames of any other connection are dropped, and a stranger that connects and
 disconnects does not stop the job (rank 0 tells which connection went by sending to each
-follower). ``on_fatal`` does not return: the process exits, and a scheduler that exits makes the server answer 503 and exit non-zero.
+follower). ``on_fatal`` does not return: the process exits, and a scheduler that exits makes
+the server answer 503 and exit non-zero.
 """
-
 
 from __future__ import annotations
 

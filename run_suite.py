@@ -57,6 +57,7 @@ E2E = [
     "tests/test_expert_distribution.py",
     "tests/test_eplb_engine.py",
     "tests/test_multi_node.py",
+    "tests/test_node_security.py",
     "tests/test_router.py",
     "tests/test_security.py",
     "tests/test_metrics.py",

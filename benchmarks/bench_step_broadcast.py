@@ -14,6 +14,13 @@ rank 0 publishes), it times, interleaved in one run:
   rank 0 until its result is ready.
 
 Prints medians in milliseconds and the ratio (docs/parallelism.md records them).
+
+    python benchmarks/bench_step_broadcast.py --codec [--repeats 2000]
+
+times, in this process only, what the channel's trust costs per message on each side
+(docs/security.md): the pickle the channel used to send (``pickle.dumps`` on rank 0,
+``pickle.loads`` on a follower) against its typed MessagePack codec with an HMAC-SHA256 tag
+(``node_wire.encode`` + ``node_auth.seal``; ``node_auth.open_sealed`` + ``node_wire.decode``).
 """
 
 from __future__ import annotations
@@ -33,6 +40,12 @@ SIZES = {"decode bs 1": (1, 1), "decode bs 64": (64, 64), "decode bs 256": (256,
 
 
 def step_payload(rows: int, tokens: int) -> bytes:
+    """The pickle rank 0 published for a step of ``rows`` requests and ``tokens`` tokens (the
+    channel's format until M16; the collective comparison keeps its sizes)."""
+    return pickle.dumps(step_message(rows, tokens), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def step_message(rows: int, tokens: int) -> list:
     """The message rank 0 publishes for a step of ``rows`` requests and ``tokens`` tokens."""
     from sgl_jax.srt.forward_batch_info import ForwardMode, ModelWorkerBatch
     from sgl_jax.srt.sampling.sampling_params import SamplingParams
@@ -45,7 +58,38 @@ def step_payload(rows: int, tokens: int) -> bytes:
         extend_lens=np.full(rows, tokens // rows, np.int32), input_ids=ints(tokens),
         out_cache_loc=ints(tokens), sampling_params=[SamplingParams() for _ in range(rows)],
         seeds=list(range(rows)), steps=[0] * rows)
-    return pickle.dumps((1, "batch", (mwb, []), "0" * 32), protocol=pickle.HIGHEST_PROTOCOL)
+    return [1, "batch", (mwb, []), "0" * 32]
+
+
+def codec_costs(repeats: int) -> None:
+    """Medians per message of the old pickle and of the typed codec with its tag."""
+    from sgl_jax.srt.managers import node_auth, node_wire
+
+    secret, nonce = os.urandom(32), os.urandom(32)
+
+    def median_us(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e6
+
+    print("| step inputs | pickle bytes | wire bytes (+32 tag) | pickle.dumps (us) | "
+          "encode + seal (us) | pickle.loads (us) | open_sealed + decode (us) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, shape in SIZES.items():
+        message = step_message(*shape)
+        pickled = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        sealed = node_auth.seal(secret, node_auth.STEP, nonce, node_wire.encode(message))
+        dumps = median_us(lambda m=message: pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL))
+        loads = median_us(lambda p=pickled: pickle.loads(p))
+        enc = median_us(lambda m=message: node_auth.seal(
+            secret, node_auth.STEP, nonce, node_wire.encode(m)))
+        dec = median_us(lambda b=sealed: node_wire.decode(
+            node_auth.open_sealed(secret, node_auth.STEP, nonce, b)))
+        print(f"| {name} | {len(pickled):,} | {len(sealed):,} | {dumps:.0f} | {enc:.0f} | "
+              f"{loads:.0f} | {dec:.0f} |")
 
 
 def worker(rank: int, coordinator: str, channel_port: int, repeats: int) -> None:
@@ -95,10 +139,15 @@ def worker(rank: int, coordinator: str, channel_port: int, repeats: int) -> None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--codec", action="store_true",
+                        help="time the channel's codec and tag against pickle, in-process")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--coordinator", help=argparse.SUPPRESS)
     parser.add_argument("--channel-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.codec:
+        codec_costs(args.repeats)
+        return
     if args.worker is not None:
         worker(args.worker, args.coordinator, args.channel_port, args.repeats)
         return

@@ -31,7 +31,8 @@ SIGTERM or Ctrl-C aborts running requests, stops the engine's processes and exit
 engine process dies, requests get HTTP 503 and the server exits with code 1.
 
 Multi-node (--nnodes N): run the same command on every host with its --node-rank and node
-0's --dist-init-addr; node 0 serves HTTP, the other nodes run its steps and exit when it
+0's --dist-init-addr, and the same secret on every node (export SGL_JAX_NODE_SECRET, or
+--node-secret-file PATH); node 0 serves HTTP, the other nodes run its steps and exit when it
 stops. A node that dies or goes silent for --dist-timeout seconds stops the job."""
 
 EPILOG = """\
@@ -86,6 +87,13 @@ def main(argv: list[str] | None = None) -> None:
         server_args = ServerArgs.from_cli_args(args)
     except ValueError as e:
         parser.error(str(e))
+    if server_args.nnodes > 1:  # fail now, before loading anything, if it has no secret
+        from sgl_jax.srt.managers.node_auth import load_node_secret
+
+        try:
+            load_node_secret(server_args.node_secret_file)
+        except ValueError as e:
+            parser.error(str(e))
 
     from sgl_jax.srt.utils import configure_logging
 

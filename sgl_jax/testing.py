@@ -26,6 +26,7 @@ import dataclasses
 import fcntl
 import hashlib
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -234,14 +235,17 @@ class MultiNodeJob:
     """A multi-node job on loopback: ``nnodes`` processes with ``devices_per_node`` fake CPU
     devices each, joined by ``jax.distributed`` (gloo collectives). The followers start first
     (they wait for node 0), then node 0's ``ServerProcess`` (``leader``), ready when it is.
-    ``follower_args`` replaces ``args`` on the followers (to start a mismatched node)."""
+    ``follower_args`` replaces ``args`` on the followers (to start a mismatched node). Every
+    node gets the job's random secret in ``SGL_JAX_NODE_SECRET`` (``follower_env`` adds to
+    or overrides the followers' environment: to give one a wrong secret)."""
 
     def __init__(self, args: list[str], nnodes: int = 2, devices_per_node: int = 2,
                  follower_args: list[str] | None = None, startup_timeout: float = 240.0,
-                 wait: bool = True) -> None:
+                 wait: bool = True, follower_env: dict[str, str] | None = None) -> None:
         self.addr = f"127.0.0.1:{free_port_pair()}"
         self.env = {"JAX_PLATFORMS": "cpu",
-                    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_node}"}
+                    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_node}",
+                    "SGL_JAX_NODE_SECRET": secrets.token_hex(32)}
         self.followers: list[subprocess.Popen] = []
         self.follower_logs: list[str] = []
         for rank in range(1, nnodes):
@@ -250,7 +254,8 @@ class MultiNodeJob:
                 cmd = [sys.executable, "-m", "sgl_jax.launch_server",
                        *self._flags(follower_args or args, nnodes, rank)]
                 self.followers.append(subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env}))
+                    cmd, stdout=log, stderr=subprocess.STDOUT,
+                    env={**os.environ, **self.env, **(follower_env or {})}))
             self.follower_logs.append(path)
         self.leader_args = self._flags(args, nnodes, 0)
         self.leader: ServerProcess | None = None

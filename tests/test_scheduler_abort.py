@@ -107,6 +107,7 @@ class SteppedScheduler:
         for sock in (self.inputs, self.outputs, self.scheduler.recv_socket,
                      self.scheduler.send_socket):
             sock.close(linger=0)
+        self.port_args.remove()
 
 
 @pytest.fixture(scope="module")

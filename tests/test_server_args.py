@@ -55,7 +55,10 @@ def test_cli_round_trip():
 
 
 def test_port_args_are_fresh():
-    assert PortArgs.new() != PortArgs.new()
+    a, b = PortArgs.new(), PortArgs.new()
+    assert a != b
+    a.remove()
+    b.remove()
 
 
 def test_help_explains_every_flag():

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import tempfile
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, get_args, get_origin, get_type_hints
 
@@ -132,6 +132,11 @@ class ServerArgs:
     dist_timeout: float = _arg(
         30.0, "Multi-node: seconds a node may send nothing (heartbeats are sent every quarter "
               "of it) before the job stops with an error; a node that exits is noticed at once.")
+    node_secret_file: str | None = _arg(
+        None, "Multi-node: a file holding the secret every node of the job shares (the same "
+              "bytes on every host, at least 16; chmod 600); only holders of it can join the "
+              "job or send it steps. Alternatively set the environment variable "
+              "SGL_JAX_NODE_SECRET (never pass the secret itself as a flag: ps shows it).")
 
     # Routed experts
     enable_return_routed_experts: bool = _arg(
@@ -391,17 +396,28 @@ def _powers_of_two_up_to(start: int, limit: int) -> list[int]:
 
 @dataclass(frozen=True)
 class PortArgs:
-    """Fresh ``ipc://`` endpoints for one engine, so several engines can share a machine."""
+    """Fresh ``ipc://`` endpoints for one engine, so several engines can share a machine.
 
+    They live in a directory of their own made with mode 0700 (``mkdtemp``): other users of
+    the host can neither connect to the engine's sockets (and send the scheduler requests or
+    read its outputs) nor put a socket of theirs in the engine's place. ``remove`` deletes it
+    at shutdown."""
+
+    ipc_dir: str  # private (0700), removed at shutdown
     tokenizer_ipc: str  # detokenizer -> tokenizer manager
     scheduler_ipc: str  # tokenizer manager -> scheduler
     detokenizer_ipc: str  # scheduler -> detokenizer
 
     @staticmethod
     def new() -> PortArgs:
-        base = os.path.join(tempfile.gettempdir(), f"sgl_jax_{os.getpid()}_{uuid.uuid4().hex[:8]}")
+        ipc_dir = tempfile.mkdtemp(prefix=f"sgl_jax_{os.getpid()}_")  # mode 0700
         return PortArgs(
-            tokenizer_ipc=f"ipc://{base}_tokenizer",
-            scheduler_ipc=f"ipc://{base}_scheduler",
-            detokenizer_ipc=f"ipc://{base}_detokenizer",
+            ipc_dir=ipc_dir,
+            tokenizer_ipc=f"ipc://{ipc_dir}/tokenizer",
+            scheduler_ipc=f"ipc://{ipc_dir}/scheduler",
+            detokenizer_ipc=f"ipc://{ipc_dir}/detokenizer",
         )
+
+    def remove(self) -> None:
+        """Deletes the directory and the sockets in it (once no process binds them)."""
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)

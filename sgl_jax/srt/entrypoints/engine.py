@@ -117,11 +117,7 @@ class Subprocesses:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(1.0)
-        for endpoint in (self.port_args.tokenizer_ipc, self.port_args.scheduler_ipc,
-                         self.port_args.detokenizer_ipc):
-            path = endpoint.removeprefix("ipc://")
-            if os.path.exists(path):
-                os.unlink(path)
+        self.port_args.remove()  # the private ipc directory and its sockets
 
 
 def launch_engine(server_args: ServerArgs) -> tuple[TokenizerManager, Subprocesses]:

@@ -31,6 +31,8 @@ import numpy as np
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch_info import ModelWorkerBatch
+from sgl_jax.srt.managers import node_wire
+from sgl_jax.srt.managers.node_auth import load_node_secret
 from sgl_jax.srt.managers.step_channel import FollowerChannel, LeaderChannel
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, StepOutput
 from sgl_jax.srt.model_executor.weight_updater import WeightUpdater
@@ -42,8 +44,10 @@ logger = logging.getLogger(__name__)
 # uses (HTTP, logging). Every other flag shapes the compiled step and must be equal.
 NODE_LOCAL_FLAGS = frozenset({
     "model_path", "tokenizer_path", "served_model_name", "host", "port", "api_key",
+    "admin_api_key", "max_prompts_per_request", "http_header_timeout", "http_max_connections",
+    "enable_metrics", "log_requests", "graceful_shutdown_timeout",
     "node_rank", "log_level", "startup_timeout", "compilation_cache_dir",
-    "expert_distribution_recorder_dir", "init_expert_location",
+    "expert_distribution_recorder_dir", "init_expert_location", "node_secret_file",
 })
 
 
@@ -73,6 +77,7 @@ def node_fingerprint(server_args: ServerArgs, model_config: ModelConfig) -> dict
     for name, value in dataclasses.asdict(model_config).items():
         if name != "model_path":
             fingerprint[f"model {name}"] = repr(value)
+    fingerprint["step channel types"] = node_wire.schema()  # what the codec sends by position
     fingerprint["model weights (safetensors headers)"] = checkpoint_digest(
         model_config.model_path)
     if server_args.init_expert_location:
@@ -162,7 +167,8 @@ def open_leader_channel(server_args: ServerArgs, model_config: ModelConfig) -> L
     return LeaderChannel(
         server_args.dist_init_addr, server_args.nnodes,
         node_fingerprint(server_args, model_config), server_args.dist_timeout,
-        server_args.startup_timeout, exit_on_fatal, fingerprint_differences)
+        server_args.startup_timeout, exit_on_fatal, fingerprint_differences,
+        load_node_secret(server_args.node_secret_file))
 
 
 class Follower:
@@ -173,7 +179,8 @@ class Follower:
         self.channel = FollowerChannel(
             server_args.dist_init_addr, server_args.node_rank,
             node_fingerprint(server_args, model_config), server_args.dist_timeout,
-            server_args.startup_timeout, exit_on_fatal)
+            server_args.startup_timeout, exit_on_fatal,
+            load_node_secret(server_args.node_secret_file))
         logger.info("node %d joined rank 0; loading the model", server_args.node_rank)
         self.runner = ModelRunner(server_args, model_config)  # joins the JAX job
         if not server_args.disable_precompile:
@@ -184,7 +191,7 @@ class Follower:
     def run(self) -> None:
         logger.info("node ready: running rank 0's steps")
         outcome: str | None = None  # this node's outcome of the last control operation
-        while (message := self.channel.receive()) is not None:
+        while (message := self._receive()) is not None:
             op, payload, digest = message
             if op == "batch":
                 self._run_batch(*payload, digest)
@@ -201,6 +208,15 @@ class Follower:
                 except (ValueError, OSError) as e:
                     outcome = str(e)
         logger.info("rank 0 stopped the job after %d steps", self.steps)
+
+    def _receive(self) -> tuple[str, Any, str] | None:
+        """Rank 0's next message; a message this node cannot trust or missed one stops it
+        (it would run other steps than rank 0)."""
+        try:
+            return self.channel.receive()
+        except (ValueError, RuntimeError) as e:
+            exit_on_fatal(f"refused a message from rank 0: {e}")
+            raise  # exit_on_fatal does not return
 
     def _run_batch(self, mwb: ModelWorkerBatch, prefix_pages: list[tuple[int, np.ndarray]],
                    digest: str) -> None:

@@ -21,8 +21,9 @@ import psutil
 import pytest
 import requests
 
+from sgl_jax import Engine
 from sgl_jax.srt.entrypoints.http_server import ADMIN_PATHS
-from sgl_jax.testing import ServerProcess, server_flags, wait_until
+from sgl_jax.testing import ServerProcess, engine_args, server_flags, wait_until
 from tests.server_utils import CPU_ENV, server_fixture, sse_events
 
 USER, ADMIN = "user-key", "admin-key"
@@ -149,6 +150,7 @@ def test_weight_version_is_bounded(server, version, why):
     ({"rid": "r" * 257}, "rid"),
     ({"rid": "a\x00b"}, "rid"),
     ({"model": "m" * (1 << 20)}, "model"),
+    ({"k" * (1 << 20): 1}, "k" * 97 + "..."),  # an unknown key is named, shortened
 ])
 def test_echoed_strings_are_bounded(server, body, param):
     res = generate(server, **body)
@@ -193,6 +195,14 @@ def test_stop_token_ids_and_stop_strings_are_bounded(server):
                            ({"stop": "x" * 1025}, "at most 1024 characters")):
         res = generate(server, sampling_params={"max_new_tokens": 1, **params})
         assert res.status_code == 400 and needle in error_of(res)["message"], res.text
+
+
+def test_the_engine_caller_is_not_capped():
+    """The cap is for HTTP clients; an RL trainer batches thousands of rollouts in-process."""
+    with Engine(**engine_args(max_prompts_per_request=2)) as engine:
+        out = engine.generate(input_ids=[[5, 6], [7, 8], [9, 10]],
+                              sampling_params={"max_new_tokens": 1})
+    assert len(out) == 3 and all(o["meta_info"]["completion_tokens"] == 1 for o in out)
 
 
 # -- integers, strictly, everywhere -------------------------------------------------------------

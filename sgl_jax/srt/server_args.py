@@ -58,8 +58,9 @@ class ServerArgs:
               "abort_request) need 'Authorization: Bearer ADMIN_KEY'; --api-key no longer "
               "opens them (403). Other routes take either key (docs/security.md).")
     max_prompts_per_request: int = _arg(
-        1024, "Most sequences one request may ask for: prompts of a batch times n (OpenAI "
-              "'n', also per prompt). More is a 400 before any work is done.")
+        1024, "Most sequences one HTTP request may ask for: prompts of a batch times n "
+              "(OpenAI 'n'). More is a 400 before any work is done. Engine.generate's "
+              "batches (a trusted caller) are not capped.")
     http_header_timeout: float = _arg(
         10.0, "Seconds a client has to send a request's headers (from its connection, or from "
               "the previous response on a kept-alive one) before it is disconnected.")

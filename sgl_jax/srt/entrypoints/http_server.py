@@ -180,6 +180,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
         body = await read_json(request, GenerateRequest)
         ctx.completions.check_model(body.model)
         obj = body.to_input()
+        tm.check_sequence_count(obj.batch_size, param="text" if obj.text is not None
+                                else "input_ids")
         # rids are fixed here, not by the manager, so a disconnect can abort them by id.
         return await run(request, _NativePlan(obj, obj.ensure_rids()))
 

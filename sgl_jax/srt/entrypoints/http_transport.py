@@ -28,6 +28,7 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
     OpenAIError,
     describe_validation_error,
     error_body,
+    short_repr,
 )
 from sgl_jax.srt.managers.io_struct import GenerateReqInput
 from sgl_jax.srt.managers.request_options import InvalidRequestError
@@ -172,7 +173,8 @@ def apply_routed_experts_header(request: Request, obj: GenerateReqInput) -> None
     value = _HEADER_BOOLEANS.get(raw.strip().lower())
     if value is None:
         raise InvalidRequestError(
-            f"the {ROUTED_EXPERTS_HEADER} header must be 1, true, 0 or false, not {raw!r}",
+            f"the {ROUTED_EXPERTS_HEADER} header must be 1, true, 0 or false, not "
+            f"{short_repr(raw)}",
             "return_routed_experts")
     obj.options.setdefault("return_routed_experts", value)
 

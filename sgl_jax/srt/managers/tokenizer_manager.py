@@ -136,7 +136,8 @@ class TokenizerManager:
 
     # -- cheap checks, before any work ----------------------------------------------------------
     def check_sequence_count(self, count: int, what: str = "prompts", param: str = "text") -> None:
-        """One request may ask for at most ``--max-prompts-per-request`` sequences."""
+        """One HTTP request may ask for at most ``--max-prompts-per-request`` sequences (the
+        Engine's caller is trusted: its batches are not capped)."""
         limit = self.server_args.max_prompts_per_request
         if count > limit:
             raise InvalidRequestError(
@@ -225,7 +226,6 @@ class TokenizerManager:
         is sent, so a bad prompt in a batch rejects the whole batch.
         """
         self._check_alive()
-        self.check_sequence_count(obj.batch_size)
         prompts = obj.split()
         for prompt in prompts:  # O(1) each: a hopeless request costs no tokenizing
             self.check_prompt_size(prompt)

@@ -80,7 +80,7 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
         return f"the request body is not valid JSON: {first['msg']}", None
     if not first["loc"]:
         return f"the request body: {first['msg']} (got {short_repr(first.get('input'))})", None
-    param = str(first["loc"][0])
+    param = _clip(str(first["loc"][0]))
     # A value that fits no branch of a union yields one error per branch (loc names the
     # branch type, e.g. ("prompt", "list[int]", 1)); list the accepted forms once instead.
     branches = list(dict.fromkeys(
@@ -89,11 +89,16 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
     ))
     if len(branches) > 1:
         return f"{param}: expected one of {', '.join(branches)}", param
-    loc = ".".join(str(p) for p in first["loc"] if not _is_type_name(p))
+    loc = _clip(".".join(str(p) for p in first["loc"] if not _is_type_name(p)))
     message = f"{loc}: {first['msg']}"
     if first["type"] != "missing":
         message += f" (got {short_repr(first.get('input'))})"
     return message, param
+
+
+def _clip(name: str, limit: int = 100) -> str:
+    """A field name or path from the body, bounded: an unknown key may be megabytes long."""
+    return name if len(name) <= limit else name[: limit - 3] + "..."
 
 
 def _is_type_name(part: Any) -> bool:

@@ -174,6 +174,11 @@ def test_a_huge_prompt_is_refused_without_tokenizing(server):
     probe.assert_served()
     # No tokenization: the server keeps little of the attack (it kept 3.3-3.7 GB).
     assert proc.memory_info().rss - rss_before < 400 * 2**20
+    with HealthProbe(server) as probe:
+        ids = [7] * 3_000_000  # as token ids, echoed: refused before the echo decodes them
+        res = call(server, "/v1/completions", USER, {"prompt": ids, "echo": True})
+        assert res.status_code == 400 and "3000000 tokens" in error_of(res)["message"]
+    probe.assert_served()
 
 
 def test_prompts_times_n_is_capped(server):

@@ -160,16 +160,19 @@ class TokenizerManager:
     # -- validation -----------------------------------------------------------------------------
     def check_prompt_size(self, obj: GenerateReqInput) -> None:
         """The checks of one prompt that cost O(1): its type and a bound on its length."""
-        if obj.text is not None:
-            if not isinstance(obj.text, str):
-                raise ValueError("'text' must be a string")
-            self.check_prompt_chars(len(obj.text))
-        elif not isinstance(obj.input_ids, list):
-            raise ValueError("'input_ids' must be a list of integers")
-        elif len(obj.input_ids) >= self.context_len:
+        self.check_prompt(obj.text if obj.text is not None else obj.input_ids,
+                          "text" if obj.text is not None else "input_ids")
+
+    def check_prompt(self, prompt: Any, param: str) -> None:
+        """A prompt (text, or token ids) that certainly cannot fit the context is refused."""
+        if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt), param)
+        elif not isinstance(prompt, list):
+            raise InvalidRequestError(f"'{param}' must be a string or a list of integers", param)
+        elif len(prompt) >= self.context_len:
             raise InvalidRequestError(
-                f"the prompt has {len(obj.input_ids)} tokens; the context length is "
-                f"{self.context_len}, so prompts must be shorter", "input_ids")
+                f"the prompt has {len(prompt)} tokens; the context length is "
+                f"{self.context_len}, so prompts must be shorter", param)
 
     def tokenize(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
         """Checks one single-prompt request and turns it into what the scheduler takes."""

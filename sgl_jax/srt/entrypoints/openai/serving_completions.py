@@ -241,6 +241,8 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts = list(prompt)
         if not prompts:
             raise OpenAIError(400, "'prompt' must not be an empty list", param="prompt")
+        for p in prompts:  # O(1) each, before the echo decodes anything
+            self.tm.check_prompt(p, "prompt")
         options = completion_options(req.logprobs, req.echo)
         max_new = req.max_tokens if req.max_tokens is not None else 16
         obj, rids, response_id = self.make_batch(req, prompts, [max_new] * len(prompts), options)

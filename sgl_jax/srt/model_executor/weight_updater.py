@@ -3,22 +3,58 @@
 The jitted step takes the parameters as arguments (``ModelRunner.param_leaves``), so replacing
 them with arrays of the same shapes, dtypes and shardings reuses every compiled step. A source
 is a checkpoint directory (``update_from_disk``) or tensors by their Hugging Face names
-(``update_from_arrays``); both go through the loader's checks, and every tensor is read and
-placed before any parameter is swapped, so a bad source leaves the served weights untouched.
+(``update_from_arrays``); both go through the loader's checks (names, shapes, float dtypes,
+finite values), and every tensor is read, placed and checked before any parameter is swapped:
+the swap is one assignment of ``runner.param_leaves``, so an update that fails at any point
+before it leaves the served weights untouched, whole.
+
+Every failure of an update is a ``WeightUpdateError`` (a ValueError) with a bounded message
+that names the source being loaded: the scheduler answers it as a failed update and serves on,
+and in a multi-node job every node raises the same kind of error for the same source, so the
+nodes agree on the outcome (``multi_node.LeaderRunner.control``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 from flax import nnx
 
+from sgl_jax.srt.bounded_text import bound_message, name_list, short_repr
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.layers.moe.ep_moe import ExpertMapping
 from sgl_jax.srt.model_loader.loader import ArraySource, SafetensorsCheckpoint, read_params
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class WeightUpdateError(ValueError):
+    """A weight update that did not happen; the served weights are unchanged."""
+
+
+def as_update_error(source: str, fn: Callable[[], T]) -> T:
+    """``fn()``, with every exception turned into a WeightUpdateError naming ``source``.
+
+    ValueErrors (and CheckpointErrors) are the expected ones: their message says what is
+    wrong. Anything else (an OSError of a file, a device out of memory, a bug) is logged with
+    its traceback here and reported by type and a bounded message."""
+    try:
+        return fn()
+    except WeightUpdateError:
+        raise
+    except ValueError as e:
+        raise WeightUpdateError(bound_message(str(e))) from e
+    except Exception as e:  # noqa: BLE001 - a failed update must never stop the server
+        logger.exception("weight update from %s failed", source)
+        raise WeightUpdateError(bound_message(
+            f"loading {source} failed: {type(e).__name__}: {bound_message(str(e), 500)}")) from e
+
 
 # Fields that may differ between checkpoints of one served model: where it lives, and what
 # only the tokenizer side or the start-up dtype choice reads.
@@ -27,24 +63,26 @@ _FREE_FIELDS = {"model_path", "context_len", "eos_token_ids", "bos_token_id", "t
 
 
 def config_differences(served: ModelConfig, new: ModelConfig) -> list[str]:
-    """What differs between two configs in a way the compiled model depends on."""
+    """What differs between two configs in a way the compiled model depends on (values in
+    bounded form: ``moe_layers`` of a million layers is not a million-item message)."""
     return [
-        f"{f.name} {getattr(served, f.name)!r} -> {getattr(new, f.name)!r}"
+        f"{f.name} {short_repr(getattr(served, f.name))} -> {short_repr(getattr(new, f.name))}"
         for f in dataclasses.fields(ModelConfig)
         if f.name not in _FREE_FIELDS and getattr(served, f.name) != getattr(new, f.name)
     ]
 
 
 def check_compatible(served: ModelConfig, model_path: str) -> None:
-    """Raises ValueError naming every difference if ``model_path`` is not a checkpoint of the
-    served architecture and shapes (those need a restart)."""
-    new = ModelConfig.from_hf(model_path)
+    """Raises WeightUpdateError naming the differences (the first few) if ``model_path`` is
+    not a readable checkpoint of the served architecture and shapes (those need a restart)."""
+    new = as_update_error(model_path, lambda: ModelConfig.from_hf(model_path))
     diffs = config_differences(served, new)
     if diffs:
-        raise ValueError(
-            f"{model_path} does not match the served model ({'; '.join(diffs)}); weights can "
-            "only be updated with the same architecture and shapes, restart for another model"
-        )
+        raise WeightUpdateError(bound_message(
+            f"{model_path} does not match the served model ({name_list(diffs, 6, 300, quote=False)}); "
+            "weights can only be updated with the same architecture and shapes, restart for "
+            "another model"
+        ))
 
 
 class WeightUpdater:
@@ -59,14 +97,16 @@ class WeightUpdater:
     def update_from_disk(self, model_path: str) -> int:
         """Every parameter from the checkpoint at ``model_path``; returns the count."""
         check_compatible(self.runner.model_config, model_path)
-        return self._replace(SafetensorsCheckpoint(model_path), partial=False)
+        return as_update_error(model_path, lambda: self._replace(
+            SafetensorsCheckpoint(model_path), partial=False))
 
     def update_from_arrays(self, arrays: dict[str, Any]) -> int:
         """The parameters made of the given tensors (numpy or JAX arrays by Hugging Face name;
         all experts of a stacked projection together); returns how many were replaced."""
-        if not arrays:
-            raise ValueError("no arrays given")
-        return self._replace(ArraySource(arrays), partial=True)
+        if not isinstance(arrays, dict) or not arrays:
+            raise WeightUpdateError("no arrays given: pass tensors by Hugging Face name")
+        return as_update_error(ArraySource.where, lambda: self._replace(
+            ArraySource(arrays), partial=True))
 
     def _replace(self, source: SafetensorsCheckpoint | ArraySource, partial: bool) -> int:
         runner = self.runner
@@ -81,11 +121,12 @@ class WeightUpdater:
                 var.set_value(new[path])
         leaves, treedef = jax.tree.flatten(state)
         # The compiled steps were traced for exactly these: same tree, shapes, dtypes, layout.
+        # (A failure here is a bug, still before the swap: nothing changed.)
         assert treedef == runner.param_treedef
         for old, fresh in zip(runner.param_leaves, leaves, strict=True):
             assert (old.shape, old.dtype, old.sharding) == (fresh.shape, fresh.dtype,
                                                             fresh.sharding)
         jax.block_until_ready(leaves)
-        runner.param_leaves = leaves
+        runner.param_leaves = leaves  # the swap: one assignment, nothing can fail after it
         self.seconds = time.perf_counter() - t0
         return len(new)

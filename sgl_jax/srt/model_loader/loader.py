@@ -2,12 +2,15 @@
 
 The model is first built abstractly (``nnx.eval_shape``: shapes, dtypes and partition specs,
 no memory); every parameter path is then mapped to the Hugging Face tensor(s) it comes from,
-checked, converted and placed on the mesh. A checkpoint with a missing, unexpected or
-mis-shaped tensor fails before anything is placed, naming the tensor.
+checked, converted and placed on the mesh. A checkpoint with a missing, unexpected,
+mis-shaped or non-float tensor fails before anything is placed, and one with a NaN or an
+infinity (after conversion to the parameter's dtype) before anything is returned, naming the
+tensor and the checkpoint. Messages quote names from the files only in bounded form.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import logging
 import os
@@ -22,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import safe_open
 from tqdm import tqdm
 
+from sgl_jax.srt.bounded_text import bound_message, name_list, short_repr
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.layers.moe.ep_moe import (
     ExpertLocation,
@@ -50,6 +54,7 @@ class SafetensorsCheckpoint:
     """
 
     def __init__(self, model_path: str) -> None:
+        self.where = model_path  # named in every error about this source
         files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
         if not files:
             raise CheckpointError(f"no *.safetensors file in {model_path}")
@@ -60,7 +65,7 @@ class SafetensorsCheckpoint:
                 handle = safe_open(file, framework="numpy")
                 names = list(handle.keys())
             except Exception as e:  # safetensors raises its own error types
-                raise CheckpointError(f"cannot read {file}: {e}") from e
+                raise CheckpointError(f"cannot read {file}: {bound_message(str(e), 300)}") from e
             self._handles[file] = handle
             for name in names:
                 self._where[name] = handle
@@ -74,13 +79,18 @@ class SafetensorsCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
+    def is_float(self, name: str) -> tuple[bool, str]:
+        """Whether the tensor is stored as floating point, and its safetensors dtype name."""
+        dtype = self._handle(name).get_slice(name).get_dtype()  # "F32", "BF16", "I64", ...
+        return dtype.startswith(("F", "BF")), dtype
+
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """The block ``index`` of a tensor, reading only that block from the file."""
         return self._handle(name).get_slice(name)[index]
 
     def _handle(self, name: str) -> Any:
         if name not in self._where:
-            raise CheckpointError(f"checkpoint lacks the tensor {name!r}")
+            raise CheckpointError(f"{self.where} lacks the tensor {short_repr(name, 200)}")
         return self._where[name]
 
 
@@ -145,7 +155,16 @@ def abstract_model(
 class ArraySource:
     """Tensors given by name (numpy or JAX arrays), read like a checkpoint."""
 
+    where = "the arrays"
+
     def __init__(self, arrays: dict[str, Any]) -> None:
+        for name, value in arrays.items():
+            if not isinstance(name, str):
+                raise CheckpointError(f"array names must be strings (Hugging Face tensor "
+                                      f"names), not {short_repr(name)}")
+            if not isinstance(value, (np.ndarray, jax.Array)):
+                raise CheckpointError(f"array {short_repr(name, 200)} is a "
+                                      f"{type(value).__name__}; give a numpy or JAX array")
         self._arrays = arrays
 
     def names(self) -> set[str]:
@@ -156,6 +175,10 @@ class ArraySource:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._arrays[name].shape)
+
+    def is_float(self, name: str) -> tuple[bool, str]:
+        dtype = np.dtype(self._arrays[name].dtype)
+        return bool(jnp.issubdtype(dtype, jnp.floating)), dtype.name
 
     def read(self, name: str, index: tuple[slice, ...]) -> Any:
         return self._arrays[name][index]
@@ -225,8 +248,9 @@ def read_params(
         if partial and len(given) != len(names):
             missing = sorted(set(names) - present)
             raise CheckpointError(
-                f"{len(missing)} tensor(s) of a stacked parameter missing, e.g. {missing[:3]}; "
-                f"give all {len(names)} experts of a layer's projection together"
+                f"{source.where}: {len(missing)} tensor(s) of a stacked parameter missing: "
+                f"{name_list(missing, 3)}; give all {len(names)} experts of a layer's "
+                "projection together"
             )
         plan.append((path, var, names, transpose))
     missing = sorted(expected - present)
@@ -238,21 +262,53 @@ def read_params(
         logger.info("Ignoring %d tensor(s) of layers past num_hidden_layers=%d (MTP layers)",
                     len(beyond), config.num_hidden_layers)
         unexpected = sorted(set(unexpected) - set(beyond))
-    where = "the arrays" if isinstance(source, ArraySource) else config.model_path
+    where = source.where
     if missing and not partial:
-        raise CheckpointError(f"{where}: {len(missing)} tensor(s) missing, e.g. {missing[:5]}")
+        raise CheckpointError(f"{where}: {len(missing)} tensor(s) missing: "
+                              f"{name_list(missing)}")
     if unexpected:
         raise CheckpointError(
-            f"{where}: {len(unexpected)} unexpected tensor(s) for {config.architecture}, "
-            f"e.g. {unexpected[:5]}"
+            f"{where}: {len(unexpected)} unexpected tensor(s) for {config.architecture}: "
+            f"{name_list(unexpected)}"
         )
 
     pure: dict[Path, jax.Array] = {}
     for path, var, names, transpose in tqdm(plan, desc="Loading weights", unit="tensor",
                                             disable=len(plan) < 2):
         pure[path] = _place(var, mesh, names, source, transpose, config.architecture)
+    check_finite(pure, plan, mesh, where)
     logger.info("Read %d tensors from %s", sum(len(p[2]) for p in plan), where)
     return pure
+
+
+@functools.lru_cache(maxsize=8)
+def _finite_flags_fn(mesh: Mesh) -> Any:
+    """A jitted check, replicated result: one flag per leading row (expert) of a stacked
+    parameter, one for any other. Reducing only the non-sharded-away axes on the devices
+    moves no weights; in a multi-host job every process runs it on the same parameters in the
+    same order (a collective), so every node reaches the same verdict even though each one
+    read only its own blocks."""
+    def flags(x: jax.Array, per_row: bool) -> jax.Array:
+        ok = jnp.isfinite(x)
+        return ok.all(axis=tuple(range(1, x.ndim))) if per_row else ok.all()[None]
+
+    return jax.jit(flags, static_argnums=1, out_shardings=NamedSharding(mesh, PartitionSpec()))
+
+
+def check_finite(pure: dict[Path, jax.Array], plan: list[tuple[Path, Any, list[str], bool]],
+                 mesh: Mesh, where: str) -> None:
+    """Raises CheckpointError naming the first tensor (in model order) with a NaN or an
+    infinity in its placed value (so a float32 value too large for bfloat16 counts too)."""
+    fn = _finite_flags_fn(mesh)
+    flags = [(names, fn(pure[path], ".experts." in names[0]))  # stacked: as _place
+             for path, _, names, _ in plan]  # dispatched together, fetched below
+    for names, ok in flags:
+        ok = np.asarray(ok)
+        if not ok.all():
+            bad = names[int(np.argmin(ok))] if len(names) > 1 else names[0]
+            raise CheckpointError(
+                f"{where}: tensor {short_repr(bad, 200)} has non-finite values (NaN or "
+                "infinity, after conversion to the served dtype); weights must be finite")
 
 
 def _layer_index(name: str) -> int:
@@ -279,10 +335,16 @@ def _place(var: nnx.Variable, mesh: Mesh, names: list[str],
     if transpose:
         want = want[::-1]
     for name in names:
+        is_float, dtype = source.is_float(name)
+        if not is_float:
+            raise CheckpointError(
+                f"{source.where}: tensor {short_repr(name, 200)} has dtype {dtype}; weights "
+                "must be floating point (float32, bfloat16 or float16)")
         if source.shape(name) != want:
             raise CheckpointError(
-                f"tensor {name!r} has shape {source.shape(name)}; {architecture} with this "
-                f"config.json expects {want}"
+                f"{source.where}: tensor {short_repr(name, 200)} has shape "
+                f"{short_repr(source.shape(name))}; {architecture} with this config.json "
+                f"expects {want}"
             )
     sharding = _param_sharding(var, mesh)
     if isinstance(source, ArraySource) and any(

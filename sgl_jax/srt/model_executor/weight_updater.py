@@ -111,6 +111,10 @@ class WeightUpdater:
     def _replace(self, source: SafetensorsCheckpoint | ArraySource, partial: bool) -> int:
         runner = self.runner
         t0 = time.perf_counter()
+        # Let the steps in flight finish first (a follower node does not wait for its steps):
+        # the finiteness check is a program with collectives, and on a multi-host CPU job two
+        # programs' collectives running side by side can interleave differently per node.
+        jax.block_until_ready([a for a in jax.live_arrays() if not a.is_deleted()])
         state = jax.tree.unflatten(runner.param_treedef, runner.param_leaves)
         # EPLB: the experts are stacked by the current placement (a rebalance changes it).
         mapping = getattr(runner, "eplb_placement", None) or self.mapping

@@ -283,11 +283,10 @@ def read_params(
 
 @functools.lru_cache(maxsize=8)
 def _finite_flags_fn(mesh: Mesh) -> Any:
-    """A jitted check, replicated result: one flag per leading row (expert) of a stacked
-    parameter, one for any other. Reducing only the non-sharded-away axes on the devices
-    moves no weights; in a multi-host job every process runs it on the same parameters in the
-    same order (a collective), so every node reaches the same verdict even though each one
-    read only its own blocks."""
+    """A jitted check with a replicated result: one flag per leading row (expert) of a
+    stacked parameter, one for any other. Reducing on the devices moves no weights (only the
+    flags cross devices); in a multi-host job every process runs it on the same parameters in
+    the same order, so every node reaches the same verdict though each read only its blocks."""
     def flags(x: jax.Array, per_row: bool) -> jax.Array:
         ok = jnp.isfinite(x)
         return ok.all(axis=tuple(range(1, x.ndim))) if per_row else ok.all()[None]
@@ -298,12 +297,14 @@ def _finite_flags_fn(mesh: Mesh) -> Any:
 def check_finite(pure: dict[Path, jax.Array], plan: list[tuple[Path, Any, list[str], bool]],
                  mesh: Mesh, where: str) -> None:
     """Raises CheckpointError naming the first tensor (in model order) with a NaN or an
-    infinity in its placed value (so a float32 value too large for bfloat16 counts too)."""
+    infinity in its placed value (so a float32 value too large for bfloat16 counts too).
+
+    One parameter at a time: each check is a program with cross-device reductions, and
+    programs without a data dependency may run concurrently on a multi-host CPU job (gloo),
+    where two collectives interleaved in different orders on two nodes deadlock."""
     fn = _finite_flags_fn(mesh)
-    flags = [(names, fn(pure[path], ".experts." in names[0]))  # stacked: as _place
-             for path, _, names, _ in plan]  # dispatched together, fetched below
-    for names, ok in flags:
-        ok = np.asarray(ok)
+    for path, _, names, _ in plan:
+        ok = np.asarray(fn(pure[path], ".experts." in names[0]))  # stacked: as _place
         if not ok.all():
             bad = names[int(np.argmin(ok))] if len(names) > 1 else names[0]
             raise CheckpointError(

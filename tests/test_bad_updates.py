@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from sgl_jax import Engine
+from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.testing import TEST_MODEL_PATH, engine_args, server_flags
 from sgl_jax.tools.make_random_model import write_random_model
 from tests.server_utils import server_fixture
@@ -193,6 +196,32 @@ BAD: dict[str, tuple[Callable[[str, Path], str], str]] = {
                     r"o_proj\.weight' has shape \(64, 63\); .* expects \(64, 64\)"),
     "corrupt_file": (corrupt, r"cannot read .*model\.safetensors"),
 }
+# The cases the config reader alone refuses (the others: the compatibility check, the load).
+CONFIG_CASES = [c for c in BAD if list(BAD).index(c) < list(BAD).index("no_safetensors")
+                and c != "other_shapes_1000_layers"]
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES)
+def test_config_reader_raises_value_error_naming_path_and_field(good_ckpt, tmp_path, case):
+    """The same malformed configs at start-up: ModelConfig.from_hf raises ValueError (what
+    launch_server and Engine report as a failed start-up), bounded, naming the path."""
+    make, pattern = BAD[case]
+    path = make(good_ckpt, tmp_path)
+    with pytest.raises(ValueError) as caught:
+        ModelConfig.from_hf(path)
+    message = str(caught.value)
+    assert path in message and re.search(pattern, message), message
+    assert len(message) < 2000 and "SECRET" not in message
+
+
+def test_launch_server_with_a_malformed_config_fails_start_up_cleanly(good_ckpt, tmp_path):
+    path = with_config(good_ckpt, tmp_path, {**config_of(good_ckpt), "num_key_value_heads": 0})
+    done = subprocess.run(
+        [sys.executable, "-m", "sgl_jax.launch_server", *server_flags(model_path=path)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert f"Start-up failed: {path}/config.json: num_key_value_heads is 0" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 @pytest.mark.parametrize("case", list(BAD))
@@ -214,6 +243,14 @@ def test_bad_update_is_a_bounded_400_and_the_old_weights_serve_on(
     assert generate(server) == before  # the same weights still serve
     info = server.get("/get_server_info").json()
     assert info["weight_version"] == "0"
+
+
+def test_a_path_of_50_kb_is_a_bounded_400(server, before, tmp_path):
+    path = str(tmp_path / "/".join(["d" * 250] * 200))
+    res = server.post("/update_weights_from_disk", json={"model_path": path})
+    assert res.status_code == 400 and len(res.content) < MAX_BODY, len(res.content)
+    assert "is not a directory" in res.text or "characters in all" in res.text, res.text
+    assert generate(server) == before
 
 
 def test_a_good_update_after_the_bad_ones_works(server, before, good_ckpt):

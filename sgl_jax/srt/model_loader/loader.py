@@ -288,8 +288,12 @@ def _finite_flags_fn(mesh: Mesh) -> Any:
     flags cross devices); in a multi-host job every process runs it on the same parameters in
     the same order, so every node reaches the same verdict though each read only its blocks."""
     def flags(x: jax.Array, per_row: bool) -> jax.Array:
-        ok = jnp.isfinite(x)
-        return ok.all(axis=tuple(range(1, x.ndim))) if per_row else ok.all()[None]
+        # x * 0 is 0 for a finite value and NaN for a NaN or an infinity, so a sum of those is
+        # exactly 0 iff all are finite (no overflow); it runs faster than isfinite().all() on
+        # a CPU, and is as exact.
+        zeros = (x * 0).astype(jnp.float32)
+        total = zeros.sum(axis=tuple(range(1, x.ndim))) if per_row else zeros.sum()[None]
+        return total == 0
 
     return jax.jit(flags, static_argnums=1, out_shardings=NamedSharding(mesh, PartitionSpec()))
 

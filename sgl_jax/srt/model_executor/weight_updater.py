@@ -9,9 +9,12 @@ the swap is one assignment of ``runner.param_leaves``, so an update that fails a
 before it leaves the served weights untouched, whole.
 
 Every failure of an update is a ``WeightUpdateError`` (a ValueError) with a bounded message
-that names the source being loaded: the scheduler answers it as a failed update and serves on,
-and in a multi-node job every node raises the same kind of error for the same source, so the
-nodes agree on the outcome (``multi_node.LeaderRunner.control``).
+that names the source being loaded: the scheduler answers it as a failed update and serves on.
+In a multi-node job each node reads and checks only its own blocks, so the nodes could judge
+differently (a NaN in an expert only one node holds; a file one node cannot read): before the
+swap they agree, in one collective that every node enters whatever happened locally, and all
+fail if any did (``agree_across_nodes``), so ``multi_node.LeaderRunner.control`` sees the same
+outcome everywhere.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
+import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from sgl_jax.srt.bounded_text import bound_message, name_list, short_repr
 from sgl_jax.srt.configs.model_config import ModelConfig
@@ -54,6 +59,30 @@ def as_update_error(source: str, fn: Callable[[], T]) -> T:
         logger.exception("weight update from %s failed", source)
         raise WeightUpdateError(bound_message(
             f"loading {source} failed: {type(e).__name__}: {bound_message(str(e), 500)}")) from e
+
+
+_AGREE_BYTES = 1024  # per node: a failed flag and the start of its message (UTF-8)
+
+
+def agree_across_nodes(error: WeightUpdateError | None) -> WeightUpdateError | None:
+    """The outcome every node of the job reaches for one update: this node's error, else the
+    first failed node's (by rank), else None. A collective: every node calls it exactly once
+    per update, failed or not. One process: ``error`` as is."""
+    if jax.process_count() == 1:
+        return error
+    mine = np.zeros(_AGREE_BYTES, np.uint8)
+    if error is not None:
+        text = str(error).encode()[:_AGREE_BYTES - 1]
+        mine[0] = 1
+        mine[1:1 + len(text)] = np.frombuffer(text, np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(mine))  # [nodes, _AGREE_BYTES]
+    if error is not None:
+        return error
+    for rank, row in enumerate(every):
+        if row[0]:
+            text = bytes(row[1:]).rstrip(b"\0").decode(errors="replace")
+            return WeightUpdateError(f"node {rank} of the job: {text}")
+    return None
 
 
 # Fields that may differ between checkpoints of one served model: where it lives, and what
@@ -96,25 +125,45 @@ class WeightUpdater:
 
     def update_from_disk(self, model_path: str) -> int:
         """Every parameter from the checkpoint at ``model_path``; returns the count."""
-        check_compatible(self.runner.model_config, model_path)
-        return as_update_error(model_path, lambda: self._replace(
-            SafetensorsCheckpoint(model_path), partial=False))
+        def read() -> tuple[list, int]:
+            check_compatible(self.runner.model_config, model_path)
+            return self._read(SafetensorsCheckpoint(model_path), partial=False)
+        return self._replace(model_path, read)
 
     def update_from_arrays(self, arrays: dict[str, Any]) -> int:
         """The parameters made of the given tensors (numpy or JAX arrays by Hugging Face name;
         all experts of a stacked projection together); returns how many were replaced."""
-        if not isinstance(arrays, dict) or not arrays:
-            raise WeightUpdateError("no arrays given: pass tensors by Hugging Face name")
-        return as_update_error(ArraySource.where, lambda: self._replace(
-            ArraySource(arrays), partial=True))
+        def read() -> tuple[list, int]:
+            if not isinstance(arrays, dict) or not arrays:
+                raise WeightUpdateError("no arrays given: pass tensors by Hugging Face name")
+            return self._read(ArraySource(arrays), partial=True)
+        return self._replace(ArraySource.where, read)
 
-    def _replace(self, source: SafetensorsCheckpoint | ArraySource, partial: bool) -> int:
-        runner = self.runner
+    def _replace(self, where: str, read: Callable[[], tuple[list, int]]) -> int:
+        """Reads with ``read``, agrees the outcome with the other nodes, then swaps: all of
+        the new parameters or, on any failure on any node, none."""
         t0 = time.perf_counter()
-        # Let the steps in flight finish first (a follower node does not wait for its steps):
-        # the finiteness check is a program with collectives, and on a multi-host CPU job two
-        # programs' collectives running side by side can interleave differently per node.
+        # A follower node does not wait for its steps: let those in flight finish, so the
+        # agreement below (a collective) never runs beside a step's collectives.
         jax.block_until_ready([a for a in jax.live_arrays() if not a.is_deleted()])
+        leaves: list = []
+        count, error = 0, None
+        try:
+            leaves, count = as_update_error(where, read)
+        except WeightUpdateError as e:
+            error = e
+        error = agree_across_nodes(error)
+        if error is not None:
+            raise error
+        self.runner.param_leaves = leaves  # the swap: one assignment, nothing fails after it
+        self.seconds = time.perf_counter() - t0
+        return count
+
+    def _read(self, source: SafetensorsCheckpoint | ArraySource,
+              partial: bool) -> tuple[list, int]:
+        """The runner's parameter leaves with the new values in (not swapped in yet), ready on
+        the devices, and how many parameters are new."""
+        runner = self.runner
         state = jax.tree.unflatten(runner.param_treedef, runner.param_leaves)
         # EPLB: the experts are stacked by the current placement (a rebalance changes it).
         mapping = getattr(runner, "eplb_placement", None) or self.mapping
@@ -125,12 +174,9 @@ class WeightUpdater:
                 var.set_value(new[path])
         leaves, treedef = jax.tree.flatten(state)
         # The compiled steps were traced for exactly these: same tree, shapes, dtypes, layout.
-        # (A failure here is a bug, still before the swap: nothing changed.)
-        assert treedef == runner.param_treedef
-        for old, fresh in zip(runner.param_leaves, leaves, strict=True):
-            assert (old.shape, old.dtype, old.sharding) == (fresh.shape, fresh.dtype,
-                                                            fresh.sharding)
+        if treedef != runner.param_treedef or any(
+                (old.shape, old.dtype, old.sharding) != (fresh.shape, fresh.dtype, fresh.sharding)
+                for old, fresh in zip(runner.param_leaves, leaves, strict=True)):
+            raise RuntimeError("the new parameters differ in layout from the compiled ones")
         jax.block_until_ready(leaves)
-        runner.param_leaves = leaves  # the swap: one assignment, nothing can fail after it
-        self.seconds = time.perf_counter() - t0
-        return len(new)
+        return leaves, len(new)

@@ -273,47 +273,59 @@ def read_params(
         )
 
     pure: dict[Path, jax.Array] = {}
+    finite = FiniteCheck(where)
     for path, var, names, transpose in tqdm(plan, desc="Loading weights", unit="tensor",
                                             disable=len(plan) < 2):
         pure[path] = _place(var, mesh, names, source, transpose, config.architecture)
-    check_finite(pure, plan, mesh, where)
+        finite.add(names, pure[path])  # checked on the devices while the next one is read
+    finite.finish()
     logger.info("Read %d tensors from %s", sum(len(p[2]) for p in plan), where)
     return pure
 
 
-@functools.lru_cache(maxsize=8)
-def _finite_flags_fn(mesh: Mesh) -> Any:
-    """A jitted check with a replicated result: one flag per leading row (expert) of a
-    stacked parameter, one for any other. Reducing on the devices moves no weights (only the
-    flags cross devices); in a multi-host job every process runs it on the same parameters in
-    the same order, so every node reaches the same verdict though each read only its blocks."""
-    def flags(x: jax.Array, per_row: bool) -> jax.Array:
-        # x * 0 is 0 for a finite value and NaN for a NaN or an infinity, so a sum of those is
-        # exactly 0 iff all are finite (no overflow); it runs faster than isfinite().all() on
-        # a CPU, and is as exact.
-        zeros = (x * 0).astype(jnp.float32)
-        total = zeros.sum(axis=tuple(range(1, x.ndim))) if per_row else zeros.sum()[None]
-        return total == 0
+class FiniteCheck:
+    """Refuses a NaN or an infinity in a placed parameter (after conversion to its dtype, so a
+    float32 value too large for bfloat16 counts too), naming the first such tensor in model
+    order and the source.
 
-    return jax.jit(flags, static_argnums=1, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    Each distinct block of a parameter is checked once, on the device holding its first
+    replica, by a single-device program: no collective, so a node whose load fails early can
+    never leave another one waiting in a check. In a multi-host job each node therefore judges
+    only the blocks it holds (weight_updater agrees the verdicts across nodes). A parameter's
+    checks run on the devices while the host reads the next one; their verdict is fetched
+    then, so a bad checkpoint fails at the first bad parameter."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.pending: list[tuple[list[str], int, jax.Array]] = []
+
+    def add(self, names: list[str], value: jax.Array) -> None:
+        self.finish()
+        stacked = ".experts." in names[0]  # as _place: one flag per expert row
+        for shard in value.addressable_shards:
+            if shard.replica_id == 0:
+                first_row = (shard.index[0].start or 0) if stacked else 0
+                self.pending.append((names, first_row, _finite_flags(shard.data, stacked)))
+
+    def finish(self) -> None:
+        pending, self.pending = self.pending, []
+        for names, first_row, flags in sorted(pending, key=lambda p: p[1]):  # row order
+            ok = np.asarray(flags)
+            if not ok.all():
+                bad = names[first_row + int(np.argmin(ok))] if len(names) > 1 else names[0]
+                raise CheckpointError(
+                    f"{self.where}: tensor {short_repr(bad, 200)} has non-finite values (NaN "
+                    "or infinity, after conversion to the served dtype); weights must be finite")
 
 
-def check_finite(pure: dict[Path, jax.Array], plan: list[tuple[Path, Any, list[str], bool]],
-                 mesh: Mesh, where: str) -> None:
-    """Raises CheckpointError naming the first tensor (in model order) with a NaN or an
-    infinity in its placed value (so a float32 value too large for bfloat16 counts too).
-
-    One parameter at a time: each check is a program with cross-device reductions, and
-    programs without a data dependency may run concurrently on a multi-host CPU job (gloo),
-    where two collectives interleaved in different orders on two nodes deadlock."""
-    fn = _finite_flags_fn(mesh)
-    for path, _, names, _ in plan:
-        ok = np.asarray(fn(pure[path], ".experts." in names[0]))  # stacked: as _place
-        if not ok.all():
-            bad = names[int(np.argmin(ok))] if len(names) > 1 else names[0]
-            raise CheckpointError(
-                f"{where}: tensor {short_repr(bad, 200)} has non-finite values (NaN or "
-                "infinity, after conversion to the served dtype); weights must be finite")
+@functools.partial(jax.jit, static_argnums=1)
+def _finite_flags(x: jax.Array, per_row: bool) -> jax.Array:
+    """One flag per leading row (``per_row``) or one in all: no NaN and no infinity. x * 0 is 0
+    for a finite value and NaN otherwise, so a sum of those is exactly 0 iff all are finite
+    (it cannot overflow); it runs faster than isfinite().all() on a CPU."""
+    zeros = (x * 0).astype(jnp.float32)
+    total = zeros.sum(axis=tuple(range(1, x.ndim))) if per_row else zeros.sum()[None]
+    return total == 0
 
 
 def _layer_index(name: str) -> int:

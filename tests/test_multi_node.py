@@ -18,8 +18,10 @@ import sys
 import threading
 import time
 
+import numpy as np
 import pytest
 import requests
+from safetensors.numpy import load_file, save_file
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.utils import free_port
@@ -137,6 +139,22 @@ def test_weight_update_reaches_every_node(two_nodes, two_node_results, second_ck
     res = server.post("/update_weights_from_disk", json={"model_path": str(tmp_path)})
     assert res.status_code == 400 and "no *.safetensors" in res.text, res.text
     assert generate(server, [ids])[0]["output_ids"] == out["output_ids"]
+    # A NaN in an expert only node 1 holds (ep 2 across the nodes: experts 8-15 there): each
+    # node reads and checks only its own experts, so node 0 finds nothing wrong, yet both
+    # refuse: the nodes agree on the outcome before swapping (weight_updater), and node 0's
+    # answer says which node found what.
+    nan_dir = tmp_path / "nan_on_node_1"
+    nan_dir.mkdir()
+    shutil.copy(os.path.join(second_ckpt, "config.json"), nan_dir)
+    tensors = load_file(os.path.join(second_ckpt, "model.safetensors"))
+    bad = "model.layers.1.mlp.experts.12.down_proj.weight"
+    tensors[bad][0, 0] = np.nan
+    save_file(tensors, str(nan_dir / "model.safetensors"))
+    res = server.post("/update_weights_from_disk", json={"model_path": str(nan_dir)})
+    assert res.status_code == 400, res.text
+    assert f"node 1 of the job: {nan_dir}: tensor '{bad}' has non-finite" in res.text, res.text
+    assert generate(server, [ids])[0]["output_ids"] == out["output_ids"]
+    assert "diverge" not in two_nodes.follower_log()
 
 
 def test_sigterm_on_node_0_stops_every_process(two_nodes, two_node_results):

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from sgl_jax.srt.bounded_text import bound_message
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch_info import ForwardMode
 from sgl_jax.srt.managers.finish_checker import FinishChecker
@@ -491,8 +492,10 @@ class Scheduler:
         try:
             if msg.model_path is not None:
                 check_compatible(self.model_config, msg.model_path)
-        except ValueError as e:
-            return refuse(str(e))
+        except Exception as e:  # noqa: BLE001 - a bad update never stops the scheduler
+            if not isinstance(e, ValueError):
+                logger.exception("checking the weight update from %r failed", msg.model_path)
+            return refuse(bound_message(str(e) or type(e).__name__))
         if msg.abort_all_requests:
             for req in [*self.waiting, *self.running, self.chunked]:
                 if req is not None and not req.finished:
@@ -513,10 +516,16 @@ class Scheduler:
                 count = self.node.control("update_weights_from_disk", msg.model_path)
             else:
                 count = self.node.control("update_weights_from_arrays", msg.arrays or {})
-        except (ValueError, OSError) as e:  # CheckpointError is a ValueError
-            logger.warning("weight update failed: %s", e)
+        except Exception as e:  # noqa: BLE001 - the old weights serve on (see weight_updater)
+            # WeightUpdateError (a ValueError, its traceback logged where it was raised if the
+            # error was unexpected) is what the updater raises; anything else is a bug.
+            if isinstance(e, ValueError):
+                logger.warning("weight update failed: %s", bound_message(str(e)))
+            else:
+                logger.exception("weight update failed")
             self.outputs.send_control(UpdateWeightsReqOutput(
-                success=False, message=str(e), weight_version=self.weight_version))
+                success=False, message=bound_message(str(e) or type(e).__name__),
+                weight_version=self.weight_version))
             return
         # Cached KV and routed-experts rows were computed with the old weights.
         self.memory.flush()

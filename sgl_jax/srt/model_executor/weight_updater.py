@@ -3,22 +3,87 @@
 The jitted step takes the parameters as arguments (``ModelRunner.param_leaves``), so replacing
 them with arrays of the same shapes, dtypes and shardings reuses every compiled step. A source
 is a checkpoint directory (``update_from_disk``) or tensors by their Hugging Face names
-(``update_from_arrays``); both go through the loader's checks, and every tensor is read and
-placed before any parameter is swapped, so a bad source leaves the served weights untouched.
+(``update_from_arrays``); both go through the loader's checks (names, shapes, float dtypes,
+finite values), and every tensor is read, placed and checked before any parameter is swapped:
+the swap is one assignment of ``runner.param_leaves``, so an update that fails at any point
+before it leaves the served weights untouched, whole.
+
+Every failure of an update is a ``WeightUpdateError`` (a ValueError) with a bounded message
+that names the source being loaded: the scheduler answers it as a failed update and serves on.
+In a multi-node job each node reads and checks only its own blocks, so the nodes could judge
+differently (a NaN in an expert only one node holds; a file one node cannot read): before the
+swap they agree, in one collective that every node enters whatever happened locally, and all
+fail if any did (``agree_across_nodes``), so ``multi_node.LeaderRunner.control`` sees the same
+outcome everywhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
+import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
+from sgl_jax.srt.bounded_text import bound_message, name_list, short_repr
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.layers.moe.ep_moe import ExpertMapping
 from sgl_jax.srt.model_loader.loader import ArraySource, SafetensorsCheckpoint, read_params
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class WeightUpdateError(ValueError):
+    """A weight update that did not happen; the served weights are unchanged."""
+
+
+def as_update_error(source: str, fn: Callable[[], T]) -> T:
+    """``fn()``, with every exception turned into a WeightUpdateError naming ``source``.
+
+    ValueErrors (and CheckpointErrors) are the expected ones: their message says what is
+    wrong. Anything else (an OSError of a file, a device out of memory, a bug) is logged with
+    its traceback here and reported by type and a bounded message."""
+    try:
+        return fn()
+    except WeightUpdateError:
+        raise
+    except ValueError as e:
+        raise WeightUpdateError(bound_message(str(e))) from e
+    except Exception as e:  # noqa: BLE001 - a failed update must never stop the server
+        logger.exception("weight update from %s failed", source)
+        raise WeightUpdateError(bound_message(
+            f"loading {source} failed: {type(e).__name__}: {bound_message(str(e), 500)}")) from e
+
+
+_AGREE_BYTES = 1024  # per node: a failed flag and the start of its message (UTF-8)
+
+
+def agree_across_nodes(error: WeightUpdateError | None) -> WeightUpdateError | None:
+    """The outcome every node of the job reaches for one update: this node's error, else the
+    first failed node's (by rank), else None. A collective: every node calls it exactly once
+    per update, failed or not. One process: ``error`` as is."""
+    if jax.process_count() == 1:
+        return error
+    mine = np.zeros(_AGREE_BYTES, np.uint8)
+    if error is not None:
+        text = str(error).encode()[:_AGREE_BYTES - 1]
+        mine[0] = 1
+        mine[1:1 + len(text)] = np.frombuffer(text, np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(mine))  # [nodes, _AGREE_BYTES]
+    if error is not None:
+        return error
+    for rank, row in enumerate(every):
+        if row[0]:
+            text = bytes(row[1:]).rstrip(b"\0").decode(errors="replace")
+            return WeightUpdateError(f"node {rank} of the job: {text}")
+    return None
+
 
 # Fields that may differ between checkpoints of one served model: where it lives, and what
 # only the tokenizer side or the start-up dtype choice reads.
@@ -27,24 +92,26 @@ _FREE_FIELDS = {"model_path", "context_len", "eos_token_ids", "bos_token_id", "t
 
 
 def config_differences(served: ModelConfig, new: ModelConfig) -> list[str]:
-    """What differs between two configs in a way the compiled model depends on."""
+    """What differs between two configs in a way the compiled model depends on (values in
+    bounded form: ``moe_layers`` of a million layers is not a million-item message)."""
     return [
-        f"{f.name} {getattr(served, f.name)!r} -> {getattr(new, f.name)!r}"
+        f"{f.name} {short_repr(getattr(served, f.name))} -> {short_repr(getattr(new, f.name))}"
         for f in dataclasses.fields(ModelConfig)
         if f.name not in _FREE_FIELDS and getattr(served, f.name) != getattr(new, f.name)
     ]
 
 
 def check_compatible(served: ModelConfig, model_path: str) -> None:
-    """Raises ValueError naming every difference if ``model_path`` is not a checkpoint of the
-    served architecture and shapes (those need a restart)."""
-    new = ModelConfig.from_hf(model_path)
+    """Raises WeightUpdateError naming the differences (the first few) if ``model_path`` is
+    not a readable checkpoint of the served architecture and shapes (those need a restart)."""
+    new = as_update_error(model_path, lambda: ModelConfig.from_hf(model_path))
     diffs = config_differences(served, new)
     if diffs:
-        raise ValueError(
-            f"{model_path} does not match the served model ({'; '.join(diffs)}); weights can "
-            "only be updated with the same architecture and shapes, restart for another model"
-        )
+        raise WeightUpdateError(bound_message(
+            f"{model_path} does not match the served model ({name_list(diffs, 6, 300, quote=False)}); "
+            "weights can only be updated with the same architecture and shapes, restart for "
+            "another model"
+        ))
 
 
 class WeightUpdater:
@@ -58,19 +125,45 @@ class WeightUpdater:
 
     def update_from_disk(self, model_path: str) -> int:
         """Every parameter from the checkpoint at ``model_path``; returns the count."""
-        check_compatible(self.runner.model_config, model_path)
-        return self._replace(SafetensorsCheckpoint(model_path), partial=False)
+        def read() -> tuple[list, int]:
+            check_compatible(self.runner.model_config, model_path)
+            return self._read(SafetensorsCheckpoint(model_path), partial=False)
+        return self._replace(model_path, read)
 
     def update_from_arrays(self, arrays: dict[str, Any]) -> int:
         """The parameters made of the given tensors (numpy or JAX arrays by Hugging Face name;
         all experts of a stacked projection together); returns how many were replaced."""
-        if not arrays:
-            raise ValueError("no arrays given")
-        return self._replace(ArraySource(arrays), partial=True)
+        def read() -> tuple[list, int]:
+            if not isinstance(arrays, dict) or not arrays:
+                raise WeightUpdateError("no arrays given: pass tensors by Hugging Face name")
+            return self._read(ArraySource(arrays), partial=True)
+        return self._replace(ArraySource.where, read)
 
-    def _replace(self, source: SafetensorsCheckpoint | ArraySource, partial: bool) -> int:
-        runner = self.runner
+    def _replace(self, where: str, read: Callable[[], tuple[list, int]]) -> int:
+        """Reads with ``read``, agrees the outcome with the other nodes, then swaps: all of
+        the new parameters or, on any failure on any node, none."""
         t0 = time.perf_counter()
+        # A follower node does not wait for its steps: let those in flight finish, so the
+        # agreement below (a collective) never runs beside a step's collectives.
+        jax.block_until_ready([a for a in jax.live_arrays() if not a.is_deleted()])
+        leaves: list = []
+        count, error = 0, None
+        try:
+            leaves, count = as_update_error(where, read)
+        except WeightUpdateError as e:
+            error = e
+        error = agree_across_nodes(error)
+        if error is not None:
+            raise error
+        self.runner.param_leaves = leaves  # the swap: one assignment, nothing fails after it
+        self.seconds = time.perf_counter() - t0
+        return count
+
+    def _read(self, source: SafetensorsCheckpoint | ArraySource,
+              partial: bool) -> tuple[list, int]:
+        """The runner's parameter leaves with the new values in (not swapped in yet), ready on
+        the devices, and how many parameters are new."""
+        runner = self.runner
         state = jax.tree.unflatten(runner.param_treedef, runner.param_leaves)
         # EPLB: the experts are stacked by the current placement (a rebalance changes it).
         mapping = getattr(runner, "eplb_placement", None) or self.mapping
@@ -81,11 +174,9 @@ class WeightUpdater:
                 var.set_value(new[path])
         leaves, treedef = jax.tree.flatten(state)
         # The compiled steps were traced for exactly these: same tree, shapes, dtypes, layout.
-        assert treedef == runner.param_treedef
-        for old, fresh in zip(runner.param_leaves, leaves, strict=True):
-            assert (old.shape, old.dtype, old.sharding) == (fresh.shape, fresh.dtype,
-                                                            fresh.sharding)
+        if treedef != runner.param_treedef or any(
+                (old.shape, old.dtype, old.sharding) != (fresh.shape, fresh.dtype, fresh.sharding)
+                for old, fresh in zip(runner.param_leaves, leaves, strict=True)):
+            raise RuntimeError("the new parameters differ in layout from the compiled ones")
         jax.block_until_ready(leaves)
-        runner.param_leaves = leaves
-        self.seconds = time.perf_counter() - t0
-        return len(new)
+        return leaves, len(new)

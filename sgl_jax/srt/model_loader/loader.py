@@ -2,12 +2,15 @@
 
 The model is first built abstractly (``nnx.eval_shape``: shapes, dtypes and partition specs,
 no memory); every parameter path is then mapped to the Hugging Face tensor(s) it comes from,
-checked, converted and placed on the mesh. A checkpoint with a missing, unexpected or
-mis-shaped tensor fails before anything is placed, naming the tensor.
+checked, converted and placed on the mesh. A checkpoint with a missing, unexpected,
+mis-shaped or non-float tensor fails before anything is placed, and one with a NaN or an
+infinity (after conversion to the parameter's dtype) before anything is returned, naming the
+tensor and the checkpoint. Messages quote names from the files only in bounded form.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import logging
 import os
@@ -22,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from safetensors import safe_open
 from tqdm import tqdm
 
+from sgl_jax.srt.bounded_text import bound_message, name_list, short_repr
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.layers.moe.ep_moe import (
     ExpertLocation,
@@ -50,6 +54,7 @@ class SafetensorsCheckpoint:
     """
 
     def __init__(self, model_path: str) -> None:
+        self.where = model_path  # named in every error about this source
         files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
         if not files:
             raise CheckpointError(f"no *.safetensors file in {model_path}")
@@ -60,7 +65,7 @@ class SafetensorsCheckpoint:
                 handle = safe_open(file, framework="numpy")
                 names = list(handle.keys())
             except Exception as e:  # safetensors raises its own error types
-                raise CheckpointError(f"cannot read {file}: {e}") from e
+                raise CheckpointError(f"cannot read {file}: {bound_message(str(e), 300)}") from e
             self._handles[file] = handle
             for name in names:
                 self._where[name] = handle
@@ -74,13 +79,18 @@ class SafetensorsCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
 
+    def is_float(self, name: str) -> tuple[bool, str]:
+        """Whether the tensor is stored as floating point, and its safetensors dtype name."""
+        dtype = self._handle(name).get_slice(name).get_dtype()  # "F32", "BF16", "I64", ...
+        return dtype.startswith(("F", "BF")), dtype
+
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """The block ``index`` of a tensor, reading only that block from the file."""
         return self._handle(name).get_slice(name)[index]
 
     def _handle(self, name: str) -> Any:
         if name not in self._where:
-            raise CheckpointError(f"checkpoint lacks the tensor {name!r}")
+            raise CheckpointError(f"{self.where} lacks the tensor {short_repr(name, 200)}")
         return self._where[name]
 
 
@@ -145,7 +155,16 @@ def abstract_model(
 class ArraySource:
     """Tensors given by name (numpy or JAX arrays), read like a checkpoint."""
 
+    where = "the arrays"
+
     def __init__(self, arrays: dict[str, Any]) -> None:
+        for name, value in arrays.items():
+            if not isinstance(name, str):
+                raise CheckpointError(f"array names must be strings (Hugging Face tensor "
+                                      f"names), not {short_repr(name)}")
+            if not isinstance(value, (np.ndarray, jax.Array)):
+                raise CheckpointError(f"array {short_repr(name, 200)} is a "
+                                      f"{type(value).__name__}; give a numpy or JAX array")
         self._arrays = arrays
 
     def names(self) -> set[str]:
@@ -156,6 +175,10 @@ class ArraySource:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._arrays[name].shape)
+
+    def is_float(self, name: str) -> tuple[bool, str]:
+        dtype = np.dtype(self._arrays[name].dtype)
+        return bool(jnp.issubdtype(dtype, jnp.floating)), dtype.name
 
     def read(self, name: str, index: tuple[slice, ...]) -> Any:
         return self._arrays[name][index]
@@ -225,8 +248,9 @@ def read_params(
         if partial and len(given) != len(names):
             missing = sorted(set(names) - present)
             raise CheckpointError(
-                f"{len(missing)} tensor(s) of a stacked parameter missing, e.g. {missing[:3]}; "
-                f"give all {len(names)} experts of a layer's projection together"
+                f"{source.where}: {len(missing)} tensor(s) of a stacked parameter missing: "
+                f"{name_list(missing, 3)}; give all {len(names)} experts of a layer's "
+                "projection together"
             )
         plan.append((path, var, names, transpose))
     missing = sorted(expected - present)
@@ -238,21 +262,70 @@ def read_params(
         logger.info("Ignoring %d tensor(s) of layers past num_hidden_layers=%d (MTP layers)",
                     len(beyond), config.num_hidden_layers)
         unexpected = sorted(set(unexpected) - set(beyond))
-    where = "the arrays" if isinstance(source, ArraySource) else config.model_path
+    where = source.where
     if missing and not partial:
-        raise CheckpointError(f"{where}: {len(missing)} tensor(s) missing, e.g. {missing[:5]}")
+        raise CheckpointError(f"{where}: {len(missing)} tensor(s) missing: "
+                              f"{name_list(missing)}")
     if unexpected:
         raise CheckpointError(
-            f"{where}: {len(unexpected)} unexpected tensor(s) for {config.architecture}, "
-            f"e.g. {unexpected[:5]}"
+            f"{where}: {len(unexpected)} unexpected tensor(s) for {config.architecture}: "
+            f"{name_list(unexpected)}"
         )
 
     pure: dict[Path, jax.Array] = {}
+    finite = FiniteCheck(where)
     for path, var, names, transpose in tqdm(plan, desc="Loading weights", unit="tensor",
                                             disable=len(plan) < 2):
         pure[path] = _place(var, mesh, names, source, transpose, config.architecture)
+        finite.add(names, pure[path])  # checked on the devices while the next one is read
+    finite.finish()
     logger.info("Read %d tensors from %s", sum(len(p[2]) for p in plan), where)
     return pure
+
+
+class FiniteCheck:
+    """Refuses a NaN or an infinity in a placed parameter (after conversion to its dtype, so a
+    float32 value too large for bfloat16 counts too), naming the first such tensor in model
+    order and the source.
+
+    Each distinct block of a parameter is checked once, on the device holding its first
+    replica, by a single-device program: no collective, so a node whose load fails early can
+    never leave another one waiting in a check. In a multi-host job each node therefore judges
+    only the blocks it holds (weight_updater agrees the verdicts across nodes). A parameter's
+    checks run on the devices while the host reads the next one; their verdict is fetched
+    then, so a bad checkpoint fails at the first bad parameter."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.pending: list[tuple[list[str], int, jax.Array]] = []
+
+    def add(self, names: list[str], value: jax.Array) -> None:
+        self.finish()
+        stacked = ".experts." in names[0]  # as _place: one flag per expert row
+        for shard in value.addressable_shards:
+            if shard.replica_id == 0:
+                first_row = (shard.index[0].start or 0) if stacked else 0
+                self.pending.append((names, first_row, _finite_flags(shard.data, stacked)))
+
+    def finish(self) -> None:
+        pending, self.pending = self.pending, []
+        for names, first_row, flags in sorted(pending, key=lambda p: p[1]):  # row order
+            ok = np.asarray(flags)
+            if not ok.all():
+                bad = names[first_row + int(np.argmin(ok))] if len(names) > 1 else names[0]
+                raise CheckpointError(
+                    f"{self.where}: tensor {short_repr(bad, 200)} has non-finite values (NaN "
+                    "or infinity, after conversion to the served dtype); weights must be finite")
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _finite_flags(x: jax.Array, per_row: bool) -> jax.Array:
+    """One flag per leading row (``per_row``) or one in all: no NaN and no infinity. x * 0 is 0
+    for a finite value and NaN otherwise, so a sum of those is exactly 0 iff all are finite
+    (it cannot overflow); it runs faster than isfinite().all() on a CPU."""
+    zeros = (x * 0).astype(jnp.float32)
+    total = zeros.sum(axis=tuple(range(1, x.ndim))) if per_row else zeros.sum()[None]
+    return total == 0
 
 
 def _layer_index(name: str) -> int:
@@ -279,10 +352,16 @@ def _place(var: nnx.Variable, mesh: Mesh, names: list[str],
     if transpose:
         want = want[::-1]
     for name in names:
+        is_float, dtype = source.is_float(name)
+        if not is_float:
+            raise CheckpointError(
+                f"{source.where}: tensor {short_repr(name, 200)} has dtype {dtype}; weights "
+                "must be floating point (float32, bfloat16 or float16)")
         if source.shape(name) != want:
             raise CheckpointError(
-                f"tensor {name!r} has shape {source.shape(name)}; {architecture} with this "
-                f"config.json expects {want}"
+                f"{source.where}: tensor {short_repr(name, 200)} has shape "
+                f"{short_repr(source.shape(name))}; {architecture} with this config.json "
+                f"expects {want}"
             )
     sharding = _param_sharding(var, mesh)
     if isinstance(source, ArraySource) and any(

@@ -3,8 +3,9 @@
 Entries follow SGLang's ``meta_info`` format without the text (the tokenizer manager adds it):
 ``(logprob, token_id)`` per position for ``*_token_logprobs``, and per position a list of such
 pairs for ``*_top_logprobs`` (most likely first) and ``*_token_ids_logprobs`` (the asked ids, in
-the asked order). Input position 0 has no logprob: ``(None, first_prompt_token)``. ``LogprobsOut`` carries a
-message's new entries to the tokenizer manager and formats them for ``meta_info``.
+the asked order). Input position 0 has no logprob: ``(None, first_prompt_token)``. A message
+carries a request's new entries (``LogprobsOut``) to the tokenizer manager, which adds the
+text (``logprobs_meta_info``).
 """
 
 from __future__ import annotations
@@ -24,27 +25,27 @@ def is_logprob_key(key: str) -> bool:
     return key.endswith(KEY_SUFFIXES)
 
 
-@dataclass(slots=True)
-class LogprobsOut:
-    """A request's logprob entries since its previous message, by ``meta_info`` key (the kinds
-    it asked for), without their token text."""
+# A message's logprob payload: a request's entries since its previous message, by meta_info
+# key (the kinds it asked for), without their token text. A plain dict: it pickles inline
+# (a wrapper object would cost a pickling hook per request on every streamed step).
+LogprobsOut = dict[str, list[Any]]
 
-    entries: dict[str, list[Any]]
 
-    def meta_info(self, token_text: Callable[[int], str] | None) -> dict[str, list[Any]]:
-        """The logprob keys of a ``meta_info``: each ``(logprob, token_id)`` gains its token's
-        text (``token_text``, for ``return_text_in_logprobs``) or None."""
+def logprobs_meta_info(entries: LogprobsOut,
+                       token_text: Callable[[int], str] | None) -> dict[str, list[Any]]:
+    """The logprob keys of a ``meta_info``: each ``(logprob, token_id)`` of ``entries`` gains
+    its token's text (``token_text``, for ``return_text_in_logprobs``) or None."""
 
-        def entry(pair: tuple) -> tuple:
-            return (pair[0], pair[1], None if token_text is None else token_text(pair[1]))
+    def entry(pair: tuple) -> tuple:
+        return (pair[0], pair[1], None if token_text is None else token_text(pair[1]))
 
-        out = {}
-        for key, values in self.entries.items():
-            if key.endswith("_token_logprobs"):
-                out[key] = [entry(v) for v in values]
-            else:  # per position a list of pairs (None for prompt position 0)
-                out[key] = [None if v is None else [entry(p) for p in v] for v in values]
-        return out
+    out = {}
+    for key, values in entries.items():
+        if key.endswith("_token_logprobs"):
+            out[key] = [entry(v) for v in values]
+        else:  # per position a list of pairs (None for prompt position 0)
+            out[key] = [None if v is None else [entry(p) for p in v] for v in values]
+    return out
 
 
 @dataclass
@@ -125,7 +126,7 @@ class LogprobRecord:
                 continue
             out[key] = values[self.sent[key]:]
             self.sent[key] = len(values)
-        return LogprobsOut(out)
+        return out
 
     def _asked(self, key: str) -> bool:
         if key.startswith("input_") and self.input_start is None:

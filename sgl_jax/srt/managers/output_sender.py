@@ -55,18 +55,21 @@ class OutputSender:
 
     def _record(self, req: Req) -> ReqOutput:
         """``req``'s output since its previous message, every payload it asked for."""
+        # Positional, in field order: binding 11 keywords costs 3x as much, and this runs for
+        # every streaming request on every step.
         out = ReqOutput(
-            rid=req.rid,
-            new_ids=req.output_ids[req.sent_len :],
-            finish_reason=req.finished_reason,
-            prompt_tokens=len(req.origin_input_ids),
-            completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens,
-            stop=list(req.sampling_params.stop or []),
-            skip_special_tokens=req.sampling_params.skip_special_tokens,
-            routed=self._routed_rows(req),
-            logprobs=None if req.logprobs is None else req.logprobs.take_new(),
-            first_token_time=req.first_token_time,
+            req.rid,
+            req.output_ids[req.sent_len :],  # new_ids
+            req.finished_reason,
+            len(req.origin_input_ids),  # prompt_tokens
+            len(req.output_ids),  # completion_tokens
+            req.cached_tokens,
+            list(req.sampling_params.stop or []),
+            req.sampling_params.skip_special_tokens,
+            "",  # text: the detokenizer's
+            self._routed_rows(req),
+            None if req.logprobs is None else req.logprobs.take_new(),
+            req.first_token_time,
         )
         req.sent_len = len(req.output_ids)
         return out

@@ -45,6 +45,7 @@ from sgl_jax.srt.managers.io_struct import (
     UpdateWeightsReq,
     UpdateWeightsReqOutput,
 )
+from sgl_jax.srt.managers.logprob_record import logprobs_meta_info
 from sgl_jax.srt.managers.request_options import InvalidRequestError, RequestOptions
 from sgl_jax.srt.managers.transport import recv_obj
 from sgl_jax.srt.metrics import RequestObserver, create_observer
@@ -475,8 +476,8 @@ class TokenizerManager:
         if rec.routed is not None:
             meta.update(rec.routed.meta_info(state.split_at))
         if rec.logprobs is not None:
-            entries = rec.logprobs.meta_info(
-                self._token_text if state.options.return_text_in_logprobs else None)
+            entries = logprobs_meta_info(
+                rec.logprobs, self._token_text if state.options.return_text_in_logprobs else None)
             for key, values in entries.items():  # the whole lists, for a whole result
                 state.logprobs.setdefault(key, []).extend(values)
             meta.update(entries)

@@ -434,6 +434,14 @@ class TokenizerManager:
             raise EngineDeadError(self.dead_reason)
 
     def _receive_loop(self) -> None:
+        try:
+            self._receive_until_closed()
+        except Exception as e:  # a bug; every request would hang: fail them loudly instead
+            logger.exception("the tokenizer manager's receiver thread failed")
+            self.set_dead(f"the engine's output receiver failed ({type(e).__name__}: {e}); "
+                          "the engine cannot serve requests any more")
+
+    def _receive_until_closed(self) -> None:
         while not self._closing:
             try:
                 if not self._recv.poll(timeout=100):

@@ -23,12 +23,15 @@ only, no JAX.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
 from sgl_jax.srt.managers.request_options import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 MAX_WEIGHT_VERSION_CHARS = 128
 _RECORDER_OFF = ("the expert distribution recorder is off; start the server with "
@@ -274,29 +277,32 @@ class _RecorderOp(ControlOp):
         raise NotImplementedError
 
 
-@dataclass
-class StartExpertRecord(_RecorderOp):
-    """Starts a recording window (on every node: each records its own steps' routing)."""
+class _RecordingWindowOp(_RecorderOp):
+    """Starts or ends the recording window on every node (each records its own steps)."""
 
     mirrored = True
+    done: ClassVar[str]
 
     def run(self, target: ControlTarget, recorder: ExpertRecorder) -> ExpertDistributionReqOutput:
         target.on_every_node(self)
-        return ExpertDistributionReqOutput(success=True, message="recording started")
+        return ExpertDistributionReqOutput(success=True, message=self.done)
+
+
+@dataclass
+class StartExpertRecord(_RecordingWindowOp):
+    """Starts a recording window."""
+
+    done = "recording started"
 
     def apply_on_node(self, node: NodeControl) -> None:
         node.expert_recorder().start()
 
 
 @dataclass
-class StopExpertRecord(_RecorderOp):
+class StopExpertRecord(_RecordingWindowOp):
     """Ends the window; it can still be dumped or read."""
 
-    mirrored = True
-
-    def run(self, target: ControlTarget, recorder: ExpertRecorder) -> ExpertDistributionReqOutput:
-        target.on_every_node(self)
-        return ExpertDistributionReqOutput(success=True, message="recording stopped")
+    done = "recording stopped"
 
     def apply_on_node(self, node: NodeControl) -> None:
         node.expert_recorder().stop()
@@ -307,7 +313,9 @@ class DumpExpertRecord(_RecorderOp):
     """Writes the window so far as .npz (rank 0's recorder) and returns its path."""
 
     def run(self, target: ControlTarget, recorder: ExpertRecorder) -> ExpertDistributionReqOutput:
-        return ExpertDistributionReqOutput(success=True, message="dumped", path=recorder.dump())
+        path = recorder.dump()
+        logger.info("expert distribution dumped to %s", path)
+        return ExpertDistributionReqOutput(success=True, message="dumped", path=path)
 
 
 @dataclass

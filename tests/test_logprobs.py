@@ -17,7 +17,11 @@ from sgl_jax.testing import TEST_MODEL_PATH, engine_args, server_flags
 from sgl_jax.tools.reference_forward import ReferenceModel
 from tests.server_utils import server_fixture
 
-TOL = 1e-5
+# Float32 engine against the float64 reference: 1e-5 absolute, plus a relative 4e-6 (about
+# 32 float32 epsilons) for large logprobs divided by a temperature below 1; XLA's CPU code for
+# the same program rounds differently on different processors (2.9e-6 relative seen at -4.3
+# with temperature 0.7).
+TOL, RTOL = 1e-5, 4e-6
 PROMPT = [7, 300, 12, 45, 45, 99, 1, 250, 31, 8, 77, 410]
 
 
@@ -46,15 +50,17 @@ def check_positions(lp: np.ndarray, tokens: list, tops: list | None, ids_lp: lis
     for j, row in enumerate(rows):
         logprob, token, text = tokens[j]
         assert token == targets[j] and text is None
-        assert abs(logprob - lp[row, token]) < TOL, (row, logprob, lp[row, token])
+        assert abs(logprob - lp[row, token]) < TOL + RTOL * abs(lp[row, token]), (
+            row, logprob, lp[row, token])
         if tops is not None:
             want = np.argsort(-lp[row], kind="stable")[: len(tops[j])]
             assert [t for _, t, _ in tops[j]] == want.tolist()
-            np.testing.assert_allclose([v for v, _, _ in tops[j]], lp[row, want], atol=TOL)
+            np.testing.assert_allclose([v for v, _, _ in tops[j]], lp[row, want], atol=TOL,
+                                       rtol=RTOL)
         if token_ids is not None:
             assert [t for _, t, _ in ids_lp[j]] == token_ids
             np.testing.assert_allclose([v for v, _, _ in ids_lp[j]], lp[row, token_ids],
-                                       atol=TOL)
+                                       atol=TOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("params", [
@@ -94,7 +100,7 @@ def test_input_logprobs_from_zero_after_a_cache_hit_and_with_text(engine, refere
     assert len(rest) == len(PROMPT) - 1
     for p, (logprob, token, text) in enumerate(rest, start=1):
         assert token == PROMPT[p] and isinstance(text, str)
-        assert abs(logprob - lp[p - 1, token]) < TOL
+        assert abs(logprob - lp[p - 1, token]) < TOL + RTOL * abs(lp[p - 1, token])
     assert "input_top_logprobs" not in meta  # not asked
 
 

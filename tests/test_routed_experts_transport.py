@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.srt.managers.io_struct import BatchTokenIDOut
+from sgl_jax.srt.managers.io_struct import BatchTokenIDOut, ReqOutput
 from sgl_jax.srt.managers.output_sender import OutputSender
 from sgl_jax.srt.managers.req_memory import ReqMemory
 from sgl_jax.srt.managers.request_options import RequestOptions
@@ -20,6 +20,7 @@ from sgl_jax.srt.managers.transport import recv_obj, send_obj
 from sgl_jax.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
 from sgl_jax.srt.mem_cache.routed_experts_host_cache import RoutedExpertsHostCache
+from sgl_jax.srt.routed_experts_output import RoutedExpertsOut
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.testing import TEST_MODEL_PATH
 
@@ -114,12 +115,12 @@ def pipe(tmp_path):
 def test_arrays_travel_out_of_band(pipe) -> None:
     push, pull = pipe
     rows = np.arange(4096 * LAYERS * TOP_K, dtype=np.int32).reshape(4096, LAYERS, TOP_K)
-    msg = BatchTokenIDOut(
-        rids=["a", "b"], new_output_ids=[[1], [2]], finished_reasons=[None, None],
-        prompt_tokens=[1, 1], completion_tokens=[1, 1], cached_tokens=[0, 0],
-        stop_strs=[[], []], skip_special_tokens=[True, True],
-        output_routed_experts=[rows, rows[:10].astype(np.uint8)],
-    )
+    msg = BatchTokenIDOut(outputs=[
+        ReqOutput(rid=rid, new_ids=[i], finish_reason=None, prompt_tokens=1,
+                  completion_tokens=1, cached_tokens=0, stop=[], skip_special_tokens=True,
+                  routed=RoutedExpertsOut(ids, start=0))
+        for i, (rid, ids) in enumerate([("a", rows), ("b", rows[:10].astype(np.uint8))])
+    ])
     send_obj(push, msg)
     frames = pull.recv_multipart()
     assert len(frames) == 3  # the pickle, then each array's raw bytes
@@ -127,8 +128,8 @@ def test_arrays_travel_out_of_band(pipe) -> None:
     assert bytes(frames[1]) == rows.tobytes()
     send_obj(push, msg)
     got = recv_obj(pull)
-    np.testing.assert_array_equal(got.output_routed_experts[0], rows)
-    assert got.output_routed_experts[1].dtype == np.uint8
+    np.testing.assert_array_equal(got.outputs[0].routed.ids, rows)
+    assert got.outputs[1].routed.ids.dtype == np.uint8
     send_obj(push, {"control": True})  # a message without arrays is one frame
     assert recv_obj(pull) == {"control": True}
 
@@ -160,11 +161,12 @@ def test_a_burst_of_finishing_requests_goes_out_in_bounded_messages(pipe) -> Non
     while pull.poll(1000):
         msg = recv_obj(pull)
         assert isinstance(msg, BatchTokenIDOut)
-        size = sum(r.nbytes for r in msg.output_routed_experts)
-        sizes.append((msg.rids, size))
-        assert size <= limit or msg.rids == ["big"], sizes
-        for rid, rows in zip(msg.rids, msg.output_routed_experts, strict=True):
-            got[rid] = rows
+        rids = [o.rid for o in msg.outputs]
+        size = sum(o.routed.ids.nbytes for o in msg.outputs)
+        sizes.append((rids, size))
+        assert size <= limit or rids == ["big"], sizes
+        for o in msg.outputs:
+            got[o.rid] = o.routed.ids
     assert len(sizes) == 5, sizes  # [r0 r1] [r2] [big] [r3 r4] [r5 r6]
     assert [rids for rids, _ in sizes] == [["r0", "r1"], ["r2"], ["big"], ["r3", "r4"],
                                            ["r5", "r6"]]
@@ -180,11 +182,12 @@ def test_bounded_messages_carry_the_wire_dtype(pipe) -> None:
     reqs[0].routed_experts[:, 0] = -1
     sender.send(reqs)
     first, second = recv_obj(pull), recv_obj(pull)
-    assert first.rids == ["u8"] and second.rids == ["i32"]
-    u8 = first.output_routed_experts[0]
+    assert [o.rid for o in first.outputs] == ["u8"]
+    assert [o.rid for o in second.outputs] == ["i32"]
+    u8 = first.outputs[0].routed.ids
     assert u8.dtype == np.uint8 and (u8[:, 0] == 255).all()
     np.testing.assert_array_equal(u8[:, 1:], reqs[0].routed_experts[:, 1:])
-    assert second.output_routed_experts[0].dtype == np.int32
+    assert second.outputs[0].routed.ids.dtype == np.int32
 
 
 def test_model_config_of_the_bundled_model_fits_uint8() -> None:

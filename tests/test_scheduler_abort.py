@@ -83,12 +83,12 @@ class SteppedScheduler:
             assert self.outputs.poll(timeout_ms), f"no final output for {rid}"
             msg = recv_obj(self.outputs)
             assert isinstance(msg, BatchTokenIDOut)
-            for i, r in enumerate(msg.rids):
-                out = self.seen.setdefault(r, {"output_ids": [], "routed_experts": None,
-                                               "finished_reason": None})
-                out["output_ids"] += msg.new_output_ids[i]
-                out["finished_reason"] = msg.finished_reasons[i]
-                out["routed_experts"] = msg.output_routed_experts[i]
+            for rec in msg.outputs:
+                out = self.seen.setdefault(rec.rid, {"output_ids": [], "routed_experts": None,
+                                                     "finished_reason": None})
+                out["output_ids"] += rec.new_ids
+                out["finished_reason"] = rec.finish_reason
+                out["routed_experts"] = None if rec.routed is None else rec.routed.ids
         return self.seen.pop(rid)
 
     def _final(self, rid: str) -> bool:

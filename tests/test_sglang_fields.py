@@ -11,6 +11,7 @@ import json
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from sgl_jax.srt import sglang_fields
 from sgl_jax.srt.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -18,7 +19,6 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
     StreamOptions,
     describe_validation_error,
 )
-from sgl_jax.srt.managers import sglang_fields
 from sgl_jax.srt.managers.request_options import InvalidRequestError, RequestOptions
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.server_args import ServerArgs

@@ -23,9 +23,12 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from sgl_jax.srt.managers.io_struct import ReqOutput
 
 logger = logging.getLogger(__name__)
 # --log-requests lines: a logger of their own, at INFO whatever --log-level says.
@@ -46,7 +49,6 @@ class _State(Protocol):
 
     rid: str
     created: float
-    routed_rows_sent: int
     progress: Any
 
 
@@ -58,6 +60,7 @@ class _Progress:
     last: float = 0.0  # when the piece that brought them arrived
     ttft_seen: bool = False
     done: bool = False
+    routed_rows: int = 0  # routed-experts rows handed out so far
 
 
 class RequestObserver:
@@ -68,10 +71,10 @@ class RequestObserver:
     def start(self, state: _State) -> None:
         """Called for each request a caller submitted (not the manager's internal ones)."""
 
-    def on_output(self, state: _State, meta: dict[str, Any], first_token_time: float | None,
-                  routed_nbytes: int, weights_nbytes: int) -> None:
-        """A piece of ``state``'s output arrived (receiver thread): ``meta`` is its
-        ``meta_info`` (counts so far, ``finish_reason`` and ``e2e_latency`` on the last)."""
+    def on_output(self, state: _State, meta: dict[str, Any], out: ReqOutput) -> None:
+        """A piece of ``state``'s output arrived (receiver thread): ``out`` is its record and
+        ``meta`` its ``meta_info`` (counts so far, ``finish_reason`` and ``e2e_latency`` on
+        the last)."""
 
     def on_cancel(self, state: _State) -> None:
         """``state`` ended without its final piece (client gone or engine dead)."""
@@ -98,19 +101,22 @@ class _Recorder(RequestObserver):
     def start(self, state: _State) -> None:
         state.progress = _Progress()
 
-    def on_output(self, state: _State, meta: dict[str, Any], first_token_time: float | None,
-                  routed_nbytes: int, weights_nbytes: int) -> None:
+    def on_output(self, state: _State, meta: dict[str, Any], out: ReqOutput) -> None:
         p: _Progress | None = state.progress
         if p is None or p.done:
             return
         now = time.monotonic()
         n = meta["completion_tokens"]
+        first_token_time = out.first_token_time
         m = self.metrics
+        routed = out.routed
+        if routed is not None:
+            p.routed_rows += routed.num_rows
         if m is not None:
-            if routed_nbytes:
-                m.routed_bytes.inc(routed_nbytes)
-            if weights_nbytes:
-                m.routed_weights_bytes.inc(weights_nbytes)
+            if routed is not None and routed.ids_nbytes:
+                m.routed_bytes.inc(routed.ids_nbytes)
+            if routed is not None and routed.weights_nbytes:
+                m.routed_weights_bytes.inc(routed.weights_nbytes)
             if first_token_time is not None and not p.ttft_seen:
                 p.ttft_seen = True
                 m.ttft.observe(max(first_token_time - state.created, 0.0))
@@ -135,7 +141,7 @@ class _Recorder(RequestObserver):
                 "request %s finished: prompt_tokens=%d completion_tokens=%d cached_tokens=%d "
                 "finish_reason=%s e2e_latency=%.3fs routed_experts_rows=%d", state.rid,
                 meta["prompt_tokens"], n, meta["cached_tokens"], kind,
-                meta.get("e2e_latency", now - state.created), state.routed_rows_sent)
+                meta.get("e2e_latency", now - state.created), p.routed_rows)
 
     def on_cancel(self, state: _State) -> None:
         p: _Progress | None = state.progress
@@ -149,7 +155,7 @@ class _Recorder(RequestObserver):
             request_logger.info(
                 "request %s ended without its result (client gone or engine stopped): "
                 "completion_tokens>=%d finish_reason=abort e2e_latency=%.3fs "
-                "routed_experts_rows=%d", state.rid, p.tokens, latency, state.routed_rows_sent)
+                "routed_experts_rows=%d", state.rid, p.tokens, latency, p.routed_rows)
 
     def render(self, info: dict[str, Any], load: dict[str, Any] | None) -> bytes:
         if self.metrics is None:
@@ -244,7 +250,7 @@ class PrometheusMetrics:
             self._cached_total += cached
 
     def render(self, info: dict[str, Any], load: dict[str, Any] | None) -> bytes:
-        """The exposition text, gauges set from the scheduler's ``info`` (GetServerInfoReq)
+        """The exposition text, gauges set from the scheduler's ``info`` (control.GetServerInfo)
         and the recorder's ``load`` (None unless it records). Run off the event loop."""
         from prometheus_client import generate_latest
 

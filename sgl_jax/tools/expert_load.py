@@ -34,7 +34,6 @@ neither matplotlib nor JAX.
 from __future__ import annotations
 
 import argparse
-import io
 import sys
 import zipfile
 from collections.abc import Mapping, Sequence
@@ -43,28 +42,19 @@ from typing import Any
 
 import numpy as np
 
-PLOT_EXTRA_HINT = 'pip install "sgl_jax[plot]"'
+# The heatmap lives with the server, which serves it; this tool adds dumps and placements.
+from sgl_jax.srt.expert_load_plot import (  # noqa: F401  (render_expert_load_png: public here too)
+    PLOT_EXTRA_HINT,
+    PlotUnavailableError,
+    draw_heatmap,
+    figure_class,
+    full_layers,
+    png_bytes,
+    render_expert_load_png,
+    token_share,
+)
+
 MODES = ("stat", "per_pass", "per_token")
-
-
-class PlotUnavailableError(ImportError):
-    """matplotlib is not installed: the pictures need the ``plot`` extra."""
-
-
-def _figure_class():
-    """matplotlib's ``Figure``, or a clear error. Figures are made without pyplot and saved by
-    the Agg canvas (no display, no global backend switch, safe from several threads: the HTTP
-    server draws in worker threads)."""
-    try:
-        import matplotlib
-        from matplotlib.figure import Figure
-    except ImportError as e:
-        raise PlotUnavailableError(
-            f"drawing expert load needs matplotlib, which is not installed: {PLOT_EXTRA_HINT} "
-            '(or pip install "matplotlib>=3.7")'
-        ) from e
-    del matplotlib
-    return Figure
 
 
 # ---- reading dumps ----------------------------------------------------------------------------
@@ -103,38 +93,6 @@ def _scalar(value: Any) -> Any:
     if arr.dtype == object:
         return arr.reshape(-1)[0] if arr.size else None
     return arr.reshape(-1)[0].item() if arr.size else None
-
-
-def _full_layers(counts: np.ndarray, moe_layers: Sequence[int] | None,
-                 num_layers: int | None = None) -> tuple[np.ndarray, list[int]]:
-    """``counts`` with one row per decoder layer (rows of ``counts`` may be the MoE layers
-    only, in ``moe_layers`` order) and the sorted MoE layer ids."""
-    counts = np.asarray(counts)
-    if counts.ndim != 2:
-        raise ValueError(f"counts must be [layers, num_experts]; got shape {counts.shape}")
-    counts = counts.astype(np.int64)
-    if moe_layers is None:
-        moe = [int(i) for i in np.flatnonzero(counts.sum(axis=1) > 0)]
-        return counts, moe
-    moe = [int(i) for i in moe_layers]
-    if any(i < 0 for i in moe) or len(set(moe)) != len(moe):
-        raise ValueError(f"moe_layers {moe[:8]} holds a negative or repeated layer id")
-    rows = counts.shape[0]
-    if num_layers is not None and moe and max(moe) >= num_layers:
-        raise ValueError(f"moe_layers reach layer {max(moe)}; num_hidden_layers={num_layers}")
-    if rows == num_layers or (num_layers is None and not (moe and max(moe) >= rows) and (
-            rows != len(moe) or moe == list(range(rows)))):
-        return counts, sorted(moe)  # one row per decoder layer
-    if len(moe) != rows:
-        raise ValueError(
-            f"counts has {rows} rows; moe_layers has {len(moe)} (up to layer "
-            f"{max(moe) if moe else None}) and num_hidden_layers is {num_layers}: rows must be "
-            "every decoder layer or exactly the MoE layers")
-    # rows are the MoE layers, in moe_layers order (the recorder's layout)
-    full = np.zeros((max(num_layers or 0, max(moe) + 1 if moe else 0), counts.shape[1]),
-                    np.int64)
-    full[moe] = counts
-    return full, sorted(moe)
 
 
 def _bincount_topk(topk_ids: np.ndarray, num_experts: int | None) -> np.ndarray:
@@ -251,7 +209,7 @@ def load_arrays(arrays: Mapping[str, Any]) -> ExpertLoad:
         raise ValueError("counts holds negative values")
     if num_experts is not None and counts.shape[1] != int(num_experts):
         raise ValueError(f"counts has {counts.shape[1]} experts; num_experts={num_experts}")
-    full, moe = _full_layers(counts, moe_layers, None if num_layers is None else int(num_layers))
+    full, moe = full_layers(counts, moe_layers, None if num_layers is None else int(num_layers))
     return ExpertLoad(
         counts=full, moe_layers=moe, mode=mode,
         num_experts_per_tok=None if k is None else int(k), num_tokens=num_tokens,
@@ -351,52 +309,6 @@ def describe(p: PlacementLoad) -> str:
 # ---- drawing ------------------------------------------------------------------------------------
 
 
-def token_share(counts: np.ndarray, num_experts_per_tok: int | None = None) -> np.ndarray:
-    """Per row: the share of the layer's tokens each expert received (``counts * k / sum``: a
-    row sums to k), or with ``k`` unknown the share of the layer's routed (token, expert)
-    pairs (a row sums to 1). Rows without tokens are NaN."""
-    counts = np.asarray(counts, dtype=np.float64)
-    sums = counts.sum(axis=1, keepdims=True)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        share = counts / sums
-    share[sums[:, 0] == 0] = np.nan
-    return share * (num_experts_per_tok or 1)
-
-
-def _draw_heatmap(fig, ax, counts: np.ndarray, moe_layers: Sequence[int],
-                  num_experts_per_tok: int | None, title: str) -> None:
-    import matplotlib as mpl
-
-    moe = list(moe_layers)  # counts: one row per decoder layer
-    num_layers, num_experts = counts.shape
-    share = token_share(counts, num_experts_per_tok)
-    dense = [i for i in range(num_layers) if i not in set(moe)]
-    share[dense] = np.nan
-    cmap = mpl.colormaps["viridis"].with_extremes(bad="#d9d9d9")
-    img = ax.imshow(share * 100, aspect="auto", interpolation="nearest", cmap=cmap,
-                    origin="upper", vmin=0)
-    ax.set_xlabel(f"logical expert (0 .. {num_experts - 1})")
-    ax.set_ylabel("decoder layer")
-    ax.set_title(title, fontsize=11)
-    step = max(1, int(np.ceil(num_layers / 24)))
-    ticks = list(range(0, num_layers, step))
-    ax.set_yticks(ticks)
-    ax.set_yticklabels([f"{i} dense" if i in dense else str(i) for i in ticks], fontsize=8)
-    xstep = max(1, int(np.ceil(num_experts / 32)))
-    ax.set_xticks(list(range(0, num_experts, xstep)))
-    ax.tick_params(axis="x", labelsize=8)
-    k = num_experts_per_tok
-    uniform = (k or 1) / num_experts * 100
-    what = ("% of the layer's tokens routed to the expert" if k else
-            "% of the layer's routed (token, expert) pairs")
-    bar = fig.colorbar(img, ax=ax, pad=0.01)
-    bar.set_label(f"{what}\n(uniform: {uniform:.2f}%)", fontsize=9)
-    if dense:
-        ax.text(1.0, -0.09 if num_layers else 0, f"grey rows: {len(dense)} dense layer(s), "
-                "no router", transform=ax.transAxes, ha="right", va="top", fontsize=8,
-                color="#555555")
-
-
 def _draw_bars(ax, placements: Sequence[PlacementLoad]) -> None:
     ep_size = placements[0].total.size
     width = 0.8 / len(placements)
@@ -437,47 +349,21 @@ def _draw_layer_imbalance(ax, placements: Sequence[PlacementLoad],
     ax.set_ylim(0.9, max(1.1, top * 1.15))
 
 
-def _png_bytes(fig, dpi: int) -> bytes:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    FigureCanvasAgg(fig)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
-    return buf.getvalue()
-
-
-def render_expert_load_png(counts: np.ndarray, moe_layers: list[int], title: str,
-                           num_experts_per_tok: int | None = None, dpi: int = 100,
-                           num_layers: int | None = None) -> bytes:
-    """PNG bytes of the utilisation heatmap alone (what ``GET /expert_load.png`` serves).
-
-    ``counts``: ``[layers, E]`` tokens per layer and logical expert (rows: every decoder
-    layer, or exactly the ``moe_layers`` in that order, as the recorder keeps them);
-    ``num_experts_per_tok`` turns shares of routed pairs into shares of tokens;
-    ``num_layers`` (num_hidden_layers) places MoE-only rows exactly. Raises
-    :class:`PlotUnavailableError` without matplotlib."""
-    full, moe = _full_layers(counts, moe_layers, num_layers)
-    fig = _figure_class()(figsize=(10, 6), layout="constrained")
-    ax = fig.subplots()
-    _draw_heatmap(fig, ax, full, moe, num_experts_per_tok, title)
-    return _png_bytes(fig, dpi)
-
-
 def render_figure(load: ExpertLoad, title: str, placements: Sequence[PlacementLoad] = (),
                   dpi: int = 100) -> bytes:
     """PNG bytes of the heatmap, and under it the per-device bars of ``placements``."""
-    figure = _figure_class()
+    figure = figure_class()
     if placements:
         fig = figure(figsize=(10, 11.5), layout="constrained")
         ax, bx, cx = fig.subplots(3, 1, height_ratios=[2.2, 1, 0.75])
     else:
         fig = figure(figsize=(10, 6), layout="constrained")
         ax = fig.subplots()
-    _draw_heatmap(fig, ax, load.counts, load.moe_layers, load.num_experts_per_tok, title)
+    draw_heatmap(fig, ax, load.counts, load.moe_layers, load.num_experts_per_tok, title)
     if placements:
         _draw_bars(bx, placements)
         _draw_layer_imbalance(cx, placements, load.moe_layers)
-    return _png_bytes(fig, dpi)
+    return png_bytes(fig, dpi)
 
 
 # ---- CLI ----------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ label and one for all tokens: per MoE layer, the share of the label's tokens rou
 expert (a row sums to k; uniform is k / E). Over all tokens a balanced router is flat; a router
 that specialises shows different hot experts for different kinds of text.
 
-Needs the ``plot`` extra (matplotlib), like ``expert_load``, whose share arithmetic it uses.
+Needs the ``plot`` extra (matplotlib), like ``expert_load``; its share arithmetic is
+``sgl_jax.srt.expert_load_plot.token_share``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from sgl_jax.srt.configs.model_config import BUNDLED_MODEL_PATH
-from sgl_jax.tools.expert_load import PLOT_EXTRA_HINT, PlotUnavailableError, token_share
+from sgl_jax.srt.expert_load_plot import PLOT_EXTRA_HINT, PlotUnavailableError, token_share
 from sgl_jax.tools.reference_forward import ReferenceModel
 
 KINDS = ("prose", "code", "numbers")

@@ -57,12 +57,12 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
 )
 from sgl_jax.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sgl_jax.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from sgl_jax.srt.expert_load_plot import PlotUnavailableError, render_expert_load_png
 from sgl_jax.srt.managers import control
 from sgl_jax.srt.managers.io_struct import GenerateReqInput
 from sgl_jax.srt.managers.tokenizer_manager import EngineDeadError, TokenizerManager
 from sgl_jax.srt.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sgl_jax.srt.server_args import ServerArgs
-from sgl_jax.tools.expert_load import PlotUnavailableError, render_expert_load_png
 
 logger = logging.getLogger(__name__)
 

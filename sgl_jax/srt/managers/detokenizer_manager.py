@@ -1,14 +1,15 @@
-"""The detokenizer process: output ids -> text, incrementally; routed experts passed through.
+"""The detokenizer process: output ids -> text, incrementally.
 
 It never imports JAX (tested): it starts fast and holds no accelerator.
 
 It keeps one IncrementalDecoder per unfinished request (text is final only once no later token
-can change it, and a stop string is trimmed from the text) and forwards every other message
-from the scheduler to the tokenizer manager unchanged.
+can change it, and a stop string is trimmed from the text), fills the ``text`` of each
+``ReqOutput`` record and forwards every other message from the scheduler to the tokenizer
+manager unchanged.
 
-Routed-experts rows pass through as they came: numpy arrays carried out of band in both
-directions (``transport.py``), never pickled into the message, base64-encoded or copied here;
-the tokenizer manager encodes them once, where it builds the response.
+It reads nothing of a record but its ids, stop strings and ``skip_special_tokens``: every
+feature's payload passes through as it came, its numpy arrays out of band in both directions
+(``transport.py``), never pickled into the message, encoded or copied here.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import zmq
 
 from sgl_jax.srt.managers.incremental_detokenizer import IncrementalDecoder
-from sgl_jax.srt.managers.io_struct import BatchStrOut, BatchTokenIDOut
+from sgl_jax.srt.managers.io_struct import BatchStrOut, BatchTokenIDOut, ReqOutput
 from sgl_jax.srt.managers.transport import recv_obj, send_obj
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
 from sgl_jax.srt.tokenizer import Tokenizer
@@ -50,35 +51,23 @@ class DetokenizerManager:
             send_obj(self.send_socket, msg)
 
     def handle_batch_token_id_out(self, out: BatchTokenIDOut) -> BatchStrOut:
-        texts = []
-        for i, rid in enumerate(out.rids):
-            decoder = self.decoders.get(rid)
-            if decoder is None:
-                decoder = IncrementalDecoder(
-                    self.tokenizer, skip_special_tokens=out.skip_special_tokens[i],
-                    stop=out.stop_strs[i],
-                )
-                self.decoders[rid] = decoder
-            text = decoder.push(out.new_output_ids[i])
-            if out.finished_reasons[i] is not None:
-                if decoder.stopped_by is None:
-                    text += decoder.finish()
-                del self.decoders[rid]
-            texts.append(text)
-        return BatchStrOut(
-            rids=out.rids,
-            output_strs=texts,
-            new_output_ids=out.new_output_ids,
-            finished_reasons=out.finished_reasons,
-            prompt_tokens=out.prompt_tokens,
-            completion_tokens=out.completion_tokens,
-            cached_tokens=out.cached_tokens,
-            output_routed_experts=out.output_routed_experts or [None] * len(out.rids),
-            output_routed_expert_weights=out.output_routed_expert_weights,
-            weight_version=out.weight_version,
-            output_logprobs=out.output_logprobs,
-            first_token_times=out.first_token_times,
-        )
+        for rec in out.outputs:
+            rec.text = self._text_delta(rec)
+        return BatchStrOut(outputs=out.outputs, weight_version=out.weight_version)
+
+    def _text_delta(self, rec: ReqOutput) -> str:
+        """The text that became final with ``rec``'s new ids (all that is left if it ended)."""
+        decoder = self.decoders.get(rec.rid)
+        if decoder is None:
+            decoder = IncrementalDecoder(self.tokenizer, skip_special_tokens=rec.skip_special_tokens,
+                                         stop=rec.stop)
+            self.decoders[rec.rid] = decoder
+        text = decoder.push(rec.new_ids)
+        if rec.finish_reason is not None:
+            if decoder.stopped_by is None:
+                text += decoder.finish()
+            del self.decoders[rec.rid]
+        return text
 
 
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, pipe: Any) -> None:

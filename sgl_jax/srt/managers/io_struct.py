@@ -3,13 +3,14 @@ control operations and their replies are in ``control.py``."""
 
 from __future__ import annotations
 
+import operator
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-import numpy as np
-
+from sgl_jax.srt.managers.logprob_record import LogprobsOut
 from sgl_jax.srt.managers.request_options import InvalidRequestError, RequestOptions
+from sgl_jax.srt.routed_experts_output import RoutedExpertsOut
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
 MAX_RID_CHARS = 256
@@ -147,44 +148,66 @@ class AbortReq:
     rid: str
 
 
+@dataclass(slots=True)
+class ReqOutput:
+    """One request's new output, built once by the scheduler (``OutputSender``).
+
+    The detokenizer reads the ids, ``stop`` and ``skip_special_tokens`` and fills ``text``;
+    it passes everything else through. Each optional feature is ONE payload, None when the
+    request did not ask, and formats itself for the response where the tokenizer manager
+    builds ``meta_info`` (so a new feature is a field here and its payload type, not a
+    column on every hop).
+    """
+
+    rid: str  # the per-submission key the scheduler and detokenizer know
+    new_ids: list[int]  # output ids since the request's previous message
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int  # so far
+    cached_tokens: int
+    stop: list[str]  # stop strings, trimmed from the text by the detokenizer
+    skip_special_tokens: bool
+    text: str = ""  # the text that became final with these ids (the detokenizer's)
+    # Routed-experts rows (and routing weights) completed since the previous message;
+    # arrays travel out of band (transport.py).
+    routed: RoutedExpertsOut | None = None
+    logprobs: LogprobsOut | None = None  # entries recorded since the previous message
+    # When the scheduler took its first output token (time.monotonic(), a system-wide clock
+    # on one host): the metrics' time to first token.
+    first_token_time: float | None = None
+
+
+_req_output_values = operator.attrgetter(*(f.name for f in fields(ReqOutput)))
+
+
+def _reduce_batch(batch: BatchTokenIDOut | BatchStrOut) -> tuple:
+    """A batch pickles its records as one column per ``ReqOutput`` field: field names and
+    record classes once per message, not per request (pickling records one by one costs
+    several times as much, on every step of every streaming request)."""
+    columns = list(zip(*map(_req_output_values, batch.outputs), strict=True))
+    return _unpickle_batch, (type(batch), columns, batch.weight_version)
+
+
+def _unpickle_batch(cls: type, columns: list[tuple], weight_version: str) -> Any:
+    outputs = list(map(ReqOutput, *columns)) if columns else []
+    return cls(outputs=outputs, weight_version=weight_version)
+
+
 @dataclass
 class BatchTokenIDOut:
-    """Scheduler -> detokenizer: new output ids (and final state) of some requests."""
+    """Scheduler -> detokenizer: the new output of some requests (text not yet filled)."""
 
-    rids: list[str]
-    new_output_ids: list[list[int]]
-    finished_reasons: list[dict | None]
-    prompt_tokens: list[int]
-    completion_tokens: list[int]
-    cached_tokens: list[int]
-    stop_strs: list[list[str]]
-    skip_special_tokens: list[bool]
-    output_routed_experts: list[np.ndarray | None] = field(default_factory=list)
-    # The same rows' routing weights (float32 or float16), for requests that asked.
-    output_routed_expert_weights: list[np.ndarray | None] = field(default_factory=list)
+    outputs: list[ReqOutput]
     weight_version: str = "0"  # of the weights that computed these outputs
-    # Per request: its logprob entries since its previous message (LogprobRecord.take_new),
-    # or None when it did not ask.
-    output_logprobs: list[dict[str, list] | None] = field(default_factory=list)
-    # Per request: when the scheduler took its first output token (time.monotonic(), a
-    # system-wide clock on one host), or None: the metrics' time to first token.
-    first_token_times: list[float | None] = field(default_factory=list)
+
+    __reduce__ = _reduce_batch
 
 
 @dataclass
 class BatchStrOut:
-    """Detokenizer -> tokenizer manager: new text of some requests."""
+    """Detokenizer -> tokenizer manager: the same records, their ``text`` filled."""
 
-    rids: list[str]
-    output_strs: list[str]
-    new_output_ids: list[list[int]]
-    finished_reasons: list[dict | None]
-    prompt_tokens: list[int]
-    completion_tokens: list[int]
-    cached_tokens: list[int]
-    # Rows as the scheduler sent them (out of band; base64 only in the response).
-    output_routed_experts: list[np.ndarray | None] = field(default_factory=list)
-    output_routed_expert_weights: list[np.ndarray | None] = field(default_factory=list)
+    outputs: list[ReqOutput]
     weight_version: str = "0"
-    output_logprobs: list[dict[str, list] | None] = field(default_factory=list)
-    first_token_times: list[float | None] = field(default_factory=list)  # as above
+
+    __reduce__ = _reduce_batch

@@ -3,17 +3,49 @@
 Entries follow SGLang's ``meta_info`` format without the text (the tokenizer manager adds it):
 ``(logprob, token_id)`` per position for ``*_token_logprobs``, and per position a list of such
 pairs for ``*_top_logprobs`` (most likely first) and ``*_token_ids_logprobs`` (the asked ids, in
-the asked order). Input position 0 has no logprob: ``(None, first_prompt_token)``.
+the asked order). Input position 0 has no logprob: ``(None, first_prompt_token)``. A message
+carries a request's new entries (``LogprobsOut``) to the tokenizer manager, which adds the
+text (``logprobs_meta_info``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 KINDS = ("token_logprobs", "top_logprobs", "token_ids_logprobs")
+# Every meta_info key of logprobs ends with one of these ("input_top_logprobs", ...).
+KEY_SUFFIXES = tuple(f"_{kind}" for kind in KINDS)
+
+
+def is_logprob_key(key: str) -> bool:
+    return key.endswith(KEY_SUFFIXES)
+
+
+# A message's logprob payload: a request's entries since its previous message, by meta_info
+# key (the kinds it asked for), without their token text. A plain dict: it pickles inline
+# (a wrapper object would cost a pickling hook per request on every streamed step).
+LogprobsOut = dict[str, list[Any]]
+
+
+def logprobs_meta_info(entries: LogprobsOut,
+                       token_text: Callable[[int], str] | None) -> dict[str, list[Any]]:
+    """The logprob keys of a ``meta_info``: each ``(logprob, token_id)`` of ``entries`` gains
+    its token's text (``token_text``, for ``return_text_in_logprobs``) or None."""
+
+    def entry(pair: tuple) -> tuple:
+        return (pair[0], pair[1], None if token_text is None else token_text(pair[1]))
+
+    out = {}
+    for key, values in entries.items():
+        if key.endswith("_token_logprobs"):
+            out[key] = [entry(v) for v in values]
+        else:  # per position a list of pairs (None for prompt position 0)
+            out[key] = [None if v is None else [entry(p) for p in v] for v in values]
+    return out
 
 
 @dataclass
@@ -86,7 +118,7 @@ class LogprobRecord:
         if self.token_ids is not None:
             self.entries["input_token_ids_logprobs"].append(None)
 
-    def take_new(self) -> dict[str, list[Any]]:
+    def take_new(self) -> LogprobsOut:
         """The entries recorded since the previous call (the kinds the request asked for)."""
         out = {}
         for key, values in self.entries.items():

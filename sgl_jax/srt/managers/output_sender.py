@@ -1,4 +1,5 @@
-"""Packs the scheduler's per-request progress into messages for the detokenizer and sends them."""
+"""Packs the scheduler's per-request progress into messages for the detokenizer and sends them:
+one ``ReqOutput`` record per request, each optional feature its payload."""
 
 from __future__ import annotations
 
@@ -8,14 +9,11 @@ from typing import Any
 import numpy as np
 import zmq
 
-from sgl_jax.srt.managers.io_struct import BatchTokenIDOut
+from sgl_jax.srt.managers.io_struct import BatchTokenIDOut, ReqOutput
 from sgl_jax.srt.managers.schedule_batch import Req
 from sgl_jax.srt.managers.transport import send_obj
-from sgl_jax.srt.routed_experts_codec import (
-    ROUTED_EXPERT_WEIGHTS_DTYPES,
-    to_wire_dtype,
-    wire_dtype,
-)
+from sgl_jax.srt.routed_experts_codec import wire_dtype
+from sgl_jax.srt.routed_experts_output import RoutedExpertsOut
 
 # Routed-experts bytes per message (a single larger request goes alone).
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -50,56 +48,57 @@ class OutputSender:
 
     def pack(self, reqs: list[Req]) -> BatchTokenIDOut | None:
         """The message for those of ``reqs`` that are due (None if none is); marks them sent."""
-        out = [r for r in reqs if self.due(r)]
-        if not out:
+        outputs = [self._record(r) for r in reqs if self.due(r)]
+        if not outputs:
             return None
-        msg = BatchTokenIDOut(
-            rids=[r.rid for r in out],
-            new_output_ids=[r.output_ids[r.sent_len :] for r in out],
-            finished_reasons=[r.finished_reason for r in out],
-            prompt_tokens=[len(r.origin_input_ids) for r in out],
-            completion_tokens=[len(r.output_ids) for r in out],
-            cached_tokens=[r.cached_tokens for r in out],
-            stop_strs=[list(r.sampling_params.stop or []) for r in out],
-            skip_special_tokens=[r.sampling_params.skip_special_tokens for r in out],
-            weight_version=self.weight_version,
-            output_logprobs=[None if r.logprobs is None else r.logprobs.take_new() for r in out],
-            first_token_times=[r.first_token_time for r in out],
-        )
-        routed = [self._routed_rows(r) for r in out]
-        msg.output_routed_experts = [ids for ids, _ in routed]
-        msg.output_routed_expert_weights = [weights for _, weights in routed]
-        for r in out:
-            r.sent_len = len(r.output_ids)
-        return msg
+        return BatchTokenIDOut(outputs=outputs, weight_version=self.weight_version)
 
-    def _routed_rows(self, req: Req) -> tuple[np.ndarray | None, np.ndarray | None]:
+    def _record(self, req: Req) -> ReqOutput:
+        """``req``'s output since its previous message, every payload it asked for."""
+        # Positional, in field order: binding 11 keywords costs 3x as much, and this runs for
+        # every streaming request on every step.
+        out = ReqOutput(
+            req.rid,
+            req.output_ids[req.sent_len :],  # new_ids
+            req.finished_reason,
+            len(req.origin_input_ids),  # prompt_tokens
+            len(req.output_ids),  # completion_tokens
+            req.cached_tokens,
+            list(req.sampling_params.stop or []),
+            req.sampling_params.skip_special_tokens,
+            "",  # text: the detokenizer's
+            self._routed_rows(req),
+            None if req.logprobs is None else req.logprobs.take_new(),
+            req.first_token_time,
+        )
+        req.sent_len = len(req.output_ids)
+        return out
+
+    def _routed_rows(self, req: Req) -> RoutedExpertsOut | None:
         """The rows ``req``'s message carries (see the class), in its wire dtype, and their
-        routing weights (None unless it asked for them)."""
+        routing weights if it asked for them; None when it carries none."""
         opts = req.options
         if not opts.return_routed_experts:
-            return None, None
+            return None
+        start = opts.start_len + req.routed_sent  # the position of the first row it sends
         if req.finished:
             # All its rows [start_len, n) were gathered when it ended (a retracted one holds
             # those of before); a stream already sent the first ``routed_sent``.
             rows, weights = req.routed_experts, req.routed_expert_weights
             if rows is None:
-                return None, None
+                return None
             rows = rows[req.routed_sent :]
             weights = None if weights is None else weights[req.routed_sent :]
         elif req.stream and self.routed_rows_of is not None:
             # Rows up to seq_len - 1 are on the host: this step's were written before packing,
             # and a step still in flight only computes the position of the newest token.
-            start = opts.start_len + req.routed_sent
             rows = self.routed_rows_of(req, start, raw=True)
             weights = (self.routed_rows_of(req, start, weights=True)
                        if opts.return_routed_expert_weights else None)
         else:
-            return None, None
+            return None
         req.routed_sent += len(rows)
-        if weights is not None:
-            weights = weights.astype(ROUTED_EXPERT_WEIGHTS_DTYPES[opts.weights_dtype])
-        return to_wire_dtype(rows, opts.dtype), weights
+        return RoutedExpertsOut.to_wire(rows, start, opts.dtype, weights, opts.weights_dtype)
 
     def send(self, reqs: list[Req]) -> None:
         """Sends the due ones of ``reqs`` in messages of at most ``max_message_bytes`` of

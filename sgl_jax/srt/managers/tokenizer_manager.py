@@ -24,7 +24,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import zmq
 
 from sgl_jax.srt.configs.model_config import ModelConfig
@@ -33,15 +32,13 @@ from sgl_jax.srt.managers.io_struct import (
     AbortReq,
     BatchStrOut,
     GenerateReqInput,
+    ReqOutput,
     TokenizedGenerateReqInput,
 )
+from sgl_jax.srt.managers.logprob_record import logprobs_meta_info
 from sgl_jax.srt.managers.request_options import InvalidRequestError, RequestOptions
 from sgl_jax.srt.managers.transport import recv_obj
 from sgl_jax.srt.metrics import RequestObserver, create_observer
-from sgl_jax.srt.routed_experts_codec import (
-    encode_routed_expert_weights,
-    encode_routed_experts,
-)
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
 from sgl_jax.srt.tokenizer import Tokenizer
@@ -67,13 +64,12 @@ class ReqState:
     key: str  # the id the scheduler and detokenizer know: unique per submission
     loop: asyncio.AbstractEventLoop
     event: asyncio.Event
-    pending: deque = field(default_factory=deque)  # BatchStrOut slices, appended by the receiver
+    pending: deque = field(default_factory=deque)  # output pieces, appended by the receiver
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     created: float = field(default_factory=time.monotonic)
     error: str | None = None
     options: RequestOptions = field(default_factory=RequestOptions)  # validated
-    routed_rows_sent: int = 0  # routed-experts rows handed out so far (streaming)
     # routed_experts_split: rows before this index (the prompt's) are ``prompt_routed_experts``
     split_at: int | None = None
     logprobs: dict[str, list] = field(default_factory=dict)  # every entry so far, by key
@@ -425,101 +421,40 @@ class TokenizerManager:
                 logger.warning("tokenizer manager got an unexpected %s", type(msg).__name__)
 
     def _dispatch(self, out: BatchStrOut) -> None:
-        for i, key in enumerate(out.rids):
-            state = self._by_key.get(key)
+        for rec in out.outputs:
+            state = self._by_key.get(rec.rid)
             if state is None:
                 continue  # aborted by its caller
-            meta: dict[str, Any] = {
-                "id": state.rid,
-                "prompt_tokens": out.prompt_tokens[i],
-                "completion_tokens": out.completion_tokens[i],
-                "cached_tokens": out.cached_tokens[i],
-                "finish_reason": out.finished_reasons[i],
-                "weight_version": out.weight_version,
-            }
-            if out.finished_reasons[i] is not None:
-                meta["e2e_latency"] = time.monotonic() - state.created
-            if out.output_routed_experts and out.output_routed_experts[i] is not None:
-                weights = out.output_routed_expert_weights
-                meta.update(self._routed_meta(
-                    state, out.output_routed_experts[i], weights[i] if weights else None))
-            if out.output_logprobs and out.output_logprobs[i] is not None:
-                meta.update(self._logprob_meta(state, out.output_logprobs[i]))
+            meta = self._meta_info(state, rec, out.weight_version)
             if self.observer.enabled:  # before the piece is handed over (it may end the wait)
-                self._observe(state, out, i, meta)
-            state.pending.append(
-                {"text": out.output_strs[i], "output_ids": out.new_output_ids[i], "meta_info": meta}
-            )
+                self.observer.on_output(state, meta, rec)
+            state.pending.append({"text": rec.text, "output_ids": rec.new_ids, "meta_info": meta})
             state.loop.call_soon_threadsafe(state.event.set)
 
-    def _observe(self, state: ReqState, out: BatchStrOut, i: int, meta: dict[str, Any]) -> None:
-        rows = out.output_routed_experts[i] if out.output_routed_experts else None
-        weights = out.output_routed_expert_weights[i] if out.output_routed_expert_weights \
-            else None
-        self.observer.on_output(
-            state, meta, out.first_token_times[i] if out.first_token_times else None,
-            0 if rows is None else rows.nbytes, 0 if weights is None else weights.nbytes)
-
-    def _routed_meta(
-        self, state: ReqState, rows: np.ndarray, weights: np.ndarray | None
-    ) -> dict[str, Any]:
-        """The routed-experts keys of a ``meta_info``: the rows (raw arrays out of band, in
-        the request's wire dtype; base64 once, here), their dtype, shape ``[rows, layers, k]``
-        and ``routed_experts_start``, the position of the first row (a stream's chunks carry
-        consecutive runs of rows); the routing weights likewise when asked for. With
-        ``routed_experts_split`` the prompt's rows take the same keys prefixed ``prompt_``."""
-        start = state.options.start_len + state.routed_rows_sent
-        state.routed_rows_sent += len(rows)
-        meta: dict[str, Any] = {}
-        if state.split_at is not None:
-            cut = min(max(state.split_at - start, 0), len(rows))
-            if cut:
-                meta.update(self._rows_meta(
-                    "prompt_", state.options, start, rows[:cut],
-                    None if weights is None else weights[:cut]))
-            start, rows = start + cut, rows[cut:]
-            weights = None if weights is None else weights[cut:]
-        meta.update(self._rows_meta("", state.options, start, rows, weights))
-        return meta
-
-    def _rows_meta(self, prefix: str, options: RequestOptions, start: int, rows: np.ndarray,
-                   weights: np.ndarray | None) -> dict[str, Any]:
-        shape = [len(rows), self.model_config.num_hidden_layers,
-                 self.model_config.num_experts_per_tok]
-        meta = {
-            f"{prefix}routed_experts": encode_routed_experts(rows, options.dtype),
-            f"{prefix}routed_experts_start": start,
-            f"{prefix}routed_experts_dtype": options.dtype,
-            f"{prefix}routed_experts_shape": shape,
+    def _meta_info(self, state: ReqState, rec: ReqOutput, weight_version: str) -> dict[str, Any]:
+        """A piece's ``meta_info``: counts, finish reason, and each payload's own keys."""
+        meta: dict[str, Any] = {
+            "id": state.rid,
+            "prompt_tokens": rec.prompt_tokens,
+            "completion_tokens": rec.completion_tokens,
+            "cached_tokens": rec.cached_tokens,
+            "finish_reason": rec.finish_reason,
+            "weight_version": weight_version,
         }
-        if weights is not None:
-            meta.update({
-                f"{prefix}routed_expert_weights":
-                    encode_routed_expert_weights(weights, options.weights_dtype),
-                f"{prefix}routed_expert_weights_dtype": options.weights_dtype,
-                f"{prefix}routed_expert_weights_shape": shape,
-            })
+        if rec.finish_reason is not None:
+            meta["e2e_latency"] = time.monotonic() - state.created
+        if rec.routed is not None:
+            meta.update(rec.routed.meta_info(state.split_at))
+        if rec.logprobs is not None:
+            entries = logprobs_meta_info(
+                rec.logprobs, self._token_text if state.options.return_text_in_logprobs else None)
+            for key, values in entries.items():  # the whole lists, for a whole result
+                state.logprobs.setdefault(key, []).extend(values)
+            meta.update(entries)
         return meta
 
-    def _logprob_meta(self, state: ReqState, new: dict[str, list]) -> dict[str, list]:
-        """The logprob keys of a ``meta_info`` from the scheduler's new entries: each
-        ``(logprob, token_id)`` gains its token's text (``return_text_in_logprobs``) or None;
-        they are also added to the request's whole lists."""
-        with_text = state.options.return_text_in_logprobs
-
-        def entry(pair: tuple) -> tuple:
-            text = self.tokenizer.decode([pair[1]], skip_special_tokens=False) if with_text \
-                else None
-            return (pair[0], pair[1], text)
-
-        out = {}
-        for key, values in new.items():
-            if key.endswith("_token_logprobs"):
-                out[key] = [entry(v) for v in values]
-            else:  # per position a list of pairs (None for prompt position 0)
-                out[key] = [None if v is None else [entry(p) for p in v] for v in values]
-            state.logprobs.setdefault(key, []).extend(out[key])
-        return out
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def set_dead(self, reason: str) -> None:
         """A child died: fail every waiting request now and every new one from now on."""

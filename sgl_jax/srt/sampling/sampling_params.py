@@ -14,7 +14,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-from sgl_jax.srt.managers import sglang_fields
+from sgl_jax.srt import sglang_fields
 
 # A temperature below this is greedy decoding; the device sampler uses the same threshold, so a
 # request is greedy on the host exactly when it is greedy on the device.

@@ -13,16 +13,15 @@ from __future__ import annotations
 from typing import Any
 
 from sgl_jax.srt.entrypoints.openai.protocol import OpenAIError
+from sgl_jax.srt.managers.logprob_record import is_logprob_key
 from sgl_jax.srt.sampling.sampling_params import MAX_TOP_LOGPROBS
-
-LOGPROB_KEY_SUFFIXES = ("_token_logprobs", "_top_logprobs", "_token_ids_logprobs")
 
 
 def without_logprobs(meta: dict[str, Any] | None) -> dict[str, Any] | None:
     """``meta_info`` without the SGLang logprob lists (the OpenAI ``logprobs`` field has them)."""
     if meta is None:
         return None
-    return {k: v for k, v in meta.items() if not k.endswith(LOGPROB_KEY_SUFFIXES)}
+    return {k: v for k, v in meta.items() if not is_logprob_key(k)}
 
 
 def _check_top(value: int | None, param: str) -> None:

@@ -26,7 +26,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from sgl_jax.srt.managers import sglang_fields
+from sgl_jax.srt import sglang_fields
 from sgl_jax.srt.managers.io_struct import MAX_RID_CHARS, GenerateReqInput
 from sgl_jax.srt.managers.request_options import (
     InvalidRequestError,

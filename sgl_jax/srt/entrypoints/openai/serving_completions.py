@@ -37,6 +37,7 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
 )
 from sgl_jax.srt.managers.io_struct import GenerateReqInput, order_results
 from sgl_jax.srt.managers.tokenizer_manager import TokenizerManager
+from sgl_jax.srt.routed_experts_output import routed_experts_keys
 
 _FINISH_REASONS = {"stop": "stop", "length": "length"}
 
@@ -54,8 +55,7 @@ def stream_meta(meta: dict[str, Any], final: bool) -> dict[str, Any] | None:
     ``routed_experts_split``), or none."""
     if final:
         return meta
-    routed = {k: v for k, v in meta.items() if "routed_expert" in k}
-    return routed or None
+    return routed_experts_keys(meta) or None
 
 
 def matched_stop(meta: dict[str, Any]) -> int | str | None:

@@ -1,0 +1,106 @@
+"""A request's routed experts on their way out: the payload of its output record (built by the
+scheduler, passed through by the detokenizer), and the one place that turns it into
+``meta_info`` keys. The Engine and ``/generate`` return those keys in ``meta_info``; the OpenAI
+routes return them in ``choices[i].meta_info`` (and alone in a stream's earlier chunks).
+
+JAX-free, like the codec it uses (the detokenizer process never imports JAX).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sgl_jax.srt.routed_experts_codec import (
+    ROUTED_EXPERT_WEIGHTS_DTYPES,
+    dtype_name,
+    encode_routed_expert_weights,
+    encode_routed_experts,
+    to_wire_dtype,
+)
+
+# Every meta_info key of this payload holds it (routed_experts*, routed_expert_weights*, and
+# their prompt_ forms).
+_KEY_MARK = "routed_expert"
+
+
+@dataclass(slots=True)
+class RoutedExpertsOut:
+    """Rows ``[start, start + n)`` of one request: ``ids`` ``[n, layers, k]`` in the request's
+    wire dtype (``routed_experts_dtype``) and, when it asked for them, the same rows' routing
+    weights in their wire float dtype. The arrays' dtypes and shapes describe them; they
+    travel out of band between processes and are base64-encoded once, in ``meta_info``."""
+
+    ids: np.ndarray
+    start: int  # the position of the first row (meta_info "routed_experts_start")
+    weights: np.ndarray | None = None
+
+    @classmethod
+    def to_wire(cls, rows: np.ndarray, start: int, dtype: str,
+                weights: np.ndarray | None = None,
+                weights_dtype: str = "float32") -> RoutedExpertsOut:
+        """Rows in any integer dtype (e.g. the host table's) cast once to the wire dtypes."""
+        if weights is not None:
+            weights = weights.astype(ROUTED_EXPERT_WEIGHTS_DTYPES[weights_dtype], copy=False)
+        return cls(to_wire_dtype(rows, dtype), start, weights)
+
+    def __reduce__(self) -> tuple:
+        # Its fields in order: several times cheaper to pickle and unpickle than slot state
+        # (a streamed step's message holds one per request that asked).
+        return RoutedExpertsOut, (self.ids, self.start, self.weights)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.ids)
+
+    @property
+    def ids_nbytes(self) -> int:
+        return self.ids.nbytes
+
+    @property
+    def weights_nbytes(self) -> int:
+        return 0 if self.weights is None else self.weights.nbytes
+
+    def rows(self, begin: int, end: int | None = None) -> RoutedExpertsOut:
+        """Rows ``[begin, end)`` of these (indices into ``ids``)."""
+        weights = None if self.weights is None else self.weights[begin:end]
+        return RoutedExpertsOut(self.ids[begin:end], self.start + begin, weights)
+
+    def meta_info(self, split_at: int | None = None) -> dict[str, Any]:
+        """The ``meta_info`` keys: ``routed_experts`` (base64), ``routed_experts_start``,
+        ``routed_experts_dtype`` and ``routed_experts_shape`` ``[rows, layers, k]``; the
+        routing weights likewise (``routed_expert_weights``, ``_dtype``, ``_shape``) when
+        present. With ``routed_experts_split`` (``split_at``: the prompt length) the rows of
+        positions before ``split_at`` take the same keys prefixed ``prompt_``."""
+        if split_at is None:
+            return self._keys("")
+        cut = min(max(split_at - self.start, 0), self.num_rows)
+        meta = self.rows(0, cut)._keys("prompt_") if cut else {}
+        meta.update(self.rows(cut)._keys(""))
+        return meta
+
+    def _keys(self, prefix: str) -> dict[str, Any]:
+        shape = list(self.ids.shape)
+        name = dtype_name(self.ids.dtype)
+        meta: dict[str, Any] = {
+            f"{prefix}routed_experts": encode_routed_experts(self.ids, name),
+            f"{prefix}routed_experts_start": self.start,
+            f"{prefix}routed_experts_dtype": name,
+            f"{prefix}routed_experts_shape": shape,
+        }
+        if self.weights is not None:
+            weights_name = dtype_name(self.weights.dtype)
+            meta.update({
+                f"{prefix}routed_expert_weights":
+                    encode_routed_expert_weights(self.weights, weights_name),
+                f"{prefix}routed_expert_weights_dtype": weights_name,
+                f"{prefix}routed_expert_weights_shape": shape,
+            })
+        return meta
+
+
+def routed_experts_keys(meta: dict[str, Any]) -> dict[str, Any]:
+    """The routed-experts keys of a ``meta_info`` (what a stream's earlier chunks carry)."""
+    return {k: v for k, v in meta.items() if _KEY_MARK in k}

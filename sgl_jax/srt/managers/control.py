@@ -93,9 +93,13 @@ class ControlOp:
         return self
 
     def apply(self, target: ControlTarget) -> Any:
+        """Does the operation on rank 0's scheduler, between steps: its reply (a
+        ``reply_type``), or None when the scheduler answers it later. Never raises for a
+        refusal (the reply says it): an exception here is a bug, and stops the scheduler."""
         raise NotImplementedError
 
     def apply_on_node(self, node: NodeControl) -> Any:
+        """Mirrored operations: the change of one node's runner, run on every node."""
         raise NotImplementedError(f"{type(self).__name__} changes no device state")
 
 

@@ -34,7 +34,7 @@ import requests
 import zmq
 
 from sgl_jax.srt.forward_batch_info import ForwardMode, LogprobRequest, ModelWorkerBatch
-from sgl_jax.srt.managers import node_auth, node_wire
+from sgl_jax.srt.managers import control, node_auth, node_wire
 from sgl_jax.srt.managers.step_channel import (
     ASK,
     CHALLENGE,
@@ -359,13 +359,14 @@ def _messages() -> dict[str, object]:
     return {
         "prefill with prefix rows": [1, "batch", (_batch(), pages), "ab" * 16],
         "decode": [2, "batch", (decode, []), "cd" * 16],
-        "weights from disk": [3, "update_weights_from_disk", "/models/step-100", ""],
-        "weights from arrays": [4, "update_weights_from_arrays", weights, ""],
-        "rebalance with load": [5, "rebalance_experts",
-                                rng.integers(0, 1 << 40, (4, 8)).astype(np.int64), ""],
-        "rebalance without load": [6, "rebalance_experts", None, ""],
-        "recorder start": [7, "expert_recorder", "start", ""],
-        "recorder stop": [8, "expert_recorder", "stop", ""],
+        "weights from disk": [3, "control", control.UpdateWeightsFromDisk(
+            model_path="/models/step-100", weight_version="v1", abort_all_requests=True), ""],
+        "weights from arrays": [4, "control", control.UpdateWeightsFromArrays(arrays=weights), ""],
+        "rebalance with load": [5, "control", control.RebalanceExperts(
+            load=rng.integers(0, 1 << 40, (4, 8)).astype(np.int64)), ""],
+        "rebalance without load": [6, "control", control.RebalanceExperts(), ""],
+        "recorder start": [7, "control", control.StartExpertRecord(), ""],
+        "recorder stop": [8, "control", control.StopExpertRecord(), ""],
         "outcome ok": [9, "outcome", None, ""],
         "outcome failed": [10, "outcome", "no such file", ""],
         "goodbye": [11, "goodbye", None, ""],
@@ -380,11 +381,31 @@ def test_codec_round_trip_is_exact(name):
     message = _messages()[name]
     back = node_wire.decode(node_wire.encode(message))
     if name == "weights from arrays":  # big-endian arrays arrive little-endian, equal values
-        sent = message[2]["big_endian"]
-        got = back[2].pop("big_endian")
+        sent = message[2].arrays["big_endian"]
+        got = back[2].arrays.pop("big_endian")
         assert got.dtype == np.dtype("<i4") and np.array_equal(got, sent)
-        message[2].pop("big_endian")
+        message[2].arrays.pop("big_endian")
     assert _equal(back, message), (back, message)
+
+
+def _control_ops(cls: type = control.ControlOp) -> list[type]:
+    subclasses = cls.__subclasses__()
+    return subclasses + [c for sub in subclasses for c in _control_ops(sub)]
+
+
+def test_exactly_the_mirrored_control_operations_cross_to_the_followers():
+    """An operation every node applies is on the codec's list (else a multi-node job fails
+    when it is first used); one that only rank 0 applies is not (it cannot be sent)."""
+    ops = {c for c in _control_ops() if dataclasses.is_dataclass(c)}
+    mirrored = {c for c in ops if c.mirrored}
+    assert {c.__name__ for c in mirrored} == {"UpdateWeightsFromDisk", "UpdateWeightsFromArrays",
+                                              "RebalanceExperts", "StartExpertRecord",
+                                              "StopExpertRecord"}
+    for cls in ops:
+        assert (node_wire._DATACLASSES.get(cls.__name__) is cls) == cls.mirrored, cls
+        assert cls.__name__ in node_wire.schema() or not cls.mirrored
+    with pytest.raises(ValueError, match="FlushCache is not on the step channel's list"):
+        node_wire.encode([1, "control", control.FlushCache(), ""])
 
 
 def test_decoded_arrays_are_fresh_and_writable():

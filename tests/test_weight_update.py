@@ -147,6 +147,29 @@ def test_running_requests_finish_on_the_old_weights_or_are_aborted(server, secon
     assert info(server)["num_running_reqs"] == 0
 
 
+def test_two_concurrent_updates_each_get_their_own_answer(server, second_ckpt):
+    """While an update waits for a running request, a second one is refused at once: each
+    caller gets the answer to its own update (replies pair with calls by id, not by order)."""
+    done: dict[str, tuple] = {}
+    body = {"input_ids": PROMPTS[0], "sampling_params": {
+        "max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}}
+    request = threading.Thread(target=lambda: server.post("/generate", json=body))
+    request.start()
+    assert wait_until(lambda: info(server)["num_running_reqs"] == 1, timeout=30,
+                      interval=0.01)
+    threads = [threading.Thread(target=lambda v=v: done.update({v: update(
+        server, second_ckpt, weight_version=v)})) for v in ("first", "second")]
+    for thread in threads:
+        thread.start()
+    for thread in threads + [request]:
+        thread.join(60)
+    (ok, (_, out)), = [(v, r) for v, r in done.items() if r[0] == 200]
+    assert out["weight_version"] == ok  # the update this caller asked for
+    (_, (status, refused)), = [(v, r) for v, r in done.items() if v != ok]
+    assert status == 400 and "another weight update is in progress" in \
+        refused["error"]["message"], refused
+
+
 def test_pause_keeps_every_request_and_continue_resumes_it_identically(server, second_ckpt):
     params = {"max_new_tokens": 300, "temperature": 0.0, "ignore_eos": True}
     alone = server.post("/generate", json={"input_ids": PROMPTS[1], "sampling_params": params})

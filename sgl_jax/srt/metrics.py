@@ -250,7 +250,7 @@ class PrometheusMetrics:
             self._cached_total += cached
 
     def render(self, info: dict[str, Any], load: dict[str, Any] | None) -> bytes:
-        """The exposition text, gauges set from the scheduler's ``info`` (GetServerInfoReq)
+        """The exposition text, gauges set from the scheduler's ``info`` (control.GetServerInfo)
         and the recorder's ``load`` (None unless it records). Run off the event loop."""
         from prometheus_client import generate_latest
 

@@ -23,7 +23,20 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.srt.managers.io_struct import GenerateReqInput, UpdateWeightsReq
+from sgl_jax.srt.managers.control import (
+    ControlOp,
+    DumpExpertRecord,
+    FlushCache,
+    GetExpertLoad,
+    PauseGeneration,
+    RebalanceExperts,
+    StartExpertRecord,
+    StopExpertRecord,
+    UpdateWeightsFromArrays,
+    UpdateWeightsFromDisk,
+    check_reply,
+)
+from sgl_jax.srt.managers.io_struct import GenerateReqInput
 from sgl_jax.srt.managers.request_options import RequestOptions
 from sgl_jax.srt.managers.tokenizer_manager import TokenizerManager
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
@@ -246,7 +259,7 @@ class Engine:
         return self._run(self.tokenizer_manager.get_server_info())
 
     def flush_cache(self) -> bool:
-        return self._run(self.tokenizer_manager.flush_cache()).success
+        return self._run(self.tokenizer_manager.control(FlushCache())).success
 
     def abort_request(self, rid: str) -> None:
         self.tokenizer_manager.abort_request(rid)
@@ -260,9 +273,9 @@ class Engine:
         weights first (new ones wait), or are aborted with ``abort_all_requests``. Returns
         ``{"weight_version", "num_parameters", "seconds", ...}``; raises ValueError naming
         what is wrong (another architecture, a missing or mis-shaped tensor)."""
-        return self._update_weights(UpdateWeightsReq(
+        return dataclasses.asdict(self._control(UpdateWeightsFromDisk(
             model_path=model_path, weight_version=weight_version,
-            abort_all_requests=abort_all_requests))
+            abort_all_requests=abort_all_requests)))
 
     def update_weights_from_arrays(
         self, arrays: dict[str, Any], weight_version: str | None = None,
@@ -271,48 +284,46 @@ class Engine:
         """As ``update_weights_from_disk``, from tensors given by Hugging Face name (numpy or
         JAX arrays; a subset is fine, but all experts of a stacked projection together). The
         model runs in the scheduler's process, so the arrays travel as host bytes."""
-        return self._update_weights(UpdateWeightsReq(
+        return dataclasses.asdict(self._control(UpdateWeightsFromArrays(
             arrays=dict(arrays), weight_version=weight_version,
-            abort_all_requests=abort_all_requests))
-
-    def _update_weights(self, req: UpdateWeightsReq) -> dict[str, Any]:
-        out = self._run(self.tokenizer_manager.update_weights(req))
-        if not out.success:
-            raise ValueError(out.message)
-        return dataclasses.asdict(out)
+            abort_all_requests=abort_all_requests)))
 
     def start_expert_distribution_record(self) -> None:
         """Starts a window of the expert distribution recorder (needs
         ``expert_distribution_recorder_mode``; docs/expert_load.md). ValueError if the
         recorder is off or already recording."""
-        self._run(self.tokenizer_manager.expert_distribution("start"))
+        self._control(StartExpertRecord())
 
     def stop_expert_distribution_record(self) -> None:
         """Ends the window (ValueError if not recording); it can still be dumped."""
-        self._run(self.tokenizer_manager.expert_distribution("stop"))
+        self._control(StopExpertRecord())
 
     def dump_expert_distribution_record(self) -> str:
         """Writes the window recorded so far as .npz in ``expert_distribution_recorder_dir``
         and returns the path (ValueError if nothing was started)."""
-        return self._run(self.tokenizer_manager.expert_distribution("dump")).path
+        return self._control(DumpExpertRecord()).path
 
     def get_expert_load(self) -> dict:
         """``stat`` mode: the current window's counts, as ``GET /expert_load`` serves them."""
-        return self._run(self.tokenizer_manager.expert_distribution("load")).load
+        return self._control(GetExpertLoad()).load
 
     def rebalance_experts(self) -> dict:
         """EPLB (``enable_eplb``): a new expert placement from the recorder's ``stat`` counts,
         applied between steps without a restart or a recompilation. Returns the per-layer
         imbalance before and after and the new ``physical_to_logical`` tables."""
-        return self._run(self.tokenizer_manager.expert_distribution("rebalance")).load
+        return self._control(RebalanceExperts()).load
 
     def pause_generation(self) -> None:
         """Stops launching steps; running requests keep their state (and their callers wait)."""
-        self._run(self.tokenizer_manager.pause_generation(True))
+        self._control(PauseGeneration(pause=True))
 
     def continue_generation(self) -> None:
         """Resumes after ``pause_generation``, exactly where every request stopped."""
-        self._run(self.tokenizer_manager.pause_generation(False))
+        self._control(PauseGeneration(pause=False))
+
+    def _control(self, op: ControlOp) -> Any:
+        """The reply to ``op``; ValueError with the scheduler's reason if it refused."""
+        return check_reply(self._run(self.tokenizer_manager.control(op)))
 
     def child_pids(self) -> dict[str, int]:
         return self._procs.pids()

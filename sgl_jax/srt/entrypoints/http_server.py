@@ -58,7 +58,8 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
 from sgl_jax.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sgl_jax.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from sgl_jax.srt.expert_load_plot import PlotUnavailableError, render_expert_load_png
-from sgl_jax.srt.managers.io_struct import GenerateReqInput, UpdateWeightsReq
+from sgl_jax.srt.managers import control
+from sgl_jax.srt.managers.io_struct import GenerateReqInput
 from sgl_jax.srt.managers.tokenizer_manager import EngineDeadError, TokenizerManager
 from sgl_jax.srt.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from sgl_jax.srt.server_args import ServerArgs
@@ -222,7 +223,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
             load = None
             if ctx.server_args.expert_distribution_recorder_mode == "stat":
                 try:
-                    load = (await tm.expert_distribution("load")).load
+                    load = control.check_reply(await tm.control(control.GetExpertLoad())).load
                 except ValueError:  # nothing recorded yet
                     load = None
             body = await asyncio.to_thread(tm.observer.render, info, load)
@@ -280,7 +281,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     @app.post("/flush_cache")
     async def flush_cache() -> Response:
-        out = await tm.flush_cache()
+        out = await tm.control(control.FlushCache())
         if not out.success:
             raise OpenAIError(400, f"the cache was not flushed: {out.message}")
         return JSONResponse({"success": True, "message": "cache flushed"})
@@ -288,7 +289,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> Response:
         body = await read_json(request, UpdateWeightsFromDiskRequest)
-        out = await tm.update_weights(UpdateWeightsReq(
+        out = await tm.control(control.UpdateWeightsFromDisk(
             model_path=body.model_path, weight_version=body.weight_version,
             abort_all_requests=body.abort_all_requests))
         if not out.success:
@@ -298,47 +299,47 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     @app.post("/pause_generation")
     async def pause_generation() -> Response:
-        await tm.pause_generation(True)
+        await tm.control(control.PauseGeneration(pause=True))
         return JSONResponse({"success": True, "message": "generation paused"})
 
     @app.post("/continue_generation")
     async def continue_generation() -> Response:
-        await tm.pause_generation(False)
+        await tm.control(control.PauseGeneration(pause=False))
         return JSONResponse({"success": True, "message": "generation continued"})
 
-    async def recorder(action: str) -> Any:
+    async def recorder(op: control.ControlOp) -> Any:
         try:
-            return await tm.expert_distribution(action)
+            return control.check_reply(await tm.control(op))
         except ValueError as e:  # off, or the wrong order: the caller's problem
             raise OpenAIError(400, str(e)) from None
 
     @app.post("/start_expert_distribution_record")
     async def start_expert_distribution_record() -> Response:
-        out = await recorder("start")
+        out = await recorder(control.StartExpertRecord())
         return JSONResponse({"success": True, "message": out.message})
 
     @app.post("/stop_expert_distribution_record")
     async def stop_expert_distribution_record() -> Response:
-        out = await recorder("stop")
+        out = await recorder(control.StopExpertRecord())
         return JSONResponse({"success": True, "message": out.message})
 
     @app.post("/dump_expert_distribution_record")
     async def dump_expert_distribution_record() -> Response:
-        out = await recorder("dump")
+        out = await recorder(control.DumpExpertRecord())
         return JSONResponse({"success": True, "message": out.message, "path": out.path})
 
     @app.post("/rebalance_experts")
     async def rebalance_experts() -> Response:
-        out = await recorder("rebalance")
+        out = await recorder(control.RebalanceExperts())
         return JSONResponse({"success": True, "message": out.message, **out.load})
 
     @app.get("/expert_load")
     async def expert_load() -> Response:
-        return JSONResponse((await recorder("load")).load)
+        return JSONResponse((await recorder(control.GetExpertLoad())).load)
 
     @app.get("/expert_load.png")
     async def expert_load_png() -> Response:
-        load = (await recorder("load")).load
+        load = (await recorder(control.GetExpertLoad())).load
         title = (f"{load['architecture']}: expert load over {load['num_tokens']} tokens"
                  f"{' (recording)' if load['recording'] else ''}")
         try:

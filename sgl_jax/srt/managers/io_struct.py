@@ -1,4 +1,5 @@
-"""Every message that crosses a process boundary (pickled over ZMQ), built with keywords."""
+"""Every message that crosses a process boundary (pickled over ZMQ), built with keywords; the
+control operations and their replies are in ``control.py``."""
 
 from __future__ import annotations
 
@@ -145,77 +146,6 @@ class TokenizedGenerateReqInput:
 @dataclass
 class AbortReq:
     rid: str
-
-
-@dataclass
-class FlushCacheReq:
-    pass
-
-
-@dataclass
-class FlushCacheReqOutput:
-    success: bool
-    message: str = ""
-
-
-@dataclass
-class GetServerInfoReq:
-    pass
-
-
-@dataclass
-class UpdateWeightsReq:
-    """New weights: a checkpoint directory (``model_path``) or tensors by Hugging Face name
-    (``arrays``). Running requests finish on the old weights first (new ones wait), or with
-    ``abort_all_requests`` are aborted."""
-
-    model_path: str | None = None
-    arrays: dict[str, Any] | None = None
-    weight_version: str | None = None  # default: the previous version + 1
-    abort_all_requests: bool = False
-
-
-@dataclass
-class UpdateWeightsReqOutput:
-    success: bool
-    message: str
-    weight_version: str
-    num_parameters: int = 0  # parameters replaced (a stacked expert tensor counts once)
-    seconds: float = 0.0  # reading and placing the new weights (not the wait for requests)
-
-
-@dataclass
-class PauseGenerationReq:
-    """Stop launching steps (``pause=True``) or resume (False); every request keeps its state."""
-
-    pause: bool
-
-
-@dataclass
-class PauseGenerationReqOutput:
-    paused: bool
-
-
-@dataclass
-class ExpertDistributionReq:
-    """The expert distribution recorder (docs/expert_load.md): ``action`` is "start", "stop",
-    "dump" (writes a .npz, returns its path), "load" (the live stat counts) or "rebalance"
-    (EPLB: a new placement from the stat counts; ``load`` holds the imbalance figures)."""
-
-    action: str
-
-
-@dataclass
-class ExpertDistributionReqOutput:
-    success: bool
-    message: str = ""
-    path: str | None = None  # dump: the file written
-    load: dict[str, Any] | None = None  # load: counts, num_tokens, moe_layer_ids, ...
-
-
-@dataclass
-class GetServerInfoReqOutput:
-    info: dict[str, Any]
 
 
 @dataclass(slots=True)

@@ -7,12 +7,13 @@ order. Rank 0 runs the tokenizer manager, scheduler, detokenizer and HTTP server
 followers run only a ``ModelRunner`` and this module's loop.
 
 What changes a runner's device state goes through ``LeaderRunner`` on rank 0: it publishes
-the operation over the step channel (``step_channel.py``), then applies it itself. A step
-travels as the unpadded ``ModelWorkerBatch`` plus the prefix page rows read from rank 0's
+the step or operation over the step channel (``step_channel.py``), then applies it itself. A
+step travels as the unpadded ``ModelWorkerBatch`` plus the prefix page rows read from rank 0's
 pools; each follower pads it to the same bucket and checks the digest of what its devices
 will receive against rank 0's before dispatching, so a follower can never run another batch.
-A control operation (weight update, EPLB rebalance, recorder start / stop) is followed by its
-outcome on rank 0, and a follower whose outcome differs stops: nodes never go on with
+A mirrored control operation (``control.py``: weight update, EPLB rebalance, recorder start /
+stop) travels as itself and every node runs its ``apply_on_node``; then rank 0 sends its own
+outcome, and a follower whose outcome differs stops: nodes never go on with
 different weights. Results (sampled tokens, routed-experts rows, logprobs) are replicated
 outputs of the step, read by rank 0 from its own devices: no gather per step.
 """
@@ -32,6 +33,7 @@ import numpy as np
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch_info import ModelWorkerBatch
 from sgl_jax.srt.managers import node_wire
+from sgl_jax.srt.managers.control import ControlOp, ExpertRecorder
 from sgl_jax.srt.managers.node_auth import load_node_secret
 from sgl_jax.srt.managers.step_channel import FollowerChannel, LeaderChannel
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, StepOutput
@@ -94,36 +96,36 @@ def fingerprint_differences(leader: dict[str, str], follower: dict[str, str]) ->
 
 
 class RunnerControl:
-    """The control operations that change a runner's device state, by name: applied alike
-    on every node."""
+    """One node's runner as mirrored control operations change it (``control.NodeControl``):
+    the same calls on every node."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.weights = WeightUpdater(runner)
 
-    def apply(self, op: str, payload: Any) -> Any:
-        if op == "update_weights_from_disk":
-            return self.weights.update_from_disk(payload)
-        if op == "update_weights_from_arrays":
-            return self.weights.update_from_arrays(payload)
-        if op == "rebalance_experts":
-            return self.runner.rebalance_experts(payload)
-        if op == "expert_recorder":
-            recorder = self.runner.expert_recorder
-            if recorder is None or payload not in ("start", "stop"):
-                raise ValueError(f"expert recorder action {payload!r} is not possible here")
-            return getattr(recorder, payload)()
-        raise ValueError(f"unknown runner operation {op!r}")
+    def update_weights_from_disk(self, model_path: str) -> tuple[int, float]:
+        return self.weights.update_from_disk(model_path), self.weights.seconds
+
+    def update_weights_from_arrays(self, arrays: dict[str, Any]) -> tuple[int, float]:
+        return self.weights.update_from_arrays(arrays), self.weights.seconds
+
+    def rebalance_experts(self, load: np.ndarray | None) -> dict[str, Any]:
+        return self.runner.rebalance_experts(load)
+
+    def expert_recorder(self) -> ExpertRecorder:
+        if self.runner.expert_recorder is None:
+            raise ValueError("the expert distribution recorder is off on this node")
+        return self.runner.expert_recorder
 
 
 class LeaderRunner:
-    """Rank 0's runner: every step and control operation also goes to the followers (none on
-    a one-node job, where this is just the runner)."""
+    """Rank 0's runner: every step and mirrored control operation also goes to the followers
+    (none on a one-node job, where this is just the runner)."""
 
     def __init__(self, runner: ModelRunner, channel: LeaderChannel | None) -> None:
         self.runner = runner
         self.channel = channel
-        self.control_ops = RunnerControl(runner)
+        self.node_control = RunnerControl(runner)
 
     def run_batch(self, mwb: ModelWorkerBatch, rids: list[str]) -> StepOutput:
         runner = self.runner
@@ -132,14 +134,15 @@ class LeaderRunner:
             self.channel.publish("batch", (mwb, plan.prefix_pages), plan.digest())
         return runner.launch_step(plan, rids)[1]
 
-    def control(self, op: str, payload: Any) -> Any:
-        """Applies ``op`` on every node; an error here (ValueError, OSError) is raised after
-        the followers learn it, so they can check theirs."""
+    def control(self, op: ControlOp) -> Any:
+        """``op.apply_on_node`` on every node; an error here (ValueError, OSError) is raised
+        after the followers learn it, so they can check theirs."""
+        assert op.mirrored, f"{type(op).__name__} is not applied on every node"
         if self.channel is None:
-            return self.control_ops.apply(op, payload)
-        self.channel.publish(op, payload)
+            return op.apply_on_node(self.node_control)
+        self.channel.publish("control", op)
         try:
-            result = self.control_ops.apply(op, payload)
+            result = op.apply_on_node(self.node_control)
         except (ValueError, OSError) as e:
             self.channel.publish("outcome", str(e))
             raise
@@ -185,7 +188,7 @@ class Follower:
         self.runner = ModelRunner(server_args, model_config)  # joins the JAX job
         if not server_args.disable_precompile:
             self.runner.precompile()
-        self.control_ops = RunnerControl(self.runner)
+        self.node_control = RunnerControl(self.runner)
         self.steps = 0
 
     def run(self) -> None:
@@ -201,12 +204,15 @@ class Follower:
                         f"the last operation {'failed' if payload else 'succeeded'} on rank 0 "
                         f"({payload or 'ok'}) but {'failed' if outcome else 'succeeded'} here "
                         f"({outcome or 'ok'}): the nodes would diverge")
-            else:
+            elif op == "control" and isinstance(payload, ControlOp) and payload.mirrored:
                 try:
-                    self.control_ops.apply(op, payload)
+                    payload.apply_on_node(self.node_control)
                     outcome = None
                 except (ValueError, OSError) as e:
                     outcome = str(e)
+            else:
+                exit_on_fatal(f"rank 0 sent {op!r} with a {type(payload).__name__}, which "
+                              "this node does not apply: the nodes' code differs")
         logger.info("rank 0 stopped the job after %d steps", self.steps)
 
     def _receive(self) -> tuple[str, Any, str] | None:

@@ -8,7 +8,8 @@ only those:
 - tuples (``prefix_pages`` rows are ``(slot, pages)``);
 - numpy arrays of an allow-listed numeric dtype, as (dtype name, shape, raw little-endian
   bytes): never ``object`` dtype, and the byte count must match the shape;
-- the dataclasses in ``_DATACLASSES`` (the step's ``ModelWorkerBatch`` and what it holds), by
+- the dataclasses in ``_DATACLASSES`` (the step's ``ModelWorkerBatch`` and what it holds, and
+  the control operations every node applies: ``control.py``, ``mirrored``), by
   name into their constructor with exactly their fields' values (in declaration order; the
   start-up fingerprint holds ``schema()``, so nodes whose fields differ never join), and the
   enums in ``_ENUMS``.
@@ -29,6 +30,7 @@ import enum
 import math
 import operator
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import ml_dtypes
@@ -36,6 +38,13 @@ import msgpack
 import numpy as np
 
 from sgl_jax.srt.forward_batch_info import ForwardMode, LogprobRequest, ModelWorkerBatch
+from sgl_jax.srt.managers.control import (
+    RebalanceExperts,
+    StartExpertRecord,
+    StopExpertRecord,
+    UpdateWeightsFromArrays,
+    UpdateWeightsFromDisk,
+)
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
 # MessagePack extension codes.
@@ -55,9 +64,12 @@ _DTYPES: dict[str, np.dtype] = {
 }
 _MAX_NDIM = 32
 
-# The types a message may hold, by name: decoded into their constructor, nothing else.
+# The types a message may hold, by name: decoded into their constructor, nothing else. The
+# control operations are those that change device state on every node (``mirrored``).
 _DATACLASSES: dict[str, type] = {
-    cls.__name__: cls for cls in (ModelWorkerBatch, SamplingParams, LogprobRequest)
+    cls.__name__: cls for cls in (
+        ModelWorkerBatch, SamplingParams, LogprobRequest, UpdateWeightsFromDisk,
+        UpdateWeightsFromArrays, RebalanceExperts, StartExpertRecord, StopExpertRecord)
 }
 # Their fields in declaration order: an object goes as its values in that order (a step holds
 # one SamplingParams per request; names and ``dataclasses.fields`` per object cost 10x more).
@@ -66,8 +78,17 @@ _FIELDS: dict[type, tuple[str, ...]] = {
     cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in _DATACLASSES.values()
 }
 assert all(f.init for cls in _DATACLASSES.values() for f in dataclasses.fields(cls))
-assert all(len(names) > 1 for names in _FIELDS.values())  # attrgetter gives a tuple
-_GETTERS = {cls: operator.attrgetter(*names) for cls, names in _FIELDS.items()}
+
+
+def _getter(names: tuple[str, ...]) -> Callable[[Any], tuple]:
+    """The values of ``names`` of an object, as a tuple (attrgetter gives one for two or more
+    names only)."""
+    if len(names) > 1:
+        return operator.attrgetter(*names)
+    return lambda obj: tuple(getattr(obj, name) for name in names)
+
+
+_GETTERS = {cls: _getter(names) for cls, names in _FIELDS.items()}
 
 
 def schema() -> str:

@@ -26,21 +26,15 @@ import zmq
 from sgl_jax.srt.bounded_text import bound_message
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch_info import ForwardMode
-from sgl_jax.srt.managers.finish_checker import FinishChecker
-from sgl_jax.srt.managers.io_struct import (
-    AbortReq,
-    ExpertDistributionReq,
-    ExpertDistributionReqOutput,
-    FlushCacheReq,
-    FlushCacheReqOutput,
-    GetServerInfoReq,
-    GetServerInfoReqOutput,
-    PauseGenerationReq,
-    PauseGenerationReqOutput,
-    TokenizedGenerateReqInput,
-    UpdateWeightsReq,
+from sgl_jax.srt.managers.control import (
+    ControlOp,
+    ControlReply,
+    ExpertRecorder,
+    UpdateWeights,
     UpdateWeightsReqOutput,
 )
+from sgl_jax.srt.managers.finish_checker import FinishChecker
+from sgl_jax.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
 from sgl_jax.srt.managers.multi_node import LeaderRunner, open_leader_channel
 from sgl_jax.srt.managers.output_sender import OutputSender
 from sgl_jax.srt.managers.req_memory import ReqMemory
@@ -119,7 +113,7 @@ class Scheduler:
         self.weight_updates = 0
         self.weight_version = "0"
         # A weight update waiting for the requests that started on the old weights to finish.
-        self.update: UpdateWeightsReq | None = None
+        self.update: UpdateWeights | None = None
 
         ctx = zmq.Context(2)
         self.recv_socket = ctx.socket(zmq.PULL)
@@ -192,18 +186,8 @@ class Scheduler:
             self.add_request(msg)
         elif isinstance(msg, AbortReq):
             self.abort(msg.rid)
-        elif isinstance(msg, FlushCacheReq):
-            self.outputs.send_control(self.flush_cache())
-        elif isinstance(msg, GetServerInfoReq):
-            self.outputs.send_control(GetServerInfoReqOutput(info=self.server_info()))
-        elif isinstance(msg, UpdateWeightsReq):
-            self.request_weight_update(msg)
-        elif isinstance(msg, ExpertDistributionReq):
-            self.outputs.send_control(self.expert_distribution(msg.action))
-        elif isinstance(msg, PauseGenerationReq):
-            self.paused = msg.pause
-            logger.info("generation %s", "paused" if msg.pause else "continued")
-            self.outputs.send_control(PauseGenerationReqOutput(paused=self.paused))
+        elif isinstance(msg, ControlOp):
+            self.answer(msg, msg.apply(self))  # None: answered later (a weight update)
         else:
             logger.error("scheduler got an unknown message %r", type(msg))
 
@@ -432,69 +416,50 @@ class Scheduler:
         self.finish(req)
         self.outputs.send([req])
 
-    # -- control --------------------------------------------------------------------------------
-    def flush_cache(self) -> FlushCacheReqOutput:
-        if self.waiting or self.running or self.chunked:
-            return FlushCacheReqOutput(success=False, message="requests are still running")
-        self.memory.flush()
-        return FlushCacheReqOutput(success=True)
+    # -- control (control.ControlTarget: what control operations use) ------------------------
+    def answer(self, op: ControlOp, reply: Any) -> None:
+        if reply is not None:
+            self.outputs.send_control(ControlReply(call_id=op.call_id, reply=reply))
 
-    def expert_distribution(self, action: str) -> ExpertDistributionReqOutput:
-        """start / stop / dump / load of the expert distribution recorder; a refusal (off,
-        wrong order) is a reply with success=False, never an exception in the loop."""
-        recorder = self.runner.expert_recorder
-        if action == "rebalance":  # EPLB (docs/expert_load.md): between steps, no recompile
-            try:
-                load = None if recorder is None else recorder.stat_counts()[0]
-                return ExpertDistributionReqOutput(
-                    success=True, message="rebalanced",
-                    load=self.node.control("rebalance_experts", load))
-            except ValueError as e:
-                return ExpertDistributionReqOutput(success=False, message=str(e))
-        if recorder is None:
-            return ExpertDistributionReqOutput(
-                success=False, message="the expert distribution recorder is off; start the "
-                "server with --expert-distribution-recorder-mode stat, per_pass or per_token")
-        try:
-            if action == "start":
-                self.node.control("expert_recorder", "start")
-                return ExpertDistributionReqOutput(success=True, message="recording started")
-            if action == "stop":
-                self.node.control("expert_recorder", "stop")
-                return ExpertDistributionReqOutput(success=True, message="recording stopped")
-            if action == "dump":
-                path = recorder.dump()
-                logger.info("expert distribution dumped to %s", path)
-                return ExpertDistributionReqOutput(success=True, message="dumped", path=path)
-            if action == "load":
-                return ExpertDistributionReqOutput(success=True, load=recorder.load())
-            raise ValueError(f"unknown expert distribution action {action!r}")
-        except (ValueError, OSError) as e:
-            return ExpertDistributionReqOutput(success=False, message=str(e))
+    def on_every_node(self, op: ControlOp) -> Any:
+        return self.node.control(op)
+
+    def expert_recorder(self) -> ExpertRecorder | None:
+        return self.runner.expert_recorder
+
+    def set_paused(self, paused: bool) -> None:
+        self.paused = paused
+        logger.info("generation %s", "paused" if paused else "continued")
+
+    def flush_cache(self) -> None:
+        if self.waiting or self.running or self.chunked:
+            raise ValueError("requests are still running")
+        self.memory.flush()
 
     # -- weight updates -------------------------------------------------------------------------
     def _started_requests(self) -> list[Req]:
         """Requests computed in part on the current weights (running, chunked, retracted)."""
         return [r for r in [*self.running, self.chunked, *self.waiting] if r and r.admitted]
 
-    def request_weight_update(self, msg: UpdateWeightsReq) -> None:
+    def request_weight_update(self, msg: UpdateWeights,
+                              checkpoint: str | None = None) -> UpdateWeightsReqOutput | None:
         """Takes an update: at once if nothing started on the old weights (after aborting
         everything with ``abort_all_requests``), else once the started requests have finished
-        (new ones wait meanwhile). While paused, started requests cannot finish: that is an
-        error unless they are aborted."""
-        def refuse(message: str) -> None:
+        (new ones wait meanwhile); answered then. While paused, started requests cannot
+        finish: that is an error unless they are aborted. Returns a refusal, or None."""
+        def refuse(message: str) -> UpdateWeightsReqOutput:
             logger.warning("weight update refused: %s", message)
-            self.outputs.send_control(UpdateWeightsReqOutput(
-                success=False, message=message, weight_version=self.weight_version))
+            return UpdateWeightsReqOutput(
+                success=False, message=message, weight_version=self.weight_version)
 
         if self.update is not None:
             return refuse("another weight update is in progress")
         try:
-            if msg.model_path is not None:
-                check_compatible(self.model_config, msg.model_path)
+            if checkpoint is not None:
+                check_compatible(self.model_config, checkpoint)
         except Exception as e:  # noqa: BLE001 - a bad update never stops the scheduler
             if not isinstance(e, ValueError):
-                logger.exception("checking the weight update from %r failed", msg.model_path)
+                logger.exception("checking the weight update from %r failed", checkpoint)
             return refuse(bound_message(str(e) or type(e).__name__))
         if msg.abort_all_requests:
             for req in [*self.waiting, *self.running, self.chunked]:
@@ -508,14 +473,12 @@ class Scheduler:
         self.update = msg
         logger.info("weight update requested; waiting for %d started request(s)",
                     len(self._started_requests()))
+        return None
 
     def apply_weight_update(self) -> None:
         msg, self.update = self.update, None
         try:
-            if msg.model_path is not None:
-                count = self.node.control("update_weights_from_disk", msg.model_path)
-            else:
-                count = self.node.control("update_weights_from_arrays", msg.arrays or {})
+            count, seconds = self.node.control(msg)
         except Exception as e:  # noqa: BLE001 - the old weights serve on (see weight_updater)
             # WeightUpdateError (a ValueError, its traceback logged where it was raised if the
             # error was unexpected) is what the updater raises; anything else is a bug.
@@ -523,20 +486,19 @@ class Scheduler:
                 logger.warning("weight update failed: %s", bound_message(str(e)))
             else:
                 logger.exception("weight update failed")
-            self.outputs.send_control(UpdateWeightsReqOutput(
+            return self.answer(msg, UpdateWeightsReqOutput(
                 success=False, message=bound_message(str(e) or type(e).__name__),
                 weight_version=self.weight_version))
-            return
         # Cached KV and routed-experts rows were computed with the old weights.
         self.memory.flush()
         self.weight_updates += 1
         self.weight_version = msg.weight_version or str(self.weight_updates)
         self.outputs.weight_version = self.weight_version
         logger.info("weights updated (%d parameters in %.2fs); weight_version %s",
-                    count, self.node.control_ops.weights.seconds, self.weight_version)
-        self.outputs.send_control(UpdateWeightsReqOutput(
+                    count, seconds, self.weight_version)
+        self.answer(msg, UpdateWeightsReqOutput(
             success=True, message="weights updated", weight_version=self.weight_version,
-            num_parameters=count, seconds=self.node.control_ops.weights.seconds))
+            num_parameters=count, seconds=seconds))
 
     def server_info(self) -> dict[str, Any]:
         return {

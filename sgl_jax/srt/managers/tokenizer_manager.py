@@ -24,26 +24,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import zmq
 
 from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.managers.control import ControlOp, ControlReply, GetServerInfo
 from sgl_jax.srt.managers.io_struct import (
     AbortReq,
     BatchStrOut,
-    ExpertDistributionReq,
-    ExpertDistributionReqOutput,
-    FlushCacheReq,
-    FlushCacheReqOutput,
     GenerateReqInput,
-    GetServerInfoReq,
-    GetServerInfoReqOutput,
-    PauseGenerationReq,
-    PauseGenerationReqOutput,
     ReqOutput,
     TokenizedGenerateReqInput,
-    UpdateWeightsReq,
-    UpdateWeightsReqOutput,
 )
 from sgl_jax.srt.managers.logprob_record import logprobs_meta_info
 from sgl_jax.srt.managers.request_options import InvalidRequestError, RequestOptions
@@ -62,7 +52,6 @@ TOKENIZER_THREADS = 2
 # How much a normalizer may shrink a text before it is tokenized (Unicode composition turns
 # three Hangul jamo into one syllable): margin of the cheap prompt-length bound.
 _NORMALIZER_SHRINK = 4
-MAX_WEIGHT_VERSION_CHARS = 128
 
 
 class EngineDeadError(RuntimeError):
@@ -111,11 +100,8 @@ class TokenizerManager:
         self._by_key: dict[str, ReqState] = {}
         self._keys = itertools.count()
         self.dead_reason: str | None = None
-        self._control: dict[type, deque[Future]] = {
-            FlushCacheReqOutput: deque(), GetServerInfoReqOutput: deque(),
-            UpdateWeightsReqOutput: deque(), PauseGenerationReqOutput: deque(),
-            ExpertDistributionReqOutput: deque(),
-        }
+        self._control: dict[int, Future] = {}  # control calls awaiting a reply, by call id
+        self._call_ids = itertools.count(1)
         self._ctx = zmq.Context(2)
         self._send = self._ctx.socket(zmq.PUSH)
         self._send.connect(port_args.scheduler_ipc)
@@ -378,36 +364,26 @@ class TokenizerManager:
         return True
 
     # -- control --------------------------------------------------------------------------------
-    async def flush_cache(self) -> FlushCacheReqOutput:
-        return await self._control_call(FlushCacheReq(), FlushCacheReqOutput)
-
-    async def update_weights(self, req: UpdateWeightsReq) -> UpdateWeightsReqOutput:
-        """Replaces the served weights (see ``UpdateWeightsReq``). No time limit: by default
-        the update waits for the running requests to finish."""
-        check_weight_version(req.weight_version)
-        if req.arrays is not None:
-            # The scheduler is another process: arrays go as host bytes (device arrays are
-            # fetched here).
-            req.arrays = {name: np.asarray(a) for name, a in req.arrays.items()}
-        return await self._control_call(req, UpdateWeightsReqOutput, timeout=None)
-
-    async def pause_generation(self, pause: bool) -> PauseGenerationReqOutput:
-        return await self._control_call(PauseGenerationReq(pause=pause), PauseGenerationReqOutput)
-
-    async def expert_distribution(self, action: str) -> ExpertDistributionReqOutput:
-        """The expert distribution recorder: "start", "stop", "dump", "load" or "rebalance"
-        (EPLB). Raises
-        ValueError with the scheduler's reason when refused (recorder off, wrong order)."""
-        out = await self._control_call(ExpertDistributionReq(action=action),
-                                       ExpertDistributionReqOutput)
-        if not out.success:
-            raise ValueError(out.message)
-        return out
+    async def control(self, op: ControlOp) -> Any:
+        """Runs the control operation ``op`` (``control.py``) in the scheduler, between steps;
+        returns its reply (an ``op.reply_type``). Raises InvalidRequestError for an operation
+        the caller got wrong, TimeoutError after ``op.timeout`` seconds."""
+        self._check_alive()
+        # A copy: the id is this call's, whatever the caller does with its object.
+        op = dataclasses.replace(op.checked())
+        op.call_id = next(self._call_ids)
+        fut: Future = Future()
+        self._control[op.call_id] = fut
+        self._send_obj(op)
+        reply = await asyncio.wait_for(asyncio.wrap_future(fut), op.timeout)
+        if not isinstance(reply, op.reply_type):
+            raise TypeError(f"{type(op).__name__} got a {type(reply).__name__} reply")
+        return reply
 
     async def get_server_info(self) -> dict[str, Any]:
         """What ``Engine.get_server_info()`` and ``GET /get_server_info`` return: the
         scheduler's state and counters, the processes, and the server args (API key redacted)."""
-        out = await self._control_call(GetServerInfoReq(), GetServerInfoReqOutput)
+        out = await self.control(GetServerInfo())
         return {
             **out.info,
             "pid": os.getpid(),
@@ -415,14 +391,6 @@ class TokenizerManager:
             "served_model_name": self.served_model_name,
             "server_args": self.server_args.redacted(),
         }
-
-    async def _control_call(self, msg: Any, reply_type: type,
-                            timeout: float | None = 30.0) -> Any:
-        self._check_alive()
-        fut: Future = Future()
-        self._control[reply_type].append(fut)
-        self._send_obj(msg)
-        return await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
 
     # -- plumbing -------------------------------------------------------------------------------
     def _send_obj(self, obj: Any) -> None:
@@ -451,13 +419,12 @@ class TokenizerManager:
                 return
             if isinstance(msg, BatchStrOut):
                 self._dispatch(msg)
-            elif type(msg) in self._control and self._control[type(msg)]:
-                # Replies pair with calls in order. A caller that timed out cancelled its
-                # future; its late reply is consumed here all the same (not handed to the next
-                # caller), and must not raise: this thread delivers every request's outputs.
-                fut = self._control[type(msg)].popleft()
-                if fut.set_running_or_notify_cancel():
-                    fut.set_result(msg)
+            elif isinstance(msg, ControlReply):
+                # A caller that timed out cancelled its future; its late reply is consumed here
+                # all the same, and must not raise: this thread delivers every request's outputs.
+                fut = self._control.pop(msg.call_id, None)
+                if fut is not None and fut.set_running_or_notify_cancel():
+                    fut.set_result(msg.reply)
             else:
                 logger.warning("tokenizer manager got an unexpected %s", type(msg).__name__)
 
@@ -506,11 +473,10 @@ class TokenizerManager:
         for state in list(self.states.values()):
             state.error = reason
             state.loop.call_soon_threadsafe(state.event.set)
-        for futures in self._control.values():
-            while futures:
-                fut = futures.popleft()
-                if fut.set_running_or_notify_cancel():
-                    fut.set_exception(EngineDeadError(reason))
+        while self._control:
+            _, fut = self._control.popitem()
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineDeadError(reason))
 
     def close(self) -> None:
         self._closing = True
@@ -519,24 +485,6 @@ class TokenizerManager:
         self._send.close(linger=0)
         self._recv.close(linger=0)
         self._ctx.term()
-
-
-def check_weight_version(version: str | None) -> None:
-    """A weight version is echoed in every response: a short printable label, or None."""
-    if version is None:
-        return
-    if not isinstance(version, str) or not 0 < len(version) <= MAX_WEIGHT_VERSION_CHARS \
-            or not version.isprintable():
-        raise InvalidRequestError(
-            f"weight_version must be a printable string of 1 to {MAX_WEIGHT_VERSION_CHARS} "
-            f"characters (got {_describe_version(version)})",
-            "weight_version")
-
-
-def _describe_version(version: object) -> str:
-    if isinstance(version, str):
-        return f"{len(version)} characters" if version.isprintable() else "control characters"
-    return type(version).__name__
 
 
 def _same_prompt_groups(tokenized: list[TokenizedGenerateReqInput]) -> list[list[int]]:

@@ -13,8 +13,8 @@ that names the source being loaded: the scheduler answers it as a failed update 
 In a multi-node job each node reads and checks only its own blocks, so the nodes could judge
 differently (a NaN in an expert only one node holds; a file one node cannot read): before the
 swap they agree, in one collective that every node enters whatever happened locally, and all
-fail if any did (``agree_across_nodes``), so ``multi_node.LeaderRunner.control`` sees the same
-outcome everywhere.
+fail if any did (``agree_across_nodes``), so ``multi_node.LeaderRunner.control`` (of the
+``control.UpdateWeightsFrom*`` operations) sees the same outcome everywhere.
 """
 
 from __future__ import annotations

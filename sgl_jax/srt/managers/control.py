@@ -1,0 +1,354 @@
+"""Control operations: one class each, carrying its reply type and its own ``apply``.
+
+The Engine's methods and the admin HTTP routes build an operation and hand it to
+``TokenizerManager.control(op)``, which checks it (``op.checked()``) and sends it to the
+scheduler. Between steps the scheduler runs ``op.apply(scheduler)`` with itself as the
+``ControlTarget`` (the only scheduler methods an operation uses) and sends the reply back,
+paired with the call by its id. ``apply`` returns None when the reply comes later (a weight
+update waits for the requests that started on the old weights).
+
+An operation that changes the model's device state declares ``mirrored = True`` and puts
+that change in ``apply_on_node(node)``, against a ``NodeControl`` (one node's runner). Its
+``apply`` calls ``target.on_every_node(self)``: on a multi-node job rank 0 publishes the
+operation over the step channel (``node_wire`` carries the mirrored classes, by their
+fields), every node runs the same ``apply_on_node`` on its own runner, and a node whose
+outcome differs from rank 0's stops (``multi_node``). So that nothing else can cross to the
+followers, ``apply_on_node`` of a class that is not mirrored is never called.
+
+Adding an operation: a dataclass here (its fields, ``reply_type``, ``apply``; if it changes
+device state, ``mirrored = True``, ``apply_on_node`` and its entry in ``node_wire``'s list)
+and its Engine method or HTTP route. This module is imported by the main process: numpy
+only, no JAX.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+
+from sgl_jax.srt.managers.request_options import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+MAX_WEIGHT_VERSION_CHARS = 128
+_RECORDER_OFF = ("the expert distribution recorder is off; start the server with "
+                 "--expert-distribution-recorder-mode stat, per_pass or per_token")
+
+
+# -- what an operation may use ------------------------------------------------------------------
+class ExpertRecorder(Protocol):
+    """The expert distribution recorder (``layers/moe/expert_distribution.py``)."""
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def dump(self) -> str: ...
+    def load(self) -> dict[str, Any]: ...
+    def stat_counts(self) -> tuple[np.ndarray, int]: ...
+
+
+class NodeControl(Protocol):
+    """One node's runner, as mirrored operations change it (the same calls on every node).
+    Failures are ValueError or OSError: the nodes compare them (``multi_node``)."""
+
+    def update_weights_from_disk(self, model_path: str) -> tuple[int, float]: ...
+    def update_weights_from_arrays(self, arrays: dict[str, Any]) -> tuple[int, float]: ...
+    def rebalance_experts(self, load: np.ndarray | None) -> dict[str, Any]: ...
+    def expert_recorder(self) -> ExpertRecorder: ...  # ValueError when off
+
+
+class ControlTarget(Protocol):
+    """Rank 0's scheduler, as control operations use it."""
+
+    def on_every_node(self, op: ControlOp) -> Any:
+        """``op.apply_on_node`` on every node's runner; its result on rank 0."""
+
+    def expert_recorder(self) -> ExpertRecorder | None: ...  # None when off
+    def set_paused(self, paused: bool) -> None: ...
+    def flush_cache(self) -> None: ...  # ValueError while requests run
+    def server_info(self) -> dict[str, Any]: ...
+
+    def request_weight_update(self, op: UpdateWeights,
+                              checkpoint: str | None = None) -> UpdateWeightsReqOutput | None:
+        """Takes ``op`` (at once, or once the started requests finished: then None, and the
+        scheduler answers it); a refusal is returned at once. ``checkpoint``: a directory
+        to check for compatibility first."""
+
+
+class ControlOp:
+    """Base of every control operation (the subclasses are dataclasses)."""
+
+    reply_type: ClassVar[type]
+    mirrored: ClassVar[bool] = False  # changes the model's device state, on every node
+    timeout: ClassVar[float | None] = 30.0  # seconds the caller waits for the reply
+    # Set by the tokenizer manager on its copy; the reply carries it back. Not a dataclass
+    # field: it never crosses to the other nodes.
+    call_id: int = 0
+
+    def checked(self) -> ControlOp:
+        """The operation as sent: validated (InvalidRequestError: the caller's mistake) and
+        in a form that crosses processes. Done in the caller's process, before sending."""
+        return self
+
+    def apply(self, target: ControlTarget) -> Any:
+        """Does the operation on rank 0's scheduler, between steps: its reply (a
+        ``reply_type``), or None when the scheduler answers it later. Never raises for a
+        refusal (the reply says it): an exception here is a bug, and stops the scheduler."""
+        raise NotImplementedError
+
+    def apply_on_node(self, node: NodeControl) -> Any:
+        """Mirrored operations: the change of one node's runner, run on every node."""
+        raise NotImplementedError(f"{type(self).__name__} changes no device state")
+
+
+@dataclass
+class ControlReply:
+    """Scheduler -> tokenizer manager: the reply to the call ``call_id``."""
+
+    call_id: int
+    reply: Any
+
+
+# -- replies ------------------------------------------------------------------------------------
+def check_reply(reply: Any) -> Any:
+    """``reply``; ValueError with its message if it is a refusal (``success`` False: the
+    caller's problem, e.g. a recorder that is off or a checkpoint that does not fit)."""
+    if not getattr(reply, "success", True):
+        raise ValueError(reply.message)
+    return reply
+
+
+@dataclass
+class FlushCacheReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class GetServerInfoReqOutput:
+    info: dict[str, Any]
+
+
+@dataclass
+class UpdateWeightsReqOutput:
+    success: bool
+    message: str
+    weight_version: str
+    num_parameters: int = 0  # parameters replaced (a stacked expert tensor counts once)
+    seconds: float = 0.0  # reading and placing the new weights (not the wait for requests)
+
+
+@dataclass
+class PauseGenerationReqOutput:
+    paused: bool
+
+
+@dataclass
+class ExpertDistributionReqOutput:
+    success: bool
+    message: str = ""
+    path: str | None = None  # dump: the file written
+    load: dict[str, Any] | None = None  # load: counts, num_tokens, moe_layer_ids, ...; rebalance
+
+
+# -- the operations -----------------------------------------------------------------------------
+@dataclass
+class FlushCache(ControlOp):
+    """Empties the prefix cache; refused while requests run."""
+
+    reply_type = FlushCacheReqOutput
+
+    def apply(self, target: ControlTarget) -> FlushCacheReqOutput:
+        try:
+            target.flush_cache()
+        except ValueError as e:
+            return FlushCacheReqOutput(success=False, message=str(e))
+        return FlushCacheReqOutput(success=True)
+
+
+@dataclass
+class GetServerInfo(ControlOp):
+    """The scheduler's state and counters."""
+
+    reply_type = GetServerInfoReqOutput
+
+    def apply(self, target: ControlTarget) -> GetServerInfoReqOutput:
+        return GetServerInfoReqOutput(info=target.server_info())
+
+
+@dataclass
+class PauseGeneration(ControlOp):
+    """Stop launching steps (``pause=True``) or resume (False); every request keeps its
+    state."""
+
+    pause: bool = True
+    reply_type = PauseGenerationReqOutput
+
+    def apply(self, target: ControlTarget) -> PauseGenerationReqOutput:
+        target.set_paused(self.pause)
+        return PauseGenerationReqOutput(paused=self.pause)
+
+
+def check_weight_version(version: str | None) -> None:
+    """A weight version is echoed in every response: a short printable label, or None."""
+    if version is None:
+        return
+    if not isinstance(version, str) or not 0 < len(version) <= MAX_WEIGHT_VERSION_CHARS \
+            or not version.isprintable():
+        raise InvalidRequestError(
+            f"weight_version must be a printable string of 1 to {MAX_WEIGHT_VERSION_CHARS} "
+            f"characters (got {_describe_version(version)})",
+            "weight_version")
+
+
+def _describe_version(version: object) -> str:
+    if isinstance(version, str):
+        return f"{len(version)} characters" if version.isprintable() else "control characters"
+    return type(version).__name__
+
+
+class UpdateWeights(ControlOp):
+    """New weights, in place (``model_executor/weight_updater.py``). Running requests finish
+    on the old weights first (new ones wait), or with ``abort_all_requests`` are aborted.
+    ``weight_version`` defaults to the previous version + 1."""
+
+    weight_version: str | None
+    abort_all_requests: bool
+    reply_type = UpdateWeightsReqOutput
+    mirrored = True
+    timeout = None  # by default it waits for the running requests
+
+    def checked(self) -> UpdateWeights:
+        check_weight_version(self.weight_version)
+        return self
+
+
+@dataclass
+class UpdateWeightsFromDisk(UpdateWeights):
+    """Every parameter from a checkpoint directory of the served architecture and shapes."""
+
+    model_path: str
+    weight_version: str | None = None
+    abort_all_requests: bool = False
+
+    def apply(self, target: ControlTarget) -> UpdateWeightsReqOutput | None:
+        return target.request_weight_update(self, checkpoint=self.model_path)
+
+    def apply_on_node(self, node: NodeControl) -> tuple[int, float]:
+        return node.update_weights_from_disk(self.model_path)
+
+
+@dataclass
+class UpdateWeightsFromArrays(UpdateWeights):
+    """The parameters made of tensors given by Hugging Face name (a subset is fine, but all
+    experts of a stacked projection together)."""
+
+    arrays: dict[str, Any]
+    weight_version: str | None = None
+    abort_all_requests: bool = False
+
+    def checked(self) -> UpdateWeightsFromArrays:
+        super().checked()
+        # The scheduler is another process: arrays go as host bytes (device arrays are
+        # fetched here).
+        return replace(self, arrays={name: np.asarray(a) for name, a in self.arrays.items()})
+
+    def apply(self, target: ControlTarget) -> UpdateWeightsReqOutput | None:
+        return target.request_weight_update(self)
+
+    def apply_on_node(self, node: NodeControl) -> tuple[int, float]:
+        return node.update_weights_from_arrays(self.arrays)
+
+
+class _RecorderOp(ControlOp):
+    """An operation of the expert distribution recorder (docs/expert_load.md); a refusal (off,
+    wrong order) is a reply with success=False, never an exception in the scheduler."""
+
+    reply_type = ExpertDistributionReqOutput
+
+    def apply(self, target: ControlTarget) -> ExpertDistributionReqOutput:
+        recorder = target.expert_recorder()
+        if recorder is None:
+            return ExpertDistributionReqOutput(success=False, message=_RECORDER_OFF)
+        try:
+            return self.run(target, recorder)
+        except (ValueError, OSError) as e:
+            return ExpertDistributionReqOutput(success=False, message=str(e))
+
+    def run(self, target: ControlTarget, recorder: ExpertRecorder) -> ExpertDistributionReqOutput:
+        raise NotImplementedError
+
+
+class _RecordingWindowOp(_RecorderOp):
+    """Starts or ends the recording window on every node (each records its own steps)."""
+
+    mirrored = True
+    done: ClassVar[str]
+
+    def run(self, target: ControlTarget, recorder: ExpertRecorder) -> ExpertDistributionReqOutput:
+        target.on_every_node(self)
+        return ExpertDistributionReqOutput(success=True, message=self.done)
+
+
+@dataclass
+class StartExpertRecord(_RecordingWindowOp):
+    """Starts a recording window."""
+
+    done = "recording started"
+
+    def apply_on_node(self, node: NodeControl) -> None:
+        node.expert_recorder().start()
+
+
+@dataclass
+class StopExpertRecord(_RecordingWindowOp):
+    """Ends the window; it can still be dumped or read."""
+
+    done = "recording stopped"
+
+    def apply_on_node(self, node: NodeControl) -> None:
+        node.expert_recorder().stop()
+
+
+@dataclass
+class DumpExpertRecord(_RecorderOp):
+    """Writes the window so far as .npz (rank 0's recorder) and returns its path."""
+
+    def run(self, target: ControlTarget, recorder: ExpertRecorder) -> ExpertDistributionReqOutput:
+        path = recorder.dump()
+        logger.info("expert distribution dumped to %s", path)
+        return ExpertDistributionReqOutput(success=True, message="dumped", path=path)
+
+
+@dataclass
+class GetExpertLoad(_RecorderOp):
+    """``stat`` mode: the current window's counts, as ``GET /expert_load`` serves them."""
+
+    def run(self, target: ControlTarget, recorder: ExpertRecorder) -> ExpertDistributionReqOutput:
+        return ExpertDistributionReqOutput(success=True, load=recorder.load())
+
+
+@dataclass
+class RebalanceExperts(ControlOp):
+    """EPLB (docs/expert_load.md): a new expert placement from ``load`` ``[moe_layers, E]``,
+    applied between steps without a recompilation. The caller leaves ``load`` out: rank 0
+    fills in its recorder's ``stat`` counts, so every node places by the same counts."""
+
+    load: np.ndarray | None = None
+    reply_type = ExpertDistributionReqOutput
+    mirrored = True
+
+    def apply(self, target: ControlTarget) -> ExpertDistributionReqOutput:
+        recorder = target.expert_recorder()
+        try:
+            load = self.load if self.load is not None or recorder is None \
+                else recorder.stat_counts()[0]
+            result = target.on_every_node(replace(self, load=load))
+        except ValueError as e:
+            return ExpertDistributionReqOutput(success=False, message=str(e))
+        return ExpertDistributionReqOutput(success=True, message="rebalanced", load=result)
+
+    def apply_on_node(self, node: NodeControl) -> dict[str, Any]:
+        return node.rebalance_experts(self.load)

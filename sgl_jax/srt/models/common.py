@@ -218,23 +218,19 @@ class MoeModel(nnx.Module):
             for i in range(config.num_hidden_layers)
         ])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.top_k = config.num_experts_per_tok
 
     def __call__(
         self, batch: ForwardBatch, meta: AttentionMetadata, kv_caches: KVCache,
         backends: ModelBackends,
-    ) -> tuple[jax.Array, KVCache, Routing | None]:
-        """Hidden states, new caches, and the layers' routing stacked once when
-        ``backends.routing`` asks for it (else None, and no op is added)."""
+    ) -> tuple[jax.Array, KVCache, list[LayerRouting]]:
+        """Hidden states, new caches, and each layer's router choice (None: dense)."""
         h = jnp.take(self.embed_tokens[...], batch.input_ids, axis=0)
         new_caches, layer_routing = [], []
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             h, kv, routing = layer(h, batch, meta, kv, backends)
             new_caches.append(kv)
             layer_routing.append(routing)
-        if not backends.routing.ids:
-            return h, new_caches, None
-        return h, new_caches, stack_routing(layer_routing, self.top_k, backends.routing)
+        return h, new_caches, layer_routing
 
 
 class MoeForCausalLM(nnx.Module):
@@ -257,7 +253,7 @@ class MoeForCausalLM(nnx.Module):
         """Returns float32 logits ``[len(batch.logits_indices), vocab]`` (each row's last new
         token, then any input-logprob tokens), the new caches and the step's routing (what
         ``backends.routing`` asks for; None when nothing is)."""
-        h, kv_caches, routing = self.model(batch, meta, kv_caches, backends)
+        h, kv_caches, layer_routing = self.model(batch, meta, kv_caches, backends)
         head = self.model.embed_tokens[...].T if self.config.tie_word_embeddings else self.lm_head[...]
         indices = batch.logits_indices
         rows = batch.batch_size
@@ -269,4 +265,10 @@ class MoeForCausalLM(nnx.Module):
             logits = jnp.concatenate(parts)
         else:
             logits = self.model.norm(jnp.take(h, indices, axis=0)) @ head
-        return logits.astype(jnp.float32), kv_caches, routing
+        logits = logits.astype(jnp.float32)
+        if not backends.routing.ids:  # nothing asked: no op added
+            return logits, kv_caches, None
+        # Stacked once, after the logits (the order of the ops the step had when the layers
+        # captured into the capturer: the same program, the same float results).
+        top_k = self.config.num_experts_per_tok
+        return logits, kv_caches, stack_routing(layer_routing, top_k, backends.routing)

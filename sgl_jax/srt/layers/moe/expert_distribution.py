@@ -112,7 +112,11 @@ class ExpertDistributionRecorder:
         """[moe_layers, E] int32: how many real tokens picked each expert in each layer."""
         num_moe = len(self.moe_layer_ids)
         counts = jnp.zeros((num_moe, self.num_experts), jnp.int32)
-        moe_ids = jnp.take(ids, np.asarray(self.moe_layer_ids), axis=1)  # [T, Lm, k]
+        layers = self.moe_layer_ids
+        if layers == list(range(layers[0], layers[-1] + 1)):  # contiguous (dense ones first)
+            moe_ids = ids[:, layers[0] : layers[-1] + 1]  # [T, Lm, k]
+        else:
+            moe_ids = jnp.take(ids, np.asarray(layers), axis=1)
         weight = jnp.broadcast_to(real.astype(jnp.int32)[:, None, None], moe_ids.shape)
         rows = jnp.broadcast_to(jnp.arange(num_moe, dtype=jnp.int32)[None, :, None], moe_ids.shape)
         return counts.at[rows.reshape(-1), moe_ids.reshape(-1)].add(weight.reshape(-1))

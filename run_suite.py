@@ -63,6 +63,7 @@ E2E = [
     "tests/test_security.py",
     "tests/test_metrics.py",
     "tests/test_drain.py",
+    "tests/test_seed_user_story.py",
 ]
 # Optional checks outside every suite (they skip without packages the project does not need).
 OPTIONAL = ["tests/test_hf_transformers.py"]

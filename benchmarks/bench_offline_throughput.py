@@ -20,6 +20,7 @@ import os
 import sys
 import time
 
+import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -103,7 +104,7 @@ def ceiling_run(args: argparse.Namespace, server_kwargs: dict, repeats: int) -> 
                 _, step = model_runner.forward_worker_batch(runner, mwb)
             np.asarray(step.next_token_ids)
             if step.routed_rows is not None and mwb.return_routed_experts:
-                np.asarray(step.routed_rows)
+                jax.device_get(step.routed_rows)  # an array, a pair, or a Routing pytree
             times.append(time.perf_counter() - t0)
         out[name] = median(times[2:])
     out["extend_tokens"] = chunk

@@ -281,7 +281,7 @@ def render_notes(
   reach <= {TARGET_BYTES_RATIO}x against ids this small. For reference, the same base64
   scheme over narrower ids would give (vs orjson lists): {widths}. Only a uint8 width (ids <
   256; -1 for dense layers would need a sentinel) meets the target, and that is a change to
-  the DESIGN.md section 4 wire contract, not to this benchmark.
+  the wire contract (docs/routed_experts.md), not to this benchmark.
 - **Speed**: the lists path is dominated by building and parsing ~{ids // topk:,} small
   Python lists (`tolist`, `loads`, `np.asarray`); ours touches one string. The ratio shrinks
   with size because ours becomes memory-bandwidth bound (several full copies: bytes, base64,
@@ -299,7 +299,7 @@ def render_page(
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return f"""# Routed-experts serialization: base64 int32 vs JSON lists
 
-What a client pays to receive routed experts (`meta_info["routed_experts"]`, DESIGN.md §4)
+What a client pays to receive routed experts (`meta_info["routed_experts"]`, docs/routed_experts.md)
 in our wire format (base64 of little-endian int32 bytes) versus the obvious alternative, JSON
 nested lists. Rows are random int32 expert ids in [0, {NUM_EXPERTS}), {layers} layers x
 top-{topk}, seed {SEED}.

@@ -183,6 +183,7 @@ def test_capture_keeps_top_k_of_fused_shared_columns(checkpoints):
     import jax.numpy as jnp
 
     from sgl_jax.srt.layers.moe.routed_experts_capturer import RoutedExpertsCapturer
+    from sgl_jax.srt.layers.moe.routing import stack_routing
 
     cfg = ModelConfig.from_hf(checkpoints["deepseek_v3"])
     k, experts = cfg.num_experts_per_tok, cfg.num_experts
@@ -190,11 +191,12 @@ def test_capture_keeps_top_k_of_fused_shared_columns(checkpoints):
                                             num_tokens=8, max_running_requests=2)
     ids = np.array([[3, 1, 7, 0, experts], [5, 2, 9, 4, experts]], np.int32)
     assert ids.shape[1] == k + 1
-    capturer.begin_forward(None)
-    for layer in cfg.moe_layer_ids:
-        capturer.capture(layer, jnp.asarray(ids))
-    _, rows = capturer.end_forward(2)
-    rows = np.asarray(rows).astype(np.int64)
+    # The decoder's layer loop: each MoE layer's router choice, None for the dense layers.
+    weights = jnp.ones(ids.shape, jnp.float32)
+    layers = [(jnp.asarray(ids), weights) if layer in cfg.moe_layer_ids else None
+              for layer in range(cfg.num_hidden_layers)]
+    routing = stack_routing(layers, k, capturer.routing_spec)
+    rows = np.asarray(capturer.step_rows(routing).ids).astype(np.int64)
     assert rows.shape == (2, cfg.num_hidden_layers, k)
     for layer in range(cfg.num_hidden_layers):
         want = ids[:, :k] if layer in cfg.moe_layer_ids else np.full((2, k), -1)

@@ -113,9 +113,9 @@ class RunnerControl:
         return self.runner.rebalance_experts(load)
 
     def expert_recorder(self) -> ExpertRecorder:
-        if self.runner.expert_recorder is None:
+        if self.runner.recorder() is None:
             raise ValueError("the expert distribution recorder is off on this node")
-        return self.runner.expert_recorder
+        return self.runner.recorder()
 
 
 class LeaderRunner:

@@ -48,6 +48,10 @@ class ReqMemory:
         """Slots obtainable now (whole pages): free ones plus those the tree could evict."""
         return self.allocator.available_size() + self.tree.evictable_size()
 
+    def total_kv(self) -> int:
+        """Slots of the whole KV cache (what one request could hold at most)."""
+        return self.allocator.size
+
     def kv_needed(self, kv_len: int, n: int) -> int:
         """Of ``available_kv()``, what growing a request of ``kv_len`` positions by ``n`` takes."""
         return self.allocator.tokens_needed(kv_len, n)

@@ -26,6 +26,7 @@ import zmq
 from sgl_jax.srt.bounded_text import bound_message
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch_info import ForwardMode
+from sgl_jax.srt.layers.moe.routed_experts_capturer import set_global_experts_capturer
 from sgl_jax.srt.managers.control import (
     ControlOp,
     ControlReply,
@@ -84,14 +85,12 @@ class Scheduler:
             self.runner.precompile()
         # What changes the runner's device state goes through here (to every node).
         self.node = LeaderRunner(self.runner, channel)
-        tree = RadixCache(
-            self.runner.token_to_kv_pool_allocator, disable=server_args.disable_radix_cache,
-            page_size=server_args.page_size,
-        )
-        self.memory = ReqMemory(
-            self.runner.req_to_token_pool, self.runner.token_to_kv_pool_allocator, tree,
-            self.runner.capturer.host_cache,
-        )
+        # get_global_experts_capturer() in this scheduler's thread.
+        set_global_experts_capturer(self.runner.capturer)
+        pools = self.runner.memory_pools()
+        tree = RadixCache(pools.kv_allocator, disable=server_args.disable_radix_cache,
+                          page_size=server_args.page_size)
+        self.memory = ReqMemory(pools.req_to_token, pools.kv_allocator, tree, pools.routed_rows)
         self.chunk_budget = server_args.chunked_prefill_size
         self.max_running = self.runner.max_running_requests
         self.context_len = self.model_config.context_len
@@ -200,10 +199,10 @@ class Scheduler:
         )
         # The prompt plus the first generated token, in whole pages.
         need = self.memory.kv_needed(0, len(req.origin_input_ids) + 1)
-        if need > self.runner.token_to_kv_pool_allocator.size:
+        if need > self.memory.total_kv():
             req.finished_reason = finish_abort(
                 f"the prompt needs {need} KV slots but the KV cache holds "
-                f"{self.runner.token_to_kv_pool_allocator.size}; raise --max-total-tokens"
+                f"{self.memory.total_kv()}; raise --max-total-tokens"
             )
             self.finish(req)
             self.outputs.send([req])
@@ -327,13 +326,7 @@ class Scheduler:
 
     def process_batch_result(self, batch: ScheduleBatch, out: StepOutput) -> None:
         # Rows first: a request finishing below gathers rows that include this step's.
-        self.runner.capturer.on_forward_end(
-            out.routed_rows, batch.out_cache_loc, len(batch.out_cache_loc),
-            copy=batch.capture_routed,
-        )
-        if self.runner.expert_recorder is not None and out.expert_pass is not None:
-            # per_pass / per_token records of the steps up to this one (not the next, in flight)
-            self.runner.expert_recorder.collect(through=out.expert_pass)
+        self.runner.collect_routing(out, batch.out_cache_loc, copy=batch.capture_routed)
         all_ids = np.asarray(out.next_token_ids)
         if batch.logprob_rows:
             self._record_logprobs(batch, out, all_ids)
@@ -425,7 +418,7 @@ class Scheduler:
         return self.node.control(op)
 
     def expert_recorder(self) -> ExpertRecorder | None:
-        return self.runner.expert_recorder
+        return self.runner.recorder()
 
     def set_paused(self, paused: bool) -> None:
         self.paused = paused

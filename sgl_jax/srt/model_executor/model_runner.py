@@ -2,14 +2,16 @@
 
 A step is the model forward plus sampling, jitted once per (mode, padded tokens, padded rows).
 The KV cache, the device page table and the last-token buffer are donated into the step and
-replaced by its outputs, so they are updated in place (routed-experts rows are a fresh output
-of each step, their host copy started at dispatch when the batch asks for them: all of them
-when every request asked, else only the askers' rows, gathered on the device). With
-``--expert-distribution-recorder-mode`` the recorder's device state (``stat`` counts) is
-donated too, and the step also outputs the pass's counts or ids (``per_pass`` /
-``per_token``; docs/expert_load.md); no shape depends on whether recording is on. Every
-trace of the step is counted in ``num_compiles``: after precompilation, serving inside the
-buckets must leave it flat.
+replaced by its outputs, so they are updated in place. The model's routing (every token's
+top-k experts in every layer) is an output of the step when a consumer needs it
+(``layers/moe/routing.py``), read by two consumers: the routed-experts capturer (rows in the
+host table's dtype, a fresh output of each step, their host copy started at dispatch when the
+batch asks for them: all of them when every request asked, else only the askers' rows,
+gathered on the device) and, with ``--expert-distribution-recorder-mode``, the recorder (its
+device state, ``stat`` counts, is donated too, and the step also outputs the pass's counts or
+ids for ``per_pass`` / ``per_token``; docs/expert_load.md); no shape depends on whether
+recording is on. Every trace of the step is counted in ``num_compiles``: after
+precompilation, serving inside the buckets must leave it flat.
 
 The device page table ``req_to_page[req_slot, page_column]`` is device-resident: the step
 records the page of every token it computes, and the host sends a request's page row only
@@ -68,11 +70,12 @@ from sgl_jax.srt.layers.moe.eplb import (
     read_init_location,
     source_rows,
 )
-from sgl_jax.srt.layers.moe.expert_distribution import RecordingCapturer, create_recorder
+from sgl_jax.srt.layers.moe.expert_distribution import ExpertDistributionRecorder, create_recorder
 from sgl_jax.srt.layers.moe.experts import resolve_moe_backend
 from sgl_jax.srt.layers.moe.routed_experts_capturer import RoutedExpertsCapturer
 from sgl_jax.srt.layers.sampler import sample
 from sgl_jax.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from sgl_jax.srt.mem_cache.routed_experts_host_cache import RoutedExpertsHostCache
 from sgl_jax.srt.model_loader.loader import abstract_model, load_model, location_values
 from sgl_jax.srt.models.backends import ModelBackends
 from sgl_jax.srt.server_args import ServerArgs
@@ -86,13 +89,24 @@ DEFAULT_KV_BUDGET_BYTES = 1 << 30
 class StepOutput:
     next_token_ids: jax.Array  # [B_pad] int32
     logits: jax.Array  # [B_pad, vocab] float32
-    # [T_pad, layers, k] in the host table's dtype (no router = its maximum), when enabled
-    # (with routing weights, the pair (ids, weights)); in a batch where only some requests
-    # asked, the askers' rows as a ``GatheredRows`` (what is copied to the host).
+    # The capturer's rows (a ``Routing``: ids [T_pad, layers, k] in the host table's dtype,
+    # no router = its maximum, with routing weights when captured), when enabled; in a batch
+    # where only some requests asked, the askers' rows as a ``GatheredRows`` (what is copied
+    # to the host).
     routed_rows: Any
     logprobs: LogprobOutput | None = None  # when some request asked
     # --expert-distribution-recorder-mode per_pass / per_token: this pass's counts or ids.
     expert_pass: Any = None
+
+
+@dataclass(frozen=True)
+class MemoryPools:
+    """The host memory a scheduler manages: request slots, KV slots and the routed-experts
+    rows of those slots (None when capture is off)."""
+
+    req_to_token: ReqToTokenPool
+    kv_allocator: TokenToKVPoolAllocator
+    routed_rows: RoutedExpertsHostCache | None
 
 
 @dataclass
@@ -180,7 +194,8 @@ class ModelRunner:
         self.mesh = make_mesh(devices, server_args.tp_size, server_args.ep_size)
         self.platform = devices[0].platform
         self.dtype = resolve_dtype(server_args.dtype, self.platform)
-        # Chosen (and checked) before loading; bundled with the capturer in self.backends.
+        # Chosen (and checked) before loading; bundled with the routing outputs in
+        # self.backends.
         if model_config.attention == "mla" and server_args.attention_backend != "native":
             raise ValueError(
                 f"{model_config.architecture} uses multi-head latent attention, which runs on "
@@ -259,7 +274,7 @@ class ModelRunner:
             lambda table, row, pages: table.at[row].set(pages), donate_argnums=0
         )
 
-        capturer = RoutedExpertsCapturer.create(
+        self.capturer = RoutedExpertsCapturer.create(
             enable=server_args.enable_return_routed_experts,
             model_config=model_config,
             # Shared experts (Qwen2-MoE, DeepSeek-V3, GLM-4.5) run as their own dense MLP,
@@ -272,16 +287,15 @@ class ModelRunner:
             chunked_prefill_size=server_args.chunked_prefill_size,
             weights=server_args.enable_return_routed_expert_weights,
         )
-        self.capturer = capturer
-        # --expert-distribution-recorder-mode: the model reports its top-k ids to the recorder
-        # through the same capture call (a capturer that passes it on to both).
+        # --expert-distribution-recorder-mode: the second consumer of the step's routing.
         self.expert_recorder = create_recorder(server_args, model_config, replicated, abstract)
         if self.eplb_placement is not None and not abstract:
             self.expert_recorder.start()  # EPLB rebalances from these counts
         self._move_rows = None  # EPLB: the jitted gather of a rebalance (built on first use)
-        traced = capturer if self.expert_recorder is None else \
-            RecordingCapturer(capturer, self.expert_recorder)
-        self.backends = ModelBackends(attention=attention, moe=moe_backend, capturer=traced,
+        routing = self.capturer.routing_spec
+        if self.expert_recorder is not None:
+            routing = routing | self.expert_recorder.routing_spec
+        self.backends = ModelBackends(attention=attention, moe=moe_backend, routing=routing,
                                       batch_invariant=self.deterministic)
 
         self.num_compiles = 0
@@ -326,6 +340,26 @@ class ModelRunner:
             "page_table": _nbytes(self.req_to_page),
             **self.capturer.memory_report(),
         }
+
+    # -- the scheduler's side ---------------------------------------------------------------------
+    def memory_pools(self) -> MemoryPools:
+        """The host memory the scheduler hands out (the runner's steps read what it records)."""
+        return MemoryPools(self.req_to_token_pool, self.token_to_kv_pool_allocator,
+                           self.capturer.host_cache)
+
+    def collect_routing(self, out: StepOutput, out_cache_loc: np.ndarray, copy: bool) -> None:
+        """The host side of a processed step's routing, for both consumers: its routed-experts
+        rows into the host table at the tokens' KV slots (``copy``: the step copied them),
+        and the recorder's records of the steps launched up to this one (not the next one,
+        in flight)."""
+        self.capturer.on_forward_end(out.routed_rows, out_cache_loc, len(out_cache_loc), copy)
+        if self.expert_recorder is not None and out.expert_pass is not None:
+            self.expert_recorder.collect(through=out.expert_pass)
+
+    def recorder(self) -> ExpertDistributionRecorder | None:
+        """The expert distribution recorder, None when it is off: control operations start,
+        stop, dump and read it (managers/control.py)."""
+        return self.expert_recorder
 
     # -- EPLB ------------------------------------------------------------------------------------
     def _initial_placement(self, cfg: ModelConfig, ep_size: int) -> EplbPlacement:
@@ -422,16 +456,13 @@ class ModelRunner:
             req_to_page, req_slot, positions, batch.out_cache_loc, self.page_size
         )
         meta = AttentionMetadata.build(batch, token_to_req, positions, req_to_page, self.page_size)
-        recorder = self.expert_recorder
-        self.capturer.begin_forward(None)
-        if recorder is not None:
-            recorder.begin_forward()
-        logits, kv_caches = model(batch, meta, kv_caches, self.backends)
-        _, routed_rows = self.capturer.end_forward(batch.num_tokens)
+        logits, kv_caches, routing = model(batch, meta, kv_caches, self.backends)
+        # The routing's consumers (None when nothing asked for it: no op in the step).
+        routed_rows = self.capturer.step_rows(routing)
         expert_pass = None
-        if recorder is not None:  # real tokens only: padded ones have no batch row
-            expert_state, expert_pass = recorder.end_forward(
-                expert_state, token_to_req < batch.batch_size)
+        if self.expert_recorder is not None:  # real tokens only: padded ones have no batch row
+            expert_state, expert_pass = self.expert_recorder.record_step(
+                expert_state, routing.ids, token_to_req < batch.batch_size)
         rows = batch.batch_size
         sampled_logits = logits[:rows]  # then, with logprobs, the input-logprob rows
         next_ids = sample(sampled_logits, batch.sampling)

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sgl_jax.srt.layers.attention import AttentionBackend
-from sgl_jax.srt.layers.moe.routed_experts_capturer import RoutedExpertsCapturer
+from sgl_jax.srt.layers.moe.routing import RoutingSpec
 
 
 @dataclass(frozen=True)
 class ModelBackends:
     attention: AttentionBackend  # --attention-backend
     moe: str  # --moe-backend, resolved: "dense" or "ragged"
-    # The runner's own capturer: MoE layers record their top-k ids with it while traced.
-    capturer: RoutedExpertsCapturer
+    # The routing the forward outputs for its consumers (routed-experts capture, the expert
+    # distribution recorder); the default, nothing, adds no op to the step.
+    routing: RoutingSpec = field(default_factory=RoutingSpec)
     # --enable-deterministic-inference: no computation of a row may depend on the batch's
     # other rows beyond the (fixed) padded shape.
     batch_invariant: bool = False

@@ -30,6 +30,7 @@ from sgl_jax.srt.layers.moe.ep_moe import (
     ep_moe_forward,
 )
 from sgl_jax.srt.layers.moe.router import create_router
+from sgl_jax.srt.layers.moe.routing import LayerRouting, Routing, stack_routing
 from sgl_jax.srt.layers.norm import RMSNorm
 from sgl_jax.srt.layers.rotary import apply_rotary
 from sgl_jax.srt.models.backends import ModelBackends
@@ -158,10 +159,10 @@ class SparseMoeBlock(nnx.Module):
         if self.gated_shared:
             self.shared_expert_gate = param((hidden, 1), dtype, (None, None))
 
-    def __call__(self, x: jax.Array, backends: ModelBackends) -> jax.Array:
+    def __call__(self, x: jax.Array, backends: ModelBackends) -> tuple[jax.Array, LayerRouting]:
+        """The block's output and its router choice (logical ids, before any device-expert
+        mapping is applied, and their weights)."""
         topk_weights, topk_ids = self.gate(x)
-        # Logical ids, captured once, before any device-expert mapping is applied.
-        backends.capturer.capture(self.layer_id, topk_ids, topk_weights)
         out = ep_moe_forward(
             x, topk_ids, topk_weights, self.w_gate[...], self.w_up[...], self.w_down[...],
             self.expert_order, backend=backends.moe,
@@ -172,7 +173,7 @@ class SparseMoeBlock(nnx.Module):
             if self.gated_shared:
                 shared = jax.nn.sigmoid(x @ self.shared_expert_gate[...]) * shared
             out = out + shared
-        return out
+        return out, (topk_ids, topk_weights)
 
 
 class DecoderLayer(nnx.Module):
@@ -194,13 +195,18 @@ class DecoderLayer(nnx.Module):
     def __call__(
         self, h: jax.Array, batch: ForwardBatch, meta: AttentionMetadata, kv: jax.Array,
         backends: ModelBackends,
-    ) -> tuple[jax.Array, jax.Array]:
+    ) -> tuple[jax.Array, jax.Array, LayerRouting]:
+        """The new hidden state, the layer's cache and its router choice (None: dense)."""
         attn_out, kv = self.self_attn(self.input_layernorm(h), batch, meta, kv, backends)
         h = h + attn_out
         x = self.post_attention_layernorm(h)
         ffn = getattr(self, self.ffn_name)
-        h = h + (ffn(x, backends) if self.is_moe else ffn(x))
-        return h, kv
+        routing = None
+        if self.is_moe:
+            out, routing = ffn(x, backends)
+        else:
+            out = ffn(x)
+        return h + out, kv, routing
 
 
 class MoeModel(nnx.Module):
@@ -216,13 +222,15 @@ class MoeModel(nnx.Module):
     def __call__(
         self, batch: ForwardBatch, meta: AttentionMetadata, kv_caches: KVCache,
         backends: ModelBackends,
-    ) -> tuple[jax.Array, KVCache]:
+    ) -> tuple[jax.Array, KVCache, list[LayerRouting]]:
+        """Hidden states, new caches, and each layer's router choice (None: dense)."""
         h = jnp.take(self.embed_tokens[...], batch.input_ids, axis=0)
-        new_caches = []
+        new_caches, layer_routing = [], []
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            h, kv = layer(h, batch, meta, kv, backends)
+            h, kv, routing = layer(h, batch, meta, kv, backends)
             new_caches.append(kv)
-        return h, new_caches
+            layer_routing.append(routing)
+        return h, new_caches, layer_routing
 
 
 class MoeForCausalLM(nnx.Module):
@@ -241,10 +249,11 @@ class MoeForCausalLM(nnx.Module):
     def __call__(
         self, batch: ForwardBatch, meta: AttentionMetadata, kv_caches: KVCache,
         backends: ModelBackends,
-    ) -> tuple[jax.Array, KVCache]:
-        """Returns float32 logits ``[len(batch.logits_indices), vocab]``: each row's last new
-        token, then any input-logprob tokens."""
-        h, kv_caches = self.model(batch, meta, kv_caches, backends)
+    ) -> tuple[jax.Array, KVCache, Routing | None]:
+        """Returns float32 logits ``[len(batch.logits_indices), vocab]`` (each row's last new
+        token, then any input-logprob tokens), the new caches and the step's routing (what
+        ``backends.routing`` asks for; None when nothing is)."""
+        h, kv_caches, layer_routing = self.model(batch, meta, kv_caches, backends)
         head = self.model.embed_tokens[...].T if self.config.tie_word_embeddings else self.lm_head[...]
         indices = batch.logits_indices
         rows = batch.batch_size
@@ -256,4 +265,10 @@ class MoeForCausalLM(nnx.Module):
             logits = jnp.concatenate(parts)
         else:
             logits = self.model.norm(jnp.take(h, indices, axis=0)) @ head
-        return logits.astype(jnp.float32), kv_caches
+        logits = logits.astype(jnp.float32)
+        if not backends.routing.ids:  # nothing asked: no op added
+            return logits, kv_caches, None
+        # Stacked once, after the logits (the order of the ops the step had when the layers
+        # captured into the capturer: the same program, the same float results).
+        top_k = self.config.num_experts_per_tok
+        return logits, kv_caches, stack_routing(layer_routing, top_k, backends.routing)

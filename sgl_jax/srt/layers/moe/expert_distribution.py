@@ -19,9 +19,10 @@ never recompile the step: ``stat`` restarts from a fresh zero buffer of the same
 sharding; ``per_pass`` / ``per_token`` only decide on the host whether a launched step's
 output is copied. A step is recorded when it is LAUNCHED between start and stop.
 
-The model knows nothing of this: MoE layers call ``capture(layer_id, topk_ids, ...)`` on the
-capturer in ``ModelBackends``; when the mode is set the runner gives them a
-``RecordingCapturer`` that passes each call to the routed-experts capturer and to the recorder.
+The model knows nothing of this: the recorder is a consumer of the step's routing output
+(``layers/moe/routing.py``), as the routed-experts capturer is; with a mode set the runner
+asks the step to output the layers' top-k ids (``routing_spec``) and hands them to
+``record_step`` inside the step.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import numpy as np
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch_info import ForwardMode
-from sgl_jax.srt.layers.moe.routed_experts_capturer import RoutedExpertsCapturer
+from sgl_jax.srt.layers.moe.routing import RoutingSpec
 
 MODES = ("stat", "per_pass", "per_token")
 DEFAULT_BUFFER_SIZE = 1000
@@ -62,7 +63,6 @@ class ExpertDistributionRecorder:
         self.dump_dir = dump_dir or "/tmp"
         self.sharding = sharding
         self.abstract = abstract
-        self._ids: dict[int, jax.Array] | None = None  # this trace's captured layers
         self.recording = False
         self.started = False  # a window was started at least once (something to dump)
         self._zeros = None
@@ -90,22 +90,15 @@ class ExpertDistributionRecorder:
         return self._zeros()
 
     # -- inside the traced step -------------------------------------------------------------
-    def begin_forward(self) -> None:
-        self._ids = {}
+    routing_spec = RoutingSpec(ids=True)  # what the step must output for the recorder
 
-    def capture(self, layer_id: int, topk_ids: jax.Array) -> None:
-        if self._ids is None:
-            raise RuntimeError("capture() called outside a traced forward")
-        self._ids[layer_id] = topk_ids[:, : self.top_k].astype(jnp.int32)
-
-    def end_forward(self, state: Any, real: jax.Array) -> tuple[Any, Any]:
-        """Traced: ``real`` [T] bool marks the batch's real tokens. Returns (the new stat
-        state or None, this pass's output: counts for per_pass, ids for per_token, or None)."""
-        ids, self._ids = self._ids, None
-        num_tokens = real.shape[0]
+    def record_step(self, state: Any, ids: jax.Array, real: jax.Array) -> tuple[Any, Any]:
+        """Traced (pure): ``ids`` the step's routing ``[T, num_hidden_layers, k]`` int32 (-1
+        for layers without a router), ``real`` [T] bool marks the batch's real tokens. Returns
+        (the new stat state or None, this pass's output: counts for per_pass, ids for
+        per_token, or None)."""
         if self.mode == "per_token":
-            none = jnp.full((num_tokens, self.top_k), -1, jnp.int32)
-            return None, jnp.stack([ids.get(i, none) for i in range(self.num_layers)], axis=1)
+            return None, ids
         counts = self._pass_counts(ids, real)
         if self.mode == "per_pass":
             return None, counts
@@ -115,16 +108,18 @@ class ExpertDistributionRecorder:
             new = tuple(jax.lax.with_sharding_constraint(x, self.sharding) for x in new)
         return new, None
 
-    def _pass_counts(self, ids: dict[int, jax.Array], real: jax.Array) -> jax.Array:
+    def _pass_counts(self, ids: jax.Array, real: jax.Array) -> jax.Array:
         """[moe_layers, E] int32: how many real tokens picked each expert in each layer."""
         num_moe = len(self.moe_layer_ids)
         counts = jnp.zeros((num_moe, self.num_experts), jnp.int32)
-        if not ids:
-            return counts
-        stacked = jnp.stack([ids[i] for i in self.moe_layer_ids])  # [Lm, T, k]
-        weight = jnp.broadcast_to(real.astype(jnp.int32)[None, :, None], stacked.shape)
-        rows = jnp.broadcast_to(jnp.arange(num_moe, dtype=jnp.int32)[:, None, None], stacked.shape)
-        return counts.at[rows.reshape(-1), stacked.reshape(-1)].add(weight.reshape(-1))
+        layers = self.moe_layer_ids
+        if layers == list(range(layers[0], layers[-1] + 1)):  # contiguous (dense ones first)
+            moe_ids = ids[:, layers[0] : layers[-1] + 1]  # [T, Lm, k]
+        else:
+            moe_ids = jnp.take(ids, np.asarray(layers), axis=1)
+        weight = jnp.broadcast_to(real.astype(jnp.int32)[:, None, None], moe_ids.shape)
+        rows = jnp.broadcast_to(jnp.arange(num_moe, dtype=jnp.int32)[None, :, None], moe_ids.shape)
+        return counts.at[rows.reshape(-1), moe_ids.reshape(-1)].add(weight.reshape(-1))
 
     # -- on the host, per launched step -----------------------------------------------------
     def on_launch(self, output: Any, mode: ForwardMode, num_tokens: int,
@@ -288,41 +283,3 @@ def create_recorder(server_args: Any, model_config: ModelConfig, sharding: Any =
     return ExpertDistributionRecorder(
         mode, model_config, server_args.expert_distribution_recorder_buffer_size,
         server_args.expert_distribution_recorder_dir, sharding, abstract)
-
-
-class RecordingCapturer(RoutedExpertsCapturer):
-    """What the model is traced with when a recorder is on: every call goes to the runner's
-    routed-experts capturer, and ``capture`` to the recorder as well."""
-
-    def __init__(self, inner: RoutedExpertsCapturer, recorder: ExpertDistributionRecorder) -> None:
-        self.inner = inner
-        self.recorder = recorder
-        self.host_cache = inner.host_cache
-
-    @property
-    def enabled(self) -> bool:
-        return self.inner.enabled
-
-    def begin_forward(self, device_cache: Any) -> None:
-        self.inner.begin_forward(device_cache)
-
-    def capture(self, layer_id: int, topk_ids: jax.Array,
-                topk_weights: jax.Array | None = None) -> None:
-        self.inner.capture(layer_id, topk_ids, topk_weights)
-        self.recorder.capture(layer_id, topk_ids)
-
-    def end_forward(self, num_tokens: int) -> tuple[Any, Any]:
-        return self.inner.end_forward(num_tokens)
-
-    def device_cache(self) -> Any:
-        return self.inner.device_cache()
-
-    def set_device_cache(self, cache: Any) -> None:
-        self.inner.set_device_cache(cache)
-
-    def on_forward_end(self, rows: Any, out_cache_loc: np.ndarray, num_real_tokens: int,
-                       copy: bool) -> None:
-        self.inner.on_forward_end(rows, out_cache_loc, num_real_tokens, copy)
-
-    def on_forward_launch(self, out_cache_loc: np.ndarray, copy: bool | np.ndarray) -> None:
-        self.inner.on_forward_launch(out_cache_loc, copy)

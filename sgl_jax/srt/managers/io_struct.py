@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import operator
+import functools
 import uuid
-from dataclasses import dataclass, field, fields
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, TypeVar
 
 from sgl_jax.srt.managers.logprob_record import LogprobsOut
 from sgl_jax.srt.managers.request_options import InvalidRequestError, RequestOptions
@@ -218,15 +219,17 @@ class GetServerInfoReqOutput:
     info: dict[str, Any]
 
 
-@dataclass(slots=True)
-class ReqOutput:
+class ReqOutput(NamedTuple):
     """One request's new output, built once by the scheduler (``OutputSender``).
 
-    The detokenizer reads the ids, ``stop`` and ``skip_special_tokens`` and fills ``text``;
-    it passes everything else through. Each optional feature is ONE payload, None when the
-    request did not ask, and formats itself for the response where the tokenizer manager
-    builds ``meta_info`` (so a new feature is a field here and its payload type, not a
-    column on every hop).
+    The detokenizer reads the ids, ``stop`` and ``skip_special_tokens`` and fills ``text``
+    (``BatchTokenIDOut.with_text``); it passes everything else through. Each optional feature
+    is ONE payload, None when the request did not ask, and formats itself for the response
+    where the tokenizer manager builds ``meta_info`` (so a new feature is a field here and its
+    payload type, not a column on every hop).
+
+    A named tuple, immutable: a batch turns its records into columns and back with ``zip``
+    (C speed, no per-field attribute lookups), on every hop of every streamed step.
     """
 
     rid: str  # the per-submission key the scheduler and detokenizer know
@@ -235,7 +238,7 @@ class ReqOutput:
     prompt_tokens: int
     completion_tokens: int  # so far
     cached_tokens: int
-    stop: list[str]  # stop strings, trimmed from the text by the detokenizer
+    stop: tuple[str, ...]  # stop strings, trimmed from the text by the detokenizer
     skip_special_tokens: bool
     text: str = ""  # the text that became final with these ids (the detokenizer's)
     # Routed-experts rows (and routing weights) completed since the previous message;
@@ -247,37 +250,93 @@ class ReqOutput:
     first_token_time: float | None = None
 
 
-_req_output_values = operator.attrgetter(*(f.name for f in fields(ReqOutput)))
+_FIELD_INDEX = {name: i for i, name in enumerate(ReqOutput._fields)}
+_TEXT, _ROUTED = _FIELD_INDEX["text"], _FIELD_INDEX["routed"]
+# A record from a tuple of all its values in field order, with no Python-level call: the
+# generated ``ReqOutput(...)`` costs about 3x as much (a Python ``__new__`` parsing 12
+# arguments), and records are built for every streamed request on every step.
+make_req_output: Callable[[tuple[Any, ...]], ReqOutput] = functools.partial(
+    tuple.__new__, ReqOutput)
 
 
-def _reduce_batch(batch: BatchTokenIDOut | BatchStrOut) -> tuple:
-    """A batch pickles its records as one column per ``ReqOutput`` field: field names and
-    record classes once per message, not per request (pickling records one by one costs
-    several times as much, on every step of every streaming request)."""
-    columns = list(zip(*map(_req_output_values, batch.outputs), strict=True))
-    return _unpickle_batch, (type(batch), columns, batch.weight_version)
+class _OutputBatch:
+    """The records of some requests, held as records (as built) or as columns (as received):
+    one column per ``ReqOutput`` field, the routed-experts one packed column by column
+    (``RoutedExpertsOut.pack_column``).
+
+    A batch pickles as its columns: field names and classes once per message, not per
+    request. A received batch keeps its columns and builds its records only when asked
+    (``outputs``), so the detokenizer, which reads a few columns and replaces the text one,
+    never builds them and passes every payload through as it came.
+    """
+
+    __slots__ = ("_outputs", "_columns", "weight_version")
+
+    def __init__(self, outputs: list[ReqOutput], weight_version: str = "0") -> None:
+        self._outputs: list[ReqOutput] | None = outputs
+        self._columns: list[Sequence[Any]] | None = None
+        self.weight_version = weight_version  # of the weights that computed these outputs
+
+    @property
+    def outputs(self) -> list[ReqOutput]:
+        """One record per request (built from the columns on first use)."""
+        if self._outputs is None:
+            columns = list(self._columns)
+            columns[_ROUTED] = RoutedExpertsOut.unpack_column(columns[_ROUTED],
+                                                              len(columns[0]))
+            self._outputs = list(map(make_req_output, zip(*columns, strict=True)))
+        return self._outputs
+
+    def columns(self, *names: str) -> list[Sequence[Any]]:
+        """The columns of the fields ``names`` (not "routed", which travels packed), one
+        value per request in order."""
+        columns = self._wire_columns()
+        return [columns[_FIELD_INDEX[name]] for name in names]
+
+    def _wire_columns(self) -> list[Sequence[Any]]:
+        if self._columns is not None:
+            return self._columns
+        columns = list(zip(*self._outputs, strict=True)) or [()] * len(ReqOutput._fields)
+        assert len(columns) == len(ReqOutput._fields), "a record without all its fields"
+        columns[_ROUTED] = RoutedExpertsOut.pack_column(columns[_ROUTED])
+        return columns  # not kept: ``outputs`` is the caller's list, it may still change
+
+    def __len__(self) -> int:
+        return len(self._outputs if self._outputs is not None else self._columns[0])
+
+    def __reduce__(self) -> tuple:
+        return _batch_of_columns, (type(self), self._wire_columns(), self.weight_version)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(outputs={self.outputs!r}, " \
+               f"weight_version={self.weight_version!r})"
 
 
-def _unpickle_batch(cls: type, columns: list[tuple], weight_version: str) -> Any:
-    outputs = list(map(ReqOutput, *columns)) if columns else []
-    return cls(outputs=outputs, weight_version=weight_version)
+def _batch_of_columns(cls: type[_Batch], columns: list[Sequence[Any]],
+                      weight_version: str) -> _Batch:
+    """A batch holding ``columns`` (as ``_OutputBatch._wire_columns`` made them); also how a
+    batch unpickles (a module-level function pickles as its name, a classmethod does not)."""
+    batch = cls.__new__(cls)
+    batch._outputs, batch._columns, batch.weight_version = None, columns, weight_version
+    return batch
 
 
-@dataclass
-class BatchTokenIDOut:
+_Batch = TypeVar("_Batch", bound=_OutputBatch)
+
+
+class BatchTokenIDOut(_OutputBatch):
     """Scheduler -> detokenizer: the new output of some requests (text not yet filled)."""
 
-    outputs: list[ReqOutput]
-    weight_version: str = "0"  # of the weights that computed these outputs
+    __slots__ = ()
 
-    __reduce__ = _reduce_batch
+    def with_text(self, texts: Sequence[str]) -> BatchStrOut:
+        """The same records, their ``text`` filled (one per request, in order)."""
+        columns = list(self._wire_columns())
+        columns[_TEXT] = texts
+        return _batch_of_columns(BatchStrOut, columns, self.weight_version)
 
 
-@dataclass
-class BatchStrOut:
+class BatchStrOut(_OutputBatch):
     """Detokenizer -> tokenizer manager: the same records, their ``text`` filled."""
 
-    outputs: list[ReqOutput]
-    weight_version: str = "0"
-
-    __reduce__ = _reduce_batch
+    __slots__ = ()

@@ -15,11 +15,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from sgl_jax.srt.routed_experts_codec import (
-    ROUTED_EXPERT_WEIGHTS_DTYPES,
     dtype_name,
     encode_routed_expert_weights,
     encode_routed_experts,
-    to_wire_dtype,
 )
 
 # Every meta_info key of this payload holds it (routed_experts*, routed_expert_weights*, and
@@ -40,21 +38,12 @@ class RoutedExpertsOut(NamedTuple):
     start: int  # the position of the first row (meta_info "routed_experts_start")
     weights: np.ndarray | None = None
 
-    @classmethod
-    def to_wire(cls, rows: np.ndarray, start: int, dtype: str,
-                weights: np.ndarray | None = None,
-                weights_dtype: str = "float32") -> RoutedExpertsOut:
-        """Rows in any integer dtype (e.g. the host table's) cast once to the wire dtypes."""
-        if weights is not None:
-            weights = weights.astype(ROUTED_EXPERT_WEIGHTS_DTYPES[weights_dtype], copy=False)
-        return tuple.__new__(cls, (to_wire_dtype(rows, dtype), start, weights))
-
     @staticmethod
     def pack_column(items: Sequence[RoutedExpertsOut | None]) -> PackedColumn | None:
-        """A batch's column of these (None for a request that carries none) as plain
-        columns, which pickle without a hook per object (their arrays still out of band):
-        the positions that carry one (None: all do) and their ids, starts and weights.
-        None when no request carries any."""
+        """A batch's column of these, or of their values (None for a request that carries
+        none), as plain columns, which pickle without a hook per object (their arrays still
+        out of band): the positions that carry one (None: all do) and their ids, starts and
+        weights. None when no request carries any."""
         payloads = list(filter(None, items))
         if not payloads:
             return None
@@ -107,25 +96,29 @@ class RoutedExpertsOut(NamedTuple):
         return meta
 
     def _keys(self, prefix: str) -> dict[str, Any]:
+        ids, start, ids_dtype, ids_shape, weights, weights_dtype, weights_shape = \
+            _KEY_NAMES[prefix]
         shape = list(self.ids.shape)
         name = dtype_name(self.ids.dtype)
         meta: dict[str, Any] = {
-            f"{prefix}routed_experts": encode_routed_experts(self.ids, name),
-            f"{prefix}routed_experts_start": self.start,
-            f"{prefix}routed_experts_dtype": name,
-            f"{prefix}routed_experts_shape": shape,
+            ids: encode_routed_experts(self.ids, name),
+            start: self.start,
+            ids_dtype: name,
+            ids_shape: shape,
         }
         if self.weights is not None:
-            weights_name = dtype_name(self.weights.dtype)
-            meta.update({
-                f"{prefix}routed_expert_weights":
-                    encode_routed_expert_weights(self.weights, weights_name),
-                f"{prefix}routed_expert_weights_dtype": weights_name,
-                f"{prefix}routed_expert_weights_shape": shape,
-            })
+            name = dtype_name(self.weights.dtype)
+            meta[weights] = encode_routed_expert_weights(self.weights, name)
+            meta[weights_dtype] = name
+            meta[weights_shape] = shape
         return meta
 
 
+# The key names by prefix, made once (not per payload, on every streamed step).
+_KEY_NAMES = {prefix: tuple(prefix + name for name in (
+    "routed_experts", "routed_experts_start", "routed_experts_dtype", "routed_experts_shape",
+    "routed_expert_weights", "routed_expert_weights_dtype", "routed_expert_weights_shape"))
+    for prefix in ("", "prompt_")}
 # One from a tuple of its values, without the Python-level call of ``RoutedExpertsOut(...)``.
 _new_routed = functools.partial(tuple.__new__, RoutedExpertsOut)
 # A packed column: (positions or None, ids, starts, weights), see ``pack_column``.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
@@ -220,16 +220,18 @@ class GetServerInfoReqOutput:
 
 
 class ReqOutput(NamedTuple):
-    """One request's new output, built once by the scheduler (``OutputSender``).
+    """One request's new output since its previous message.
 
-    The detokenizer reads the ids, ``stop`` and ``skip_special_tokens`` and fills ``text``
-    (``BatchTokenIDOut.with_text``); it passes everything else through. Each optional feature
-    is ONE payload, None when the request did not ask, and formats itself for the response
-    where the tokenizer manager builds ``meta_info`` (so a new feature is a field here and its
-    payload type, not a column on every hop).
+    The scheduler (``OutputSender``) gives each as its values (``BatchTokenIDOut.of_values``);
+    the detokenizer reads the ids, ``stop`` and ``skip_special_tokens`` and fills ``text``
+    (``BatchTokenIDOut.with_text``), passing everything else through; the tokenizer manager
+    reads the records (``outputs``). Each optional feature is ONE payload, None when the
+    request did not ask, and formats itself for the response where the tokenizer manager
+    builds ``meta_info`` (so a new feature is a field here and its payload type, not a
+    column on every hop).
 
-    A named tuple, immutable: a batch turns its records into columns and back with ``zip``
-    (C speed, no per-field attribute lookups), on every hop of every streamed step.
+    A named tuple, immutable: a batch turns records into columns and back with ``zip`` (no
+    per-field attribute lookups), on every hop of every streamed step.
     """
 
     rid: str  # the per-submission key the scheduler and detokenizer know
@@ -252,22 +254,20 @@ class ReqOutput(NamedTuple):
 
 _FIELD_INDEX = {name: i for i, name in enumerate(ReqOutput._fields)}
 _TEXT, _ROUTED = _FIELD_INDEX["text"], _FIELD_INDEX["routed"]
-# A record from a tuple of all its values in field order, with no Python-level call: the
-# generated ``ReqOutput(...)`` costs about 3x as much (a Python ``__new__`` parsing 12
-# arguments), and records are built for every streamed request on every step.
-make_req_output: Callable[[tuple[Any, ...]], ReqOutput] = functools.partial(
-    tuple.__new__, ReqOutput)
+# A record from the tuple of its values with no Python-level call (the generated
+# ``ReqOutput(...)`` parses 12 arguments in Python: twice the cost, per request per hop).
+_make_record = functools.partial(tuple.__new__, ReqOutput)
 
 
 class _OutputBatch:
-    """The records of some requests, held as records (as built) or as columns (as received):
-    one column per ``ReqOutput`` field, the routed-experts one packed column by column
-    (``RoutedExpertsOut.pack_column``).
+    """The records of some requests, held as records (``outputs``) or as columns: one per
+    ``ReqOutput`` field, the routed-experts one packed (``RoutedExpertsOut.pack_column``).
 
-    A batch pickles as its columns: field names and classes once per message, not per
-    request. A received batch keeps its columns and builds its records only when asked
-    (``outputs``), so the detokenizer, which reads a few columns and replaces the text one,
-    never builds them and passes every payload through as it came.
+    A batch pickles as its columns (field names and classes once per message, not per
+    request) and is received as columns; it builds its records only when they are read. The
+    scheduler gives its records as values (``of_values``) and the detokenizer fills the text
+    column (``with_text``): neither builds a record, and every payload passes the detokenizer
+    as it came.
     """
 
     __slots__ = ("_outputs", "_columns", "weight_version")
@@ -277,14 +277,24 @@ class _OutputBatch:
         self._columns: list[Sequence[Any]] | None = None
         self.weight_version = weight_version  # of the weights that computed these outputs
 
+    @classmethod
+    def of_values(cls: type[_Batch], values: Iterable[tuple[Any, ...]],
+                  weight_version: str = "0") -> _Batch:
+        """The batch of the records whose values ``values`` holds: per request, a tuple of
+        its ``ReqOutput`` fields in order, a payload as the tuple of its own fields. What
+        the scheduler sends for every streamed request on every step: making each a record
+        there (and each payload an object) would cost as much again as everything else it
+        does per request, for records nobody reads before the next process."""
+        return _batch_of_columns(cls, _columns_of(values), weight_version)
+
     @property
     def outputs(self) -> list[ReqOutput]:
-        """One record per request (built from the columns on first use)."""
+        """One record per request (built from the columns when first read)."""
         if self._outputs is None:
             columns = list(self._columns)
             columns[_ROUTED] = RoutedExpertsOut.unpack_column(columns[_ROUTED],
                                                               len(columns[0]))
-            self._outputs = list(map(make_req_output, zip(*columns, strict=True)))
+            self._outputs = list(map(_make_record, zip(*columns, strict=True)))
         return self._outputs
 
     def columns(self, *names: str) -> list[Sequence[Any]]:
@@ -296,10 +306,7 @@ class _OutputBatch:
     def _wire_columns(self) -> list[Sequence[Any]]:
         if self._columns is not None:
             return self._columns
-        columns = list(zip(*self._outputs, strict=True)) or [()] * len(ReqOutput._fields)
-        assert len(columns) == len(ReqOutput._fields), "a record without all its fields"
-        columns[_ROUTED] = RoutedExpertsOut.pack_column(columns[_ROUTED])
-        return columns  # not kept: ``outputs`` is the caller's list, it may still change
+        return _columns_of(self._outputs)  # not kept: ``outputs`` is the caller's list
 
     def __len__(self) -> int:
         return len(self._outputs if self._outputs is not None else self._columns[0])
@@ -312,16 +319,27 @@ class _OutputBatch:
                f"weight_version={self.weight_version!r})"
 
 
+_Batch = TypeVar("_Batch", bound=_OutputBatch)
+
+
+def _columns_of(values: Iterable[tuple[Any, ...]]) -> list[Sequence[Any]]:
+    """Records (or their values) -> one column per ``ReqOutput`` field, the routed one
+    packed."""
+    columns = list(zip(*values, strict=True)) or [()] * len(ReqOutput._fields)
+    if len(columns) != len(ReqOutput._fields):
+        raise ValueError(f"a record has {len(columns)} values for {len(ReqOutput._fields)} "
+                         "fields")
+    columns[_ROUTED] = RoutedExpertsOut.pack_column(columns[_ROUTED])
+    return columns
+
+
 def _batch_of_columns(cls: type[_Batch], columns: list[Sequence[Any]],
                       weight_version: str) -> _Batch:
-    """A batch holding ``columns`` (as ``_OutputBatch._wire_columns`` made them); also how a
-    batch unpickles (a module-level function pickles as its name, a classmethod does not)."""
+    """A batch holding ``columns`` (``_columns_of``'s); also how a batch unpickles (a
+    module-level function pickles as its name, a bound classmethod as an object)."""
     batch = cls.__new__(cls)
     batch._outputs, batch._columns, batch.weight_version = None, columns, weight_version
     return batch
-
-
-_Batch = TypeVar("_Batch", bound=_OutputBatch)
 
 
 class BatchTokenIDOut(_OutputBatch):

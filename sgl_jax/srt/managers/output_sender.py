@@ -9,11 +9,14 @@ from typing import Any
 import numpy as np
 import zmq
 
-from sgl_jax.srt.managers.io_struct import BatchTokenIDOut, ReqOutput, make_req_output
+from sgl_jax.srt.managers.io_struct import BatchTokenIDOut
 from sgl_jax.srt.managers.schedule_batch import Req
 from sgl_jax.srt.managers.transport import send_obj
-from sgl_jax.srt.routed_experts_codec import wire_dtype
-from sgl_jax.srt.routed_experts_output import RoutedExpertsOut
+from sgl_jax.srt.routed_experts_codec import (
+    ROUTED_EXPERT_WEIGHTS_DTYPES,
+    to_wire_dtype,
+    wire_dtype,
+)
 
 # Routed-experts bytes per message (a single larger request goes alone).
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -52,14 +55,12 @@ class OutputSender:
         return self._message(due) if due else None
 
     def _message(self, due: list[Req]) -> BatchTokenIDOut:
-        return BatchTokenIDOut(outputs=[self._record(r) for r in due],
-                               weight_version=self.weight_version)
+        return BatchTokenIDOut.of_values(map(self._record, due), self.weight_version)
 
-    def _record(self, req: Req) -> ReqOutput:
-        """``req``'s output since its previous message, every payload it asked for."""
-        # All its values, in field order (see make_req_output: this runs for every streaming
-        # request on every step).
-        out = make_req_output((
+    def _record(self, req: Req) -> tuple[Any, ...]:
+        """``req``'s ``ReqOutput`` since its previous message, every payload it asked for, as
+        values in field order (see ``BatchTokenIDOut.of_values``)."""
+        out = (
             req.rid,
             req.output_ids[req.sent_len :],  # new_ids
             req.finished_reason,
@@ -72,13 +73,15 @@ class OutputSender:
             self._routed_rows(req) if req.options.return_routed_experts else None,  # routed
             None if req.logprobs is None else req.logprobs.take_new(),  # logprobs
             req.first_token_time,
-        ))
+        )
         req.sent_len = len(req.output_ids)
         return out
 
-    def _routed_rows(self, req: Req) -> RoutedExpertsOut | None:
-        """The rows ``req``'s message carries (see the class), in its wire dtype, and their
-        routing weights; None when it carries none. Only for a request that asked."""
+    def _routed_rows(self, req: Req) -> tuple[np.ndarray, int, np.ndarray | None] | None:
+        """The values of the ``RoutedExpertsOut`` ``req``'s message carries (see the class):
+        its rows in its wire dtype, the position of the first, and their routing weights in
+        their wire dtype if it asked for them; None when it carries none. Only for a request
+        that asked."""
         opts = req.options
         start = opts.start_len + req.routed_sent  # the position of the first row it sends
         if req.finished:
@@ -98,9 +101,9 @@ class OutputSender:
         else:
             return None
         req.routed_sent += len(rows)
-        if weights is None:  # the usual case, without resolving the weights' wire dtype
-            return RoutedExpertsOut.to_wire(rows, start, opts.dtype)
-        return RoutedExpertsOut.to_wire(rows, start, opts.dtype, weights, opts.weights_dtype)
+        if weights is not None:
+            weights = weights.astype(ROUTED_EXPERT_WEIGHTS_DTYPES[opts.weights_dtype], copy=False)
+        return to_wire_dtype(rows, opts.dtype), start, weights
 
     def send(self, reqs: list[Req]) -> None:
         """Sends the due ones of ``reqs`` in messages of at most ``max_message_bytes`` of

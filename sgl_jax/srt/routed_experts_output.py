@@ -96,29 +96,25 @@ class RoutedExpertsOut(NamedTuple):
         return meta
 
     def _keys(self, prefix: str) -> dict[str, Any]:
-        ids, start, ids_dtype, ids_shape, weights, weights_dtype, weights_shape = \
-            _KEY_NAMES[prefix]
         shape = list(self.ids.shape)
         name = dtype_name(self.ids.dtype)
         meta: dict[str, Any] = {
-            ids: encode_routed_experts(self.ids, name),
-            start: self.start,
-            ids_dtype: name,
-            ids_shape: shape,
+            f"{prefix}routed_experts": encode_routed_experts(self.ids, name),
+            f"{prefix}routed_experts_start": self.start,
+            f"{prefix}routed_experts_dtype": name,
+            f"{prefix}routed_experts_shape": shape,
         }
         if self.weights is not None:
-            name = dtype_name(self.weights.dtype)
-            meta[weights] = encode_routed_expert_weights(self.weights, name)
-            meta[weights_dtype] = name
-            meta[weights_shape] = shape
+            weights_name = dtype_name(self.weights.dtype)
+            meta.update({
+                f"{prefix}routed_expert_weights":
+                    encode_routed_expert_weights(self.weights, weights_name),
+                f"{prefix}routed_expert_weights_dtype": weights_name,
+                f"{prefix}routed_expert_weights_shape": shape,
+            })
         return meta
 
 
-# The key names by prefix, made once (not per payload, on every streamed step).
-_KEY_NAMES = {prefix: tuple(prefix + name for name in (
-    "routed_experts", "routed_experts_start", "routed_experts_dtype", "routed_experts_shape",
-    "routed_expert_weights", "routed_expert_weights_dtype", "routed_expert_weights_shape"))
-    for prefix in ("", "prompt_")}
 # One from a tuple of its values, without the Python-level call of ``RoutedExpertsOut(...)``.
 _new_routed = functools.partial(tuple.__new__, RoutedExpertsOut)
 # A packed column: (positions or None, ids, starts, weights), see ``pack_column``.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
@@ -57,7 +58,7 @@ class DetokenizerManager:
         return out.with_text(texts)
 
     def _text_delta(self, rid: str, new_ids: list[int], finish_reason: dict[str, Any] | None,
-                    stop: list[str], skip_special_tokens: bool) -> str:
+                    stop: Sequence[str], skip_special_tokens: bool) -> str:
         """The text that became final with a request's new ids (all that is left if it
         ended)."""
         decoder = self.decoders.get(rid)

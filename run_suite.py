@@ -36,6 +36,7 @@ UNIT = [
     "tests/test_request_options.py",
     "tests/test_sglang_fields.py",
     "tests/test_routed_experts_transport.py",
+    "tests/test_output_records.py",
     "tests/test_expert_load_tool.py",
     "tests/test_eplb.py",
     "tests/test_eplb_parallel.py",

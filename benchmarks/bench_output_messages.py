@@ -3,14 +3,18 @@
 Each step packs the outputs of ``--batch`` streaming requests (one new token each) with the
 real ``OutputSender``, sends them over a real ``ipc://`` ZMQ socket with ``transport``,
 receives them in a real ``DetokenizerManager`` (incremental detokenization included), which
-sends its message on to a socket read as the tokenizer manager does. Timed per step, in
-microseconds (median over ``--steps``):
+sends its message on to a socket read as the tokenizer manager does, and hands what it read to
+a real ``TokenizerManager``'s dispatch. Timed per step, in microseconds (median over
+``--steps``):
 
 - ``pack+send``: the scheduler's side (build the message, serialize, hand to ZMQ);
 - ``detok``: receive, detokenize, serialize and send (the detokenizer process's work);
 - ``recv``: the manager's receive and deserialization;
 - ``total``: the three, and ``pickle B``: bytes of the scheduler's message without its
-  out-of-band arrays.
+  out-of-band arrays;
+- ``dispatch``: the manager's dispatch of what it received to the waiting requests (each
+  piece's ``meta_info``, routed experts base64-encoded; for one-record-per-request messages,
+  building the records of what it received), not in ``total``.
 
 Workloads: ``plain`` (ids only), ``logprobs`` (top-5 per token), ``routed`` (each request's
 newly completed routed-experts row, ``[layers, k]`` int32, streamed), ``burst`` (``--burst``
@@ -27,6 +31,7 @@ Only public constructors shared by every revision since M9 are used, so
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import pickle
 import sys
@@ -40,10 +45,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_utils import markdown_table, median  # noqa: E402
 
+from sgl_jax.srt.configs.model_config import ModelConfig  # noqa: E402
 from sgl_jax.srt.managers.detokenizer_manager import DetokenizerManager  # noqa: E402
 from sgl_jax.srt.managers.output_sender import OutputSender  # noqa: E402
 from sgl_jax.srt.managers.request_options import RequestOptions  # noqa: E402
 from sgl_jax.srt.managers.schedule_batch import Req  # noqa: E402
+from sgl_jax.srt.managers.tokenizer_manager import ReqState, TokenizerManager  # noqa: E402
 from sgl_jax.srt.managers.transport import recv_obj, send_obj  # noqa: E402
 from sgl_jax.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sgl_jax.srt.server_args import PortArgs, ServerArgs  # noqa: E402
@@ -52,7 +59,8 @@ LAYERS, TOP_K, TOP_LOGPROBS = 48, 8, 5
 
 
 class Pipeline:
-    """The three ends of the two output sockets, in this process."""
+    """The three ends of the two output sockets, in this process, and a tokenizer manager
+    (on sockets of its own, idle) whose dispatch is handed what the last socket received."""
 
     def __init__(self) -> None:
         self.port_args = PortArgs.new()
@@ -62,8 +70,18 @@ class Pipeline:
         self.to_detok.connect(self.port_args.detokenizer_ipc)
         self.manager = self.ctx.socket(zmq.PULL)
         self.manager.bind(self.port_args.tokenizer_ipc)
+        self.tm_port_args = PortArgs.new()
+        self.tm = TokenizerManager(ServerArgs(), self.tm_port_args, ModelConfig.from_hf())
+        self.loop = asyncio.new_event_loop()  # the waiting requests' (run between steps)
 
-    def step(self, sender: OutputSender, reqs: list[Req]) -> tuple[float, float, float]:
+    def track(self, reqs: list[Req]) -> None:
+        """A waiting request in the tokenizer manager for each of ``reqs`` (keyed by rid)."""
+        for r in reqs:
+            if r.rid not in self.tm._by_key:
+                self.tm._by_key[r.rid] = ReqState(rid=r.rid, key=r.rid, loop=self.loop,
+                                                  event=asyncio.Event(), options=r.options)
+
+    def step(self, sender: OutputSender, reqs: list[Req]) -> tuple[float, ...]:
         """One step's messages through both hops; every request of ``reqs`` is due."""
         t0 = time.perf_counter()
         sender.send(reqs)
@@ -75,22 +93,39 @@ class Pipeline:
             send_obj(self.detok.send_socket, self.detok.handle_batch_token_id_out(msg))
         t2 = time.perf_counter()
         left = len(reqs)
+        received = []
         while left:
-            left -= _num_requests(recv_obj(self.manager))
+            received.append(recv_obj(self.manager))
+            left -= _num_requests(received[-1])
         t3 = time.perf_counter()
-        return t1 - t0, t2 - t1, t3 - t2
+        for msg in received:
+            self.tm._dispatch(msg)
+        t4 = time.perf_counter()
+        for r in reqs:  # what the requests' coroutines would take
+            self.tm._by_key[r.rid].pending.clear()
+        self.loop.run_until_complete(asyncio.sleep(0))
+        return t1 - t0, t2 - t1, t3 - t2, t4 - t3
 
     def close(self) -> None:
         for sock in (self.to_detok, self.manager, self.detok.recv_socket,
                      self.detok.send_socket):
             sock.close(linger=0)
+        self.tm.close()
+        self.loop.close()
         self.port_args.remove()
+        self.tm_port_args.remove()
 
 
 def _num_requests(msg: object) -> int:
-    """Requests in an output message, of either shape (parallel lists or one record each)."""
+    """Requests in an output message, of either shape (parallel lists or one record each),
+    without building its records where it can (that is the dispatch's work)."""
     rids = getattr(msg, "rids", None)
-    return len(rids if rids is not None else msg.outputs)
+    if rids is not None:
+        return len(rids)
+    try:
+        return len(msg)
+    except TypeError:  # a batch without a length: its records were built when received
+        return len(msg.outputs)
 
 
 def _req(rid: str, options: RequestOptions, stream: bool = True) -> Req:
@@ -162,7 +197,7 @@ def main() -> None:
     try:
         for name, make in _workloads(args.batch, args.burst, args.burst_rows).items():
             sender, reqs, streaming = make(pipe.to_detok)
-            times: list[tuple[float, float, float]] = []
+            times: list[tuple[float, ...]] = []
             size = 0
             for i in range(args.steps if streaming else max(args.steps // 20, 5)):
                 if streaming:
@@ -172,13 +207,14 @@ def main() -> None:
                         r.sent_len, r.routed_sent, r.rid = 0, 0, f"{r.rid.split('#')[0]}#{i}"
                 if i == 0:
                     size = _pickle_bytes(sender, reqs)
+                pipe.track(reqs)
                 times.append(pipe.step(sender, reqs))
-            us = [median([t[j] for t in times]) * 1e6 for j in range(3)]
-            rows.append([name, *us, median([sum(t) for t in times]) * 1e6, size])
+            us = [median([t[j] for t in times]) * 1e6 for j in range(4)]
+            rows.append([name, *us[:3], median([sum(t[:3]) for t in times]) * 1e6, size, us[3]])
     finally:
         pipe.close()
     print(markdown_table(["workload", "pack+send us", "detok us", "recv us", "total us",
-                          "pickle B"], rows))
+                          "pickle B", "dispatch us"], rows))
 
 
 if __name__ == "__main__":

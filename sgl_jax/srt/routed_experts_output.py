@@ -8,17 +8,16 @@ JAX-free, like the codec it uses (the detokenizer process never imports JAX).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from sgl_jax.srt.routed_experts_codec import (
-    ROUTED_EXPERT_WEIGHTS_DTYPES,
     dtype_name,
     encode_routed_expert_weights,
     encode_routed_experts,
-    to_wire_dtype,
 )
 
 # Every meta_info key of this payload holds it (routed_experts*, routed_expert_weights*, and
@@ -26,30 +25,45 @@ from sgl_jax.srt.routed_experts_codec import (
 _KEY_MARK = "routed_expert"
 
 
-@dataclass(slots=True)
-class RoutedExpertsOut:
+class RoutedExpertsOut(NamedTuple):
     """Rows ``[start, start + n)`` of one request: ``ids`` ``[n, layers, k]`` in the request's
     wire dtype (``routed_experts_dtype``) and, when it asked for them, the same rows' routing
     weights in their wire float dtype. The arrays' dtypes and shapes describe them; they
-    travel out of band between processes and are base64-encoded once, in ``meta_info``."""
+    travel out of band between processes and are base64-encoded once, in ``meta_info``.
+
+    A named tuple, like the record that holds it: a batch packs a column of these and
+    unpacks it with ``zip``, without a call per payload."""
 
     ids: np.ndarray
     start: int  # the position of the first row (meta_info "routed_experts_start")
     weights: np.ndarray | None = None
 
-    @classmethod
-    def to_wire(cls, rows: np.ndarray, start: int, dtype: str,
-                weights: np.ndarray | None = None,
-                weights_dtype: str = "float32") -> RoutedExpertsOut:
-        """Rows in any integer dtype (e.g. the host table's) cast once to the wire dtypes."""
-        if weights is not None:
-            weights = weights.astype(ROUTED_EXPERT_WEIGHTS_DTYPES[weights_dtype], copy=False)
-        return cls(to_wire_dtype(rows, dtype), start, weights)
+    @staticmethod
+    def pack_column(items: Sequence[RoutedExpertsOut | None]) -> PackedColumn | None:
+        """A batch's column of these, or of their values (None for a request that carries
+        none), as plain columns, which pickle without a hook per object (their arrays still
+        out of band): the positions that carry one (None: all do) and their ids, starts and
+        weights. None when no request carries any."""
+        payloads = list(filter(None, items))
+        if not payloads:
+            return None
+        positions = None if len(payloads) == len(items) else \
+            [i for i, item in enumerate(items) if item is not None]
+        return (positions, *zip(*payloads, strict=True))
 
-    def __reduce__(self) -> tuple:
-        # Its fields in order: several times cheaper to pickle and unpickle than slot state
-        # (a streamed step's message holds one per request that asked).
-        return RoutedExpertsOut, (self.ids, self.start, self.weights)
+    @classmethod
+    def unpack_column(cls, packed: PackedColumn | None, n: int) -> list[RoutedExpertsOut | None]:
+        """The column of ``n`` requests that ``pack_column`` packed."""
+        if packed is None:
+            return [None] * n
+        positions, ids, starts, weights = packed
+        payloads = list(map(_new_routed, zip(ids, starts, weights, strict=True)))
+        if positions is None:
+            return payloads
+        column: list[RoutedExpertsOut | None] = [None] * n
+        for i, payload in zip(positions, payloads, strict=True):
+            column[i] = payload
+        return column
 
     @property
     def num_rows(self) -> int:
@@ -99,6 +113,13 @@ class RoutedExpertsOut:
                 f"{prefix}routed_expert_weights_shape": shape,
             })
         return meta
+
+
+# One from a tuple of its values, without the Python-level call of ``RoutedExpertsOut(...)``.
+_new_routed = functools.partial(tuple.__new__, RoutedExpertsOut)
+# A packed column: (positions or None, ids, starts, weights), see ``pack_column``.
+PackedColumn = tuple[list[int] | None, Sequence[np.ndarray], Sequence[int],
+                     Sequence[np.ndarray | None]]
 
 
 def routed_experts_keys(meta: dict[str, Any]) -> dict[str, Any]:

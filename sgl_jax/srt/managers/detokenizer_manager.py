@@ -4,8 +4,8 @@ It never imports JAX (tested): it starts fast and holds no accelerator.
 
 It keeps one IncrementalDecoder per unfinished request (text is final only once no later token
 can change it, and a stop string is trimmed from the text), fills the ``text`` of each
-``ReqOutput`` record and forwards every other message from the scheduler to the tokenizer
-manager unchanged.
+``ReqOutput`` record (on the batch's columns) and forwards every other message from the
+scheduler to the tokenizer manager unchanged.
 
 It reads nothing of a record but its ids, stop strings and ``skip_special_tokens``: every
 feature's payload passes through as it came, its numpy arrays out of band in both directions
@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import logging
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
 
 from sgl_jax.srt.managers.incremental_detokenizer import IncrementalDecoder
-from sgl_jax.srt.managers.io_struct import BatchStrOut, BatchTokenIDOut, ReqOutput
+from sgl_jax.srt.managers.io_struct import BatchStrOut, BatchTokenIDOut
 from sgl_jax.srt.managers.transport import recv_obj, send_obj
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
 from sgl_jax.srt.tokenizer import Tokenizer
@@ -51,22 +52,25 @@ class DetokenizerManager:
             send_obj(self.send_socket, msg)
 
     def handle_batch_token_id_out(self, out: BatchTokenIDOut) -> BatchStrOut:
-        for rec in out.outputs:
-            rec.text = self._text_delta(rec)
-        return BatchStrOut(outputs=out.outputs, weight_version=out.weight_version)
+        # Column by column: the records are never built here (see _OutputBatch).
+        texts = list(map(self._text_delta, *out.columns(
+            "rid", "new_ids", "finish_reason", "stop", "skip_special_tokens")))
+        return out.with_text(texts)
 
-    def _text_delta(self, rec: ReqOutput) -> str:
-        """The text that became final with ``rec``'s new ids (all that is left if it ended)."""
-        decoder = self.decoders.get(rec.rid)
+    def _text_delta(self, rid: str, new_ids: list[int], finish_reason: dict[str, Any] | None,
+                    stop: Sequence[str], skip_special_tokens: bool) -> str:
+        """The text that became final with a request's new ids (all that is left if it
+        ended)."""
+        decoder = self.decoders.get(rid)
         if decoder is None:
-            decoder = IncrementalDecoder(self.tokenizer, skip_special_tokens=rec.skip_special_tokens,
-                                         stop=rec.stop)
-            self.decoders[rec.rid] = decoder
-        text = decoder.push(rec.new_ids)
-        if rec.finish_reason is not None:
+            decoder = IncrementalDecoder(self.tokenizer, skip_special_tokens=skip_special_tokens,
+                                         stop=stop)
+            self.decoders[rid] = decoder
+        text = decoder.push(new_ids)
+        if finish_reason is not None:
             if decoder.stopped_by is None:
                 text += decoder.finish()
-            del self.decoders[rec.rid]
+            del self.decoders[rid]
         return text
 
 

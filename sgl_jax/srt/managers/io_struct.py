@@ -3,10 +3,11 @@ control operations and their replies are in ``control.py``."""
 
 from __future__ import annotations
 
-import operator
+import functools
 import uuid
-from dataclasses import dataclass, field, fields
-from typing import Any
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, TypeVar
 
 from sgl_jax.srt.managers.logprob_record import LogprobsOut
 from sgl_jax.srt.managers.request_options import InvalidRequestError, RequestOptions
@@ -148,15 +149,19 @@ class AbortReq:
     rid: str
 
 
-@dataclass(slots=True)
-class ReqOutput:
-    """One request's new output, built once by the scheduler (``OutputSender``).
+class ReqOutput(NamedTuple):
+    """One request's new output since its previous message.
 
-    The detokenizer reads the ids, ``stop`` and ``skip_special_tokens`` and fills ``text``;
-    it passes everything else through. Each optional feature is ONE payload, None when the
+    The scheduler (``OutputSender``) gives each as its values (``BatchTokenIDOut.of_values``);
+    the detokenizer reads the ids, ``stop`` and ``skip_special_tokens`` and fills ``text``
+    (``BatchTokenIDOut.with_text``), passing everything else through; the tokenizer manager
+    reads the records (``outputs``). Each optional feature is ONE payload, None when the
     request did not ask, and formats itself for the response where the tokenizer manager
     builds ``meta_info`` (so a new feature is a field here and its payload type, not a
     column on every hop).
+
+    A named tuple, immutable: a batch turns records into columns and back with ``zip`` (no
+    per-field attribute lookups), on every hop of every streamed step.
     """
 
     rid: str  # the per-submission key the scheduler and detokenizer know
@@ -165,7 +170,7 @@ class ReqOutput:
     prompt_tokens: int
     completion_tokens: int  # so far
     cached_tokens: int
-    stop: list[str]  # stop strings, trimmed from the text by the detokenizer
+    stop: tuple[str, ...]  # stop strings, trimmed from the text by the detokenizer
     skip_special_tokens: bool
     text: str = ""  # the text that became final with these ids (the detokenizer's)
     # Routed-experts rows (and routing weights) completed since the previous message;
@@ -177,37 +182,109 @@ class ReqOutput:
     first_token_time: float | None = None
 
 
-_req_output_values = operator.attrgetter(*(f.name for f in fields(ReqOutput)))
+_FIELD_INDEX = {name: i for i, name in enumerate(ReqOutput._fields)}
+_TEXT, _ROUTED = _FIELD_INDEX["text"], _FIELD_INDEX["routed"]
+# A record from the tuple of its values with no Python-level call (the generated
+# ``ReqOutput(...)`` parses 12 arguments in Python: twice the cost, per request per hop).
+_make_record = functools.partial(tuple.__new__, ReqOutput)
 
 
-def _reduce_batch(batch: BatchTokenIDOut | BatchStrOut) -> tuple:
-    """A batch pickles its records as one column per ``ReqOutput`` field: field names and
-    record classes once per message, not per request (pickling records one by one costs
-    several times as much, on every step of every streaming request)."""
-    columns = list(zip(*map(_req_output_values, batch.outputs), strict=True))
-    return _unpickle_batch, (type(batch), columns, batch.weight_version)
+class _OutputBatch:
+    """The records of some requests, held as records (``outputs``) or as columns: one per
+    ``ReqOutput`` field, the routed-experts one packed (``RoutedExpertsOut.pack_column``).
+
+    A batch pickles as its columns (field names and classes once per message, not per
+    request) and is received as columns; it builds its records only when they are read. The
+    scheduler gives its records as values (``of_values``) and the detokenizer fills the text
+    column (``with_text``): neither builds a record, and every payload passes the detokenizer
+    as it came.
+    """
+
+    __slots__ = ("_outputs", "_columns", "weight_version")
+
+    def __init__(self, outputs: list[ReqOutput], weight_version: str = "0") -> None:
+        self._outputs: list[ReqOutput] | None = outputs
+        self._columns: list[Sequence[Any]] | None = None
+        self.weight_version = weight_version  # of the weights that computed these outputs
+
+    @classmethod
+    def of_values(cls: type[_Batch], values: Iterable[tuple[Any, ...]],
+                  weight_version: str = "0") -> _Batch:
+        """The batch of the records whose values ``values`` holds: per request, a tuple of
+        its ``ReqOutput`` fields in order, a payload as the tuple of its own fields. How the
+        scheduler gives them, for every streamed request on every step: building the record
+        and payload objects there (~0.15 us each) would be a third of its work per request,
+        for objects that process never reads."""
+        return _batch_of_columns(cls, _columns_of(values), weight_version)
+
+    @property
+    def outputs(self) -> list[ReqOutput]:
+        """One record per request (built from the columns when first read)."""
+        if self._outputs is None:
+            columns = list(self._columns)
+            columns[_ROUTED] = RoutedExpertsOut.unpack_column(columns[_ROUTED],
+                                                              len(columns[0]))
+            self._outputs = list(map(_make_record, zip(*columns, strict=True)))
+        return self._outputs
+
+    def columns(self, *names: str) -> list[Sequence[Any]]:
+        """The columns of the fields ``names`` (not "routed", which travels packed), one
+        value per request in order."""
+        columns = self._wire_columns()
+        return [columns[_FIELD_INDEX[name]] for name in names]
+
+    def _wire_columns(self) -> list[Sequence[Any]]:
+        if self._columns is not None:
+            return self._columns
+        return _columns_of(self._outputs)  # not kept: ``outputs`` is the caller's list
+
+    def __len__(self) -> int:
+        return len(self._outputs if self._outputs is not None else self._columns[0])
+
+    def __reduce__(self) -> tuple:
+        return _batch_of_columns, (type(self), self._wire_columns(), self.weight_version)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(outputs={self.outputs!r}, " \
+               f"weight_version={self.weight_version!r})"
 
 
-def _unpickle_batch(cls: type, columns: list[tuple], weight_version: str) -> Any:
-    outputs = list(map(ReqOutput, *columns)) if columns else []
-    return cls(outputs=outputs, weight_version=weight_version)
+_Batch = TypeVar("_Batch", bound=_OutputBatch)
 
 
-@dataclass
-class BatchTokenIDOut:
+def _columns_of(values: Iterable[tuple[Any, ...]]) -> list[Sequence[Any]]:
+    """Records (or their values) -> one column per ``ReqOutput`` field, the routed one
+    packed."""
+    columns = list(zip(*values, strict=True)) or [()] * len(ReqOutput._fields)
+    if len(columns) != len(ReqOutput._fields):
+        raise ValueError(f"a record has {len(columns)} values for {len(ReqOutput._fields)} "
+                         "fields")
+    columns[_ROUTED] = RoutedExpertsOut.pack_column(columns[_ROUTED])
+    return columns
+
+
+def _batch_of_columns(cls: type[_Batch], columns: list[Sequence[Any]],
+                      weight_version: str) -> _Batch:
+    """A batch holding ``columns`` (``_columns_of``'s); also how a batch unpickles (a
+    module-level function pickles as its name, a bound classmethod as an object)."""
+    batch = cls.__new__(cls)
+    batch._outputs, batch._columns, batch.weight_version = None, columns, weight_version
+    return batch
+
+
+class BatchTokenIDOut(_OutputBatch):
     """Scheduler -> detokenizer: the new output of some requests (text not yet filled)."""
 
-    outputs: list[ReqOutput]
-    weight_version: str = "0"  # of the weights that computed these outputs
+    __slots__ = ()
 
-    __reduce__ = _reduce_batch
+    def with_text(self, texts: Sequence[str]) -> BatchStrOut:
+        """The same records, their ``text`` filled (one per request, in order)."""
+        columns = list(self._wire_columns())
+        columns[_TEXT] = texts
+        return _batch_of_columns(BatchStrOut, columns, self.weight_version)
 
 
-@dataclass
-class BatchStrOut:
+class BatchStrOut(_OutputBatch):
     """Detokenizer -> tokenizer manager: the same records, their ``text`` filled."""
 
-    outputs: list[ReqOutput]
-    weight_version: str = "0"
-
-    __reduce__ = _reduce_batch
+    __slots__ = ()

@@ -9,11 +9,14 @@ from typing import Any
 import numpy as np
 import zmq
 
-from sgl_jax.srt.managers.io_struct import BatchTokenIDOut, ReqOutput
+from sgl_jax.srt.managers.io_struct import BatchTokenIDOut
 from sgl_jax.srt.managers.schedule_batch import Req
 from sgl_jax.srt.managers.transport import send_obj
-from sgl_jax.srt.routed_experts_codec import wire_dtype
-from sgl_jax.srt.routed_experts_output import RoutedExpertsOut
+from sgl_jax.srt.routed_experts_codec import (
+    ROUTED_EXPERT_WEIGHTS_DTYPES,
+    to_wire_dtype,
+    wire_dtype,
+)
 
 # Routed-experts bytes per message (a single larger request goes alone).
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -48,38 +51,38 @@ class OutputSender:
 
     def pack(self, reqs: list[Req]) -> BatchTokenIDOut | None:
         """The message for those of ``reqs`` that are due (None if none is); marks them sent."""
-        outputs = [self._record(r) for r in reqs if self.due(r)]
-        if not outputs:
-            return None
-        return BatchTokenIDOut(outputs=outputs, weight_version=self.weight_version)
+        due = [r for r in reqs if self.due(r)]
+        return self._message(due) if due else None
 
-    def _record(self, req: Req) -> ReqOutput:
-        """``req``'s output since its previous message, every payload it asked for."""
-        # Positional, in field order: binding 11 keywords costs 3x as much, and this runs for
-        # every streaming request on every step.
-        out = ReqOutput(
+    def _message(self, due: list[Req]) -> BatchTokenIDOut:
+        return BatchTokenIDOut.of_values(map(self._record, due), self.weight_version)
+
+    def _record(self, req: Req) -> tuple[Any, ...]:
+        """``req``'s ``ReqOutput`` since its previous message, every payload it asked for, as
+        values in field order (see ``BatchTokenIDOut.of_values``)."""
+        out = (
             req.rid,
             req.output_ids[req.sent_len :],  # new_ids
             req.finished_reason,
             len(req.origin_input_ids),  # prompt_tokens
             len(req.output_ids),  # completion_tokens
             req.cached_tokens,
-            list(req.sampling_params.stop or []),
+            tuple(req.sampling_params.stop or ()),  # stop: () pickles as 1 byte, [] does not
             req.sampling_params.skip_special_tokens,
             "",  # text: the detokenizer's
-            self._routed_rows(req),
-            None if req.logprobs is None else req.logprobs.take_new(),
+            self._routed_rows(req) if req.options.return_routed_experts else None,  # routed
+            None if req.logprobs is None else req.logprobs.take_new(),  # logprobs
             req.first_token_time,
         )
         req.sent_len = len(req.output_ids)
         return out
 
-    def _routed_rows(self, req: Req) -> RoutedExpertsOut | None:
-        """The rows ``req``'s message carries (see the class), in its wire dtype, and their
-        routing weights if it asked for them; None when it carries none."""
+    def _routed_rows(self, req: Req) -> tuple[np.ndarray, int, np.ndarray | None] | None:
+        """The values of the ``RoutedExpertsOut`` ``req``'s message carries (see the class):
+        its rows in its wire dtype, the position of the first, and their routing weights in
+        their wire dtype if it asked for them; None when it carries none. Only for a request
+        that asked."""
         opts = req.options
-        if not opts.return_routed_experts:
-            return None
         start = opts.start_len + req.routed_sent  # the position of the first row it sends
         if req.finished:
             # All its rows [start_len, n) were gathered when it ended (a retracted one holds
@@ -98,7 +101,9 @@ class OutputSender:
         else:
             return None
         req.routed_sent += len(rows)
-        return RoutedExpertsOut.to_wire(rows, start, opts.dtype, weights, opts.weights_dtype)
+        if weights is not None:
+            weights = weights.astype(ROUTED_EXPERT_WEIGHTS_DTYPES[opts.weights_dtype], copy=False)
+        return to_wire_dtype(rows, opts.dtype), start, weights
 
     def send(self, reqs: list[Req]) -> None:
         """Sends the due ones of ``reqs`` in messages of at most ``max_message_bytes`` of
@@ -107,18 +112,17 @@ class OutputSender:
         group: list[Req] = []
         size = 0
         for r in reqs:
-            n = _routed_nbytes(r)
+            if not self.due(r):
+                continue
+            # Only gathered rows count (see _routed_nbytes); most requests hold none.
+            n = 0 if r.routed_experts is None else _routed_nbytes(r)
             if group and size + n > self.max_message_bytes:
-                self._send_msg(self.pack(group))
+                send_obj(self.socket, self._message(group))
                 group, size = [], 0
             group.append(r)
             size += n
         if group:
-            self._send_msg(self.pack(group))
-
-    def _send_msg(self, msg: BatchTokenIDOut | None) -> None:
-        if msg is not None:
-            send_obj(self.socket, msg)
+            send_obj(self.socket, self._message(group))
 
     def send_control(self, msg: Any) -> None:
         """A reply to a control request (flush, server info), passed on by the detokenizer."""

@@ -188,6 +188,15 @@ def _unpack(data: bytes) -> Any:
                            use_list=True)
 
 
+
+def _dataclass_named(name: Any) -> type:
+    """The allowed dataclass a message names; refused for any other name."""
+    cls = _DATACLASSES.get(name)
+    if cls is None:
+        raise _Refused(f"step channel message names unknown type {name!r}; it carries "
+                       f"only {', '.join(sorted(_DATACLASSES))}")
+    return cls
+
 def _ext_hook(code: int, data: bytes) -> Any:
     if code == _EXT_NDARRAY:
         return _array_from(data)
@@ -207,10 +216,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
             raise _Refused(f"step channel message: {e}") from e
     if code == _EXT_DATACLASS:
         name, values = _pair(_unpack(data), "object")
-        cls = _DATACLASSES.get(name)
-        if cls is None:
-            raise _Refused(f"step channel message names unknown type {name!r}; it carries "
-                           f"only {', '.join(sorted(_DATACLASSES))}")
+        cls = _dataclass_named(name)
         if not isinstance(values, list) or len(values) != len(_FIELDS[cls]):
             count = len(values) if isinstance(values, list) else "no list of"
             raise _Refused(
@@ -219,10 +225,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
         return cls(*values)
     if code == _EXT_OBJECTS:
         name, columns = _pair(_unpack(data), "objects")
-        cls = _DATACLASSES.get(name)
-        if cls is None:
-            raise _Refused(f"step channel message names unknown type {name!r}; it carries "
-                           f"only {', '.join(sorted(_DATACLASSES))}")
+        cls = _dataclass_named(name)
         width = len(_FIELDS[cls])
         if not (isinstance(columns, list) and len(columns) == width
                 and all(isinstance(c, list) and len(c) == len(columns[0]) for c in columns)):

@@ -224,8 +224,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
             if ctx.server_args.expert_distribution_recorder_mode == "stat":
                 try:
                     load = control.check_reply(await tm.control(control.GetExpertLoad())).load
-                except ValueError:  # nothing recorded yet
-                    load = None
+                except ValueError:  # nothing recorded yet: no imbalance gauges
+                    pass
             body = await asyncio.to_thread(tm.observer.render, info, load)
             return Response(body, media_type=METRICS_CONTENT_TYPE)
 

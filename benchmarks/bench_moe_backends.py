@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 from bench_utils import machine_description, markdown_table, median  # noqa: E402
 
 from sgl_jax.srt.layers.moe.ep_moe import ep_moe_forward  # noqa: E402
+from sgl_jax.srt.layers.moe.experts import get_moe_backend  # noqa: E402
 
 BACKENDS = ("dense", "ragged")
 # name -> (hidden, experts, top_k, moe_intermediate)
@@ -57,7 +58,7 @@ def layer_fn(experts: int, backend: str) -> Any:
     order = tuple(range(experts))
     return jax.jit(lambda a: ep_moe_forward(
         a["x"], a["topk_ids"], a["topk_weights"], a["w_gate"], a["w_up"], a["w_down"], order,
-        backend=backend,
+        backend=get_moe_backend(backend),
     ))
 
 

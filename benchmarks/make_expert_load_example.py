@@ -61,7 +61,7 @@ def main() -> None:
 
     from sgl_jax import Engine
     from sgl_jax.srt.configs.model_config import ModelConfig
-    from sgl_jax.srt.layers.moe.ep_moe import expert_load
+    from sgl_jax.srt.layers.moe.balancing import expert_load
     from sgl_jax.srt.routed_experts_codec import extract_routed_experts_from_meta_info
     from sgl_jax.tools.make_random_model import write_random_model
 

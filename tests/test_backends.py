@@ -66,7 +66,7 @@ def test_backend_matches_reference(models, references, combo):
         context_length=256, enable_return_routed_experts=True,
     )
     runner = ModelRunner(args, ModelConfig.from_hf(models[model], args.context_length))
-    assert runner.backends.attention.name == attention and runner.backends.moe == moe
+    assert runner.backends.attention.name == attention and runner.backends.moe.name == moe
     runner.precompile()
     compiled = runner.num_compiles
     assert_matches(run_scenario(runner), references[model], REL_TOL)

@@ -7,19 +7,21 @@ import json
 import numpy as np
 import pytest
 
-from sgl_jax.srt.layers.moe.eplb import (
+from sgl_jax.srt.layers.moe.balancing import (
     compute_placement,
-    default_placement,
     device_load,
     greedy_placement,
     hierarchical_placement,
     imbalance,
     pack,
+    replicate,
+)
+from sgl_jax.srt.layers.moe.placement import (
+    default_placement,
     physical_ids_np,
     read_init_location,
     replica_choice,
     replica_tables,
-    replicate,
 )
 
 

@@ -61,13 +61,13 @@ def _skewed(runner: Any) -> np.ndarray:
 def _device_tokens(rows: np.ndarray, runner: Any) -> np.ndarray:
     """[moe_layers, ep]: token-expert assignments each device computes for ``rows`` (one
     batch of the skewed prompt per chunk, as the forward split them over replicas)."""
-    from sgl_jax.srt.layers.moe.eplb import physical_ids_np
+    from sgl_jax.srt.layers.moe.placement import physical_ids_np
 
     cfg = runner.model_config
     per_device = cfg.num_physical_experts // DEVICES
     out = np.zeros((len(cfg.moe_layer_ids), DEVICES), np.int64)
     for i, layer in enumerate(cfg.moe_layer_ids):
-        table = runner.eplb_placement.physical_order(layer)
+        table = runner.expert_placement.physical_order(layer)
         for chunk in (rows[:32, layer], rows[32:, layer]):  # the two prefill batches
             phys = physical_ids_np(chunk, table, cfg.num_redundant_experts + 1)
             out[i] += np.bincount(phys.reshape(-1) // per_device, minlength=DEVICES)
@@ -86,7 +86,7 @@ def _placement_ok(runner: Any) -> bool:
     ok = True
     with safe_open(os.path.join(cfg.model_path, "model.safetensors"), "numpy") as f:
         for layer in cfg.moe_layer_ids:
-            table = runner.eplb_placement.physical_order(layer)
+            table = runner.expert_placement.physical_order(layer)
             for name, proj in (("w_gate", "gate_proj"), ("w_down", "down_proj")):
                 logical = np.stack([
                     f.get_tensor(f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight").T
@@ -137,7 +137,7 @@ def _worker(out_dir: str) -> None:
             "compiles_before": compiles, "compiles_after": runner.num_compiles,
             "rows_equal": bool(np.array_equal(rows, rows_after)),
             "load_before": load_before.tolist(), "load_after": load_after.tolist(),
-            "rebalance": rebalance, "auto_rebalances": auto.eplb_rebalances,
+            "rebalance": rebalance, "auto_rebalances": auto.eplb.rebalances,
             "placed": [placed_before, placed_after, placed_updated],
             "moved": rebalance["physical_to_logical"] != [
                 list(map(int, (np.arange(20) % 16)))] * 4,
@@ -149,7 +149,7 @@ def _worker(out_dir: str) -> None:
     runner = ModelRunner(_args("ragged", init_expert_location=spec), cfg)
     np.savez(os.path.join(out_dir, "init.npz"), **run_scenario(runner))
     results["init_placed"] = _placement_ok(runner)
-    results["init_table"] = runner.eplb_placement.physical_order(0).tolist()
+    results["init_table"] = runner.expert_placement.physical_order(0).tolist()
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(results, f)
 
@@ -213,7 +213,7 @@ def test_weights_follow_the_placement(results, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_device_imbalance_drops(results, backend):
-    from sgl_jax.srt.layers.moe.eplb import imbalance
+    from sgl_jax.srt.layers.moe.balancing import imbalance
 
     r = results[backend]
     before, after = np.array(r["load_before"]), np.array(r["load_after"])

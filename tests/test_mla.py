@@ -15,7 +15,7 @@ from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.layers.attention import (
     AttentionMetadata,
     NativeAttention,
-    PallasAttention,
+    create_attention_backend,
     write_latent,
 )
 from sgl_jax.srt.models.deepseek_v3 import MlaAttention
@@ -129,9 +129,8 @@ def test_attend_latent_matches_direct_softmax(page_size, decode):
 
 
 def test_pallas_refuses_latent_attention():
-    backend = PallasAttention.__new__(PallasAttention)
-    with pytest.raises(ValueError, match="native"):
-        backend.attend_latent(None, None, None, 1.0, 4)
+    with pytest.raises(ValueError, match="no multi-head latent attention.*native"):
+        create_attention_backend("pallas", "cpu", 128, 16, latent=True)
 
 
 # -- (b) MlaAttention: absorbed forward vs plain per-head MLA ----------------------------------

@@ -32,7 +32,12 @@ from jax.sharding import PartitionSpec as P
 
 from sgl_jax.srt.layers.moe.dense import combine_weights, dense_experts, experts_forward
 from sgl_jax.srt.layers.moe.ep_moe import W_DOWN_SPEC, W_GATE_UP_SPEC, ep_moe_forward
-from sgl_jax.srt.layers.moe.experts import MOE_BACKEND_CHOICES, resolve_moe_backend
+from sgl_jax.srt.layers.moe.experts import (
+    MOE_BACKEND_CHOICES,
+    create_moe_backend,
+    get_moe_backend,
+    resolve_moe_backend,
+)
 from sgl_jax.srt.layers.moe.ragged import group_assignments, ragged_experts
 
 REPO = Path(__file__).absolute().parents[1]
@@ -114,7 +119,7 @@ def run_layer(case: dict[str, np.ndarray], order: Sequence[int], backend: str,
 def _layer_fn(order: tuple[int, ...], backend: str) -> Any:
     return jax.jit(lambda a: ep_moe_forward(
         a["x"], a["topk_ids"], a["topk_weights"], a["w_gate"], a["w_up"], a["w_down"], order,
-        backend=backend,
+        backend=get_moe_backend(backend),
     ))
 
 
@@ -204,10 +209,12 @@ def test_resolve_moe_backend():
     with pytest.raises(ValueError, match="unknown MoE backend 'megablox'; valid choices: auto, "
                                          "dense, ragged"):
         resolve_moe_backend("megablox", "tpu")
-    case = make_case(0, 2)
     with pytest.raises(ValueError, match="resolve 'auto' with resolve_moe_backend first"):
-        ep_moe_forward(case["x"], case["topk_ids"], case["topk_weights"], case["w_gate"],
-                       case["w_up"], case["w_down"], IDENTITY, backend="auto")
+        get_moe_backend("auto")
+    # The object the runner builds once: resolved for the platform, dense when batch-invariant.
+    assert create_moe_backend("auto", "tpu").name == "ragged"
+    assert create_moe_backend("auto", "tpu", batch_invariant=True).name == "dense"
+    assert create_moe_backend("dense", "cpu").compute is dense_experts
 
 
 # -- expert and tensor parallelism (8 fake CPU devices, one subprocess) -------------------------
@@ -222,7 +229,7 @@ def _worker(out_dir: str) -> None:
         for backend in BACKENDS:
             fn = jax.jit(lambda a, order=order, backend=backend: ep_moe_forward(
                 a["x"], a["topk_ids"], a["topk_weights"], a["w_gate"], a["w_up"], a["w_down"],
-                order, backend=backend,
+                order, backend=get_moe_backend(backend),
             ))
             for tokens in PARALLEL_TOKENS:
                 args = {

@@ -25,7 +25,8 @@ import pytest
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.distributed import check_parallel_layout, maybe_initialize_distributed
-from sgl_jax.srt.layers.moe.ep_moe import ExpertMapping, balanced_mapping, expert_load
+from sgl_jax.srt.layers.moe.balancing import balanced_mapping, expert_load
+from sgl_jax.srt.layers.moe.placement import ExpertPlacement
 from sgl_jax.testing import TEST_MODEL_PATH
 from tests.backend_scenario import assert_matches, reference_scenario, run_scenario
 
@@ -89,8 +90,8 @@ def _layout(runner: Any, mapping_spec: str | None) -> dict[str, Any]:
     cfg = runner.model_config
     ep, tp = mesh.shape["expert"], mesh.shape["tensor"]
     mapping = (
-        ExpertMapping.parse(mapping_spec) if mapping_spec
-        else ExpertMapping.contiguous(cfg.num_experts, ep)
+        ExpertPlacement.parse(mapping_spec) if mapping_spec
+        else ExpertPlacement.contiguous(cfg.num_experts, ep)
     )
     position = {dev: idx for idx, dev in np.ndenumerate(mesh.devices)}
     info: dict[str, Any] = {"num_devices_used": mesh.devices.size}
@@ -283,26 +284,26 @@ def test_bad_layouts_fail_clearly(tiny, tp, ep, devices, message):
 
 
 def test_mapping_parse_and_errors():
-    m = ExpertMapping.parse(EP4_MAPPING)
+    m = ExpertPlacement.parse(EP4_MAPPING)
     np.testing.assert_array_equal(m.for_layer(0), STRIDED)
     np.testing.assert_array_equal(m.for_layer(2), REVERSED)
     np.testing.assert_array_equal(m.physical_order(1), np.array(STRIDED).reshape(-1))
     np.testing.assert_array_equal(m.device_of(0), np.arange(16) % 4)
-    assert ExpertMapping.parse(m.to_json()).to_json() == m.to_json()
+    assert ExpertPlacement.parse(m.to_json()).to_json() == m.to_json()
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(STRIDED, f)
     try:
-        np.testing.assert_array_equal(ExpertMapping.parse(f.name).for_layer(3), STRIDED)
+        np.testing.assert_array_equal(ExpertPlacement.parse(f.name).for_layer(3), STRIDED)
     finally:
         os.unlink(f.name)
     with pytest.raises(ValueError, match=r"exactly once; duplicated \[0\], missing .* \[1\]"):
-        ExpertMapping([[0, 0], [2, 3]])
+        ExpertPlacement([[0, 0], [2, 3]])
     with pytest.raises(ValueError, match="2-D integer array"):
-        ExpertMapping([0, 1, 2, 3])
+        ExpertPlacement([0, 1, 2, 3])
     with pytest.raises(ValueError, match="num_experts=16 and ep_size=2"):
         m.check(16, 2)
     with pytest.raises(ValueError, match="neither JSON nor a file"):
-        ExpertMapping.parse("/no/such/mapping.json")
+        ExpertPlacement.parse("/no/such/mapping.json")
 
 
 def test_balanced_mapping_from_routed_experts():
@@ -312,7 +313,7 @@ def test_balanced_mapping_from_routed_experts():
     load = expert_load(routed, 16)
     assert load.shape == (4, 16) and load.sum() == 2000
     table = balanced_mapping(load[0], 4)
-    mapping = ExpertMapping(table)  # a valid mapping
+    mapping = ExpertPlacement(table)  # a valid mapping
     # the four hot experts land on four different devices
     assert sorted(mapping.device_of(0)[:4].tolist()) == [0, 1, 2, 3]
     per_device = load[0][table].sum(axis=1)

@@ -755,7 +755,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         args.ep_size, params / GiB, kv / GiB, hbm / GiB,
     )
     check_fit(params, kv, hbm, cfg, args, kv_per_token)
-    args.resolved_moe_backend = full.backends.moe
+    args.resolved_moe_backend = full.backends.moe.name
 
     per_req = args.prefill_tokens // args.prefill_requests
     buckets = [Bucket("decode", bs, bs, bs, 1, args.context_len - 1) for bs in args.decode_bs]

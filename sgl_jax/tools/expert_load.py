@@ -228,7 +228,7 @@ def contiguous_table(num_experts: int, ep_size: int) -> np.ndarray:
 
 
 def _table_for(mapping: Any, layer: int) -> np.ndarray:
-    if hasattr(mapping, "for_layer"):  # ep_moe.ExpertMapping
+    if hasattr(mapping, "for_layer"):  # placement.ExpertPlacement
         return np.asarray(mapping.for_layer(layer))
     if isinstance(mapping, Mapping):
         return np.asarray(mapping.get(layer, mapping.get("default")))
@@ -241,7 +241,7 @@ def device_load(counts: np.ndarray, mapping: Any) -> np.ndarray:
     ``counts``: ``[layers, E]`` (or ``[E]``: one layer) tokens per logical expert.
     ``mapping``: one table ``[ep_size, E / ep_size]`` of logical expert ids (row d: the
     experts of device d) for every layer, a dict ``{layer: table, "default": table}``, or an
-    ``ep_moe.ExpertMapping``. Returns ``[layers, ep_size]`` (``[ep_size]`` for ``[E]``
+    ``placement.ExpertPlacement``. Returns ``[layers, ep_size]`` (``[ep_size]`` for ``[E]``
     counts): ``load[l, d] = sum(counts[l, table_l[d]])``.
     """
     counts = np.asarray(counts)
@@ -392,8 +392,9 @@ BALANCED_KINDS = ("total", "per-layer", "both")
 def balanced_placements(load: ExpertLoad, ep_size: int, kind: str = "total") -> list[tuple]:
     """``(name, mapping)`` of the balanced placements ``kind`` asks for: ``total``: one table
     for every layer, ``balanced_mapping`` of the per-expert totals; ``per-layer``: an
-    ``ExpertMapping`` with each MoE layer's own ``balanced_mapping`` of its counts."""
-    from sgl_jax.srt.layers.moe.ep_moe import ExpertMapping, balanced_mapping
+    ``ExpertPlacement`` with each MoE layer's own ``balanced_mapping`` of its counts."""
+    from sgl_jax.srt.layers.moe.balancing import balanced_mapping
+    from sgl_jax.srt.layers.moe.placement import ExpertPlacement
 
     if kind not in BALANCED_KINDS:
         raise ValueError(f"balanced={kind!r}; use one of {', '.join(BALANCED_KINDS)}")
@@ -404,7 +405,7 @@ def balanced_placements(load: ExpertLoad, ep_size: int, kind: str = "total") -> 
     if kind in ("per-layer", "both"):
         per_layer = {i: balanced_mapping(load.counts[i], ep_size) for i in load.moe_layers}
         out.append(("balanced per layer",
-                    ExpertMapping(contiguous_table(load.num_experts, ep_size), per_layer)))
+                    ExpertPlacement(contiguous_table(load.num_experts, ep_size), per_layer)))
     return out
 
 
@@ -414,9 +415,9 @@ def placements_for(load: ExpertLoad, ep_size: int | None, mapping: str | None,
     ``mapping``) the other one(s), measured."""
     others: list[tuple] = []
     if mapping is not None:
-        from sgl_jax.srt.layers.moe.ep_moe import ExpertMapping
+        from sgl_jax.srt.layers.moe.placement import ExpertPlacement
 
-        parsed = ExpertMapping.parse(mapping)
+        parsed = ExpertPlacement.parse(mapping)
         if ep_size is not None and parsed.ep_size != ep_size:
             raise ValueError(f"--mapping places experts on {parsed.ep_size} devices; "
                              f"--ep-size is {ep_size}")

@@ -21,9 +21,11 @@ import jax.numpy as jnp
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.layers.moe.ep_moe import ep_moe_forward
+from sgl_jax.srt.layers.moe.experts import get_moe_backend
 from sgl_jax.srt.layers.rotary import apply_rotary
 from sgl_jax.srt.models.common import GqaAttention, MoeForCausalLM, SparseMoeBlock
 
+DENSE = get_moe_backend("dense")  # the reference expert compute (training needs no ragged)
 
 def check_trainable(config: ModelConfig) -> None:
     """Raises unless the training forward covers this configuration."""
@@ -79,7 +81,7 @@ def moe(block: SparseMoeBlock, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.
     probs = jax.nn.softmax(x.astype(jnp.float32) @ block.gate.weight[...], axis=-1)
     weights, ids = block.gate(x)
     out = ep_moe_forward(x, ids, weights, block.w_gate[...], block.w_up[...], block.w_down[...],
-                         block.expert_order, backend="dense")
+                         block.expert_order, backend=DENSE)
     return out, probs, ids
 
 

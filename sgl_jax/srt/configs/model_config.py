@@ -131,7 +131,7 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
-    # EPLB (set by the server, not by a checkpoint: layers/moe/eplb.py): the MoE blocks hold
+    # EPLB (set by the server, not by a checkpoint: layers/moe/placement.py): the MoE blocks hold
     # num_experts + num_redundant_experts physical expert rows and a placement as data.
     eplb: bool = False
     num_redundant_experts: int = 0

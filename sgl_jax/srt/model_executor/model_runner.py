@@ -61,22 +61,15 @@ from sgl_jax.srt.layers.attention import (
     update_page_table,
 )
 from sgl_jax.srt.layers.logprobs import LogprobOutput, logprob_outputs
-from sgl_jax.srt.layers.moe.ep_moe import ExpertMapping, layer_of
-from sgl_jax.srt.layers.moe.eplb import (
-    EplbPlacement,
-    compute_placement,
-    device_load,
-    imbalance,
-    read_init_location,
-    source_rows,
-)
 from sgl_jax.srt.layers.moe.expert_distribution import ExpertDistributionRecorder, create_recorder
-from sgl_jax.srt.layers.moe.experts import resolve_moe_backend
+from sgl_jax.srt.layers.moe.experts import create_moe_backend
+from sgl_jax.srt.layers.moe.placement import ExpertPlacement
 from sgl_jax.srt.layers.moe.routed_experts_capturer import RoutedExpertsCapturer
 from sgl_jax.srt.layers.sampler import sample
 from sgl_jax.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.routed_experts_host_cache import RoutedExpertsHostCache
-from sgl_jax.srt.model_loader.loader import abstract_model, load_model, location_values
+from sgl_jax.srt.model_executor.eplb_manager import EplbManager
+from sgl_jax.srt.model_loader.loader import abstract_model, load_model
 from sgl_jax.srt.models.backends import ModelBackends
 from sgl_jax.srt.server_args import ServerArgs
 
@@ -194,37 +187,34 @@ class ModelRunner:
         self.mesh = make_mesh(devices, server_args.tp_size, server_args.ep_size)
         self.platform = devices[0].platform
         self.dtype = resolve_dtype(server_args.dtype, self.platform)
-        # Chosen (and checked) before loading; bundled with the routing outputs in
-        # self.backends.
-        if model_config.attention == "mla" and server_args.attention_backend != "native":
-            raise ValueError(
-                f"{model_config.architecture} uses multi-head latent attention, which runs on "
-                f"--attention-backend native only (got {server_args.attention_backend!r})"
-            )
+        # Chosen (and checked) once, before loading; bundled with the routing outputs in
+        # self.backends. Batch-invariant mode (docs/determinism.md): one padded shape per mode
+        # (the buckets, server_args), the dense MoE (ragged groups depend on the other
+        # tokens), attention without the shortcut that depends on the batch-mates' positions,
+        # and the sampled rows' logits apart from the input-logprob rows.
+        self.deterministic = server_args.enable_deterministic_inference
         attention = create_attention_backend(
             server_args.attention_backend, self.platform, model_config.head_dim,
-            server_args.attention_block_size,
+            server_args.attention_block_size, latent=model_config.attention == "mla",
+            batch_invariant=self.deterministic,
         )
-        moe_backend = resolve_moe_backend(server_args.moe_backend, self.platform)
-        # Batch-invariant mode (docs/determinism.md): one padded shape per mode (the buckets,
-        # server_args), the dense MoE (ragged groups depend on the other tokens), attention
-        # without the shortcut that depends on the batch-mates' positions, and the sampled
-        # rows' logits apart from the input-logprob rows.
-        self.deterministic = server_args.enable_deterministic_inference
-        if self.deterministic:
-            moe_backend = "dense"
-            attention.batch_invariant = True
-        mapping = server_args.ep_expert_mapping
-        self.expert_mapping = ExpertMapping.parse(mapping) if mapping else None
-        # EPLB (layers/moe/eplb.py): P = E + R physical experts, the placement held as data.
-        self.eplb_placement: EplbPlacement | None = None
-        self.eplb_passes = 0
-        self.eplb_rebalances = 0
+        moe_backend = create_moe_backend(server_args.moe_backend, self.platform,
+                                         batch_invariant=self.deterministic)
+        # Where the experts live: static (contiguous, or --ep-expert-mapping), or EPLB's
+        # dynamic placement with P = E + R physical experts (eplb_manager.py).
+        ep_size = self.mesh.shape["expert"]
+        self.eplb: EplbManager | None = None
         if server_args.enable_eplb:
             model_config = dataclasses.replace(
                 model_config, eplb=True, num_redundant_experts=server_args.ep_num_redundant_experts)
             self.model_config = model_config
-            self.eplb_placement = self._initial_placement(model_config, server_args.ep_size)
+            self.eplb = EplbManager(
+                model_config, self.mesh, server_args.eplb_algorithm, server_args.nnodes,
+                server_args.eplb_rebalance_num_iterations, server_args.init_expert_location)
+        elif server_args.ep_expert_mapping:
+            self._static_placement = ExpertPlacement.parse(server_args.ep_expert_mapping)
+        else:
+            self._static_placement = ExpertPlacement.contiguous(model_config.num_experts, ep_size)
         self.max_running_requests = int(server_args.max_running_requests)
         self.context_len = model_config.context_len
         self.page_size = server_args.page_size
@@ -237,8 +227,7 @@ class ModelRunner:
         build = abstract_model if abstract else load_model
         # Not kept: the step takes the parameters as arguments, and a weight update replaces
         # them (a reference here would keep the old weights alive).
-        model = build(model_config, self.mesh, self.dtype,
-                      self.eplb_placement or self.expert_mapping)
+        model = build(model_config, self.mesh, self.dtype, self.expert_placement)
         self.graphdef, params = nnx.split(model)
         # The step takes the parameters as a flat list of arrays: flattening an nnx.State of
         # Variables on every call costs more host time than a decode step of a small model.
@@ -289,9 +278,8 @@ class ModelRunner:
         )
         # --expert-distribution-recorder-mode: the second consumer of the step's routing.
         self.expert_recorder = create_recorder(server_args, model_config, replicated, abstract)
-        if self.eplb_placement is not None and not abstract:
+        if self.eplb is not None and not abstract:
             self.expert_recorder.start()  # EPLB rebalances from these counts
-        self._move_rows = None  # EPLB: the jitted gather of a rebalance (built on first use)
         routing = self.capturer.routing_spec
         if self.expert_recorder is not None:
             routing = routing | self.expert_recorder.routing_spec
@@ -361,84 +349,23 @@ class ModelRunner:
         stop, dump and read it (managers/control.py)."""
         return self.expert_recorder
 
-    # -- EPLB ------------------------------------------------------------------------------------
-    def _initial_placement(self, cfg: ModelConfig, ep_size: int) -> EplbPlacement:
-        num_physical = cfg.num_physical_experts
-        if num_physical % ep_size:
-            raise ValueError(
-                f"num_experts={cfg.num_experts} + ep_num_redundant_experts="
-                f"{cfg.num_redundant_experts} = {num_physical} physical experts must be a "
-                f"multiple of ep_size={ep_size}")
-        path = self.server_args.init_expert_location
-        if not path:
-            return EplbPlacement.default(cfg, ep_size)
-        tables = read_init_location(path, len(cfg.moe_layer_ids), cfg.num_experts, ep_size,
-                                    num_physical, self.server_args.eplb_algorithm,
-                                    self.server_args.nnodes)
-        return EplbPlacement(dict(zip(cfg.moe_layer_ids, tables, strict=True)),
-                             cfg.num_experts, ep_size)
+    # -- expert placement --------------------------------------------------------------------------
+    @property
+    def expert_placement(self) -> ExpertPlacement:
+        """Where every MoE layer's experts are now (EPLB's changes with each rebalance)."""
+        return self.eplb.placement if self.eplb is not None else self._static_placement
 
     def rebalance_experts(self, load: np.ndarray | None = None) -> dict[str, Any]:
         """EPLB: a new placement from ``load`` ``[moe_layers, E]`` (default: the recorder's
-        ``stat`` counts), applied on the device: one jitted gather over the physical rows of
-        every stacked expert weight (fixed shapes: compiled once) and new placement arrays.
-        The step is not recompiled. Returns the per-layer imbalance before and after (each
-        replica taking load / replicas)."""
-        placement = self.eplb_placement
-        if placement is None:
+        ``stat`` counts), applied on the device without recompiling the step
+        (``eplb_manager.py``). Returns the per-layer imbalance before and after."""
+        if self.eplb is None:
             raise ValueError("rebalance_experts needs --enable-eplb")
-        cfg, ep_size = self.model_config, self.mesh.shape["expert"]
         if load is None:
             load, _ = self.expert_recorder.stat_counts()
-        load = np.asarray(load, dtype=np.float64)
-        layers = list(cfg.moe_layer_ids)
-        old = np.stack([placement.physical_order(i) for i in layers])
-        new = compute_placement(load, ep_size, cfg.num_physical_experts,
-                                self.server_args.eplb_algorithm,
-                                num_nodes=self.server_args.nnodes)
-        new_placement = EplbPlacement(dict(zip(layers, new, strict=True)), cfg.num_experts,
-                                      ep_size)
-        if not np.array_equal(old, new):  # an unchanged placement moves nothing
-            self.param_leaves = self._apply_placement(
-                new_placement, {layer: source_rows(o, n)
-                                for layer, o, n in zip(layers, old, new, strict=True)})
-        self.eplb_placement = new_placement
-        self.eplb_rebalances += 1
-        result = {
-            "imbalance_before": imbalance(device_load(load, old, ep_size)).tolist(),
-            "imbalance_after": imbalance(device_load(load, new, ep_size)).tolist(),
-            "physical_to_logical": new.tolist(),
-        }
-        logger.info("EPLB rebalance %d: imbalance %s -> %s", self.eplb_rebalances,
-                    np.round(result["imbalance_before"], 3), np.round(result["imbalance_after"], 3))
+        self.param_leaves, result = self.eplb.rebalance(load, self.param_leaves,
+                                                        self.param_treedef)
         return result
-
-    def _apply_placement(self, placement: EplbPlacement, src: dict[int, np.ndarray]) -> list:
-        """The parameter leaves with every stacked expert weight's physical rows gathered from
-        ``src[layer]`` (one jitted gather, compiled once) and the placement arrays of
-        ``placement``; shapes and shardings unchanged (no recompilation of the step)."""
-        state = jax.tree.unflatten(self.param_treedef, self.param_leaves)
-        flat = list(nnx.to_flat_state(state))
-        moved = [(path, var) for path, var in flat if path[-1] in ("w_gate", "w_up", "w_down")]
-        if self._move_rows is None:
-            shardings = [var.get_value().sharding for _, var in moved]
-            self._move_rows = jax.jit(
-                lambda ws, idx: [jnp.take(w, i, axis=0) for w, i in zip(ws, idx, strict=True)],
-                out_shardings=shardings)
-        with jax.set_mesh(self.mesh):
-            rows = self._move_rows([var.get_value() for _, var in moved],
-                                   [src[layer_of(path)] for path, _ in moved])
-        for (_, var), value in zip(moved, rows, strict=True):
-            var.set_value(value)
-        by_path = dict(flat)
-        for path, value in location_values(self.model_config, state, self.mesh, placement).items():
-            by_path[path].set_value(value)
-        leaves, treedef = jax.tree.flatten(state)
-        assert treedef == self.param_treedef
-        for before, after in zip(self.param_leaves, leaves, strict=True):
-            assert (before.shape, before.dtype, before.sharding) == (
-                after.shape, after.dtype, after.sharding)
-        return leaves
 
     # -- the jitted step ------------------------------------------------------------------------
     def _step_impl(
@@ -597,12 +524,9 @@ class ModelRunner:
         if self.expert_recorder is not None and self.keeps_results:
             self.expert_recorder.on_launch(out.expert_pass, mwb.forward_mode, mwb.num_tokens,
                                            rids, mwb.prefix_lens, mwb.extend_lens)
-        if self.eplb_placement is not None:
-            # Every node counts passes and rebalances from its copy of the replicated counts.
-            self.eplb_passes += 1
-            every = self.server_args.eplb_rebalance_num_iterations
-            if every and self.eplb_passes % every == 0:
-                self.rebalance_experts()
+        # EPLB: every node counts passes and rebalances from its copy of the replicated counts.
+        if self.eplb is not None and self.eplb.after_pass():
+            self.rebalance_experts()
         return batch, out
 
     # -- padding buckets ------------------------------------------------------------------------

@@ -32,7 +32,6 @@ from jax.experimental import multihost_utils
 
 from sgl_jax.srt.bounded_text import bound_message, name_list, short_repr
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.srt.layers.moe.ep_moe import ExpertMapping
 from sgl_jax.srt.model_loader.loader import ArraySource, SafetensorsCheckpoint, read_params
 
 logger = logging.getLogger(__name__)
@@ -119,9 +118,6 @@ class WeightUpdater:
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
-        cfg, mesh = runner.model_config, runner.mesh
-        self.mapping = runner.expert_mapping or ExpertMapping.contiguous(
-            cfg.num_experts, mesh.shape["expert"])
 
     def update_from_disk(self, model_path: str) -> int:
         """Every parameter from the checkpoint at ``model_path``; returns the count."""
@@ -165,10 +161,9 @@ class WeightUpdater:
         the devices, and how many parameters are new."""
         runner = self.runner
         state = jax.tree.unflatten(runner.param_treedef, runner.param_leaves)
-        # EPLB: the experts are stacked by the current placement (a rebalance changes it).
-        mapping = getattr(runner, "eplb_placement", None) or self.mapping
-        new = read_params(runner.model_config, state, runner.mesh, mapping, source,
-                          partial=partial)
+        # The experts are stacked by the current placement (an EPLB rebalance changes it).
+        new = read_params(runner.model_config, state, runner.mesh, runner.expert_placement,
+                          source, partial=partial)
         for path, var in nnx.to_flat_state(state):
             if path in new:
                 var.set_value(new[path])

@@ -27,13 +27,8 @@ from tqdm import tqdm
 
 from sgl_jax.srt.bounded_text import bound_message, name_list, short_repr
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.srt.layers.moe.ep_moe import (
-    ExpertLocation,
-    ExpertMapping,
-    apply_expert_mapping,
-    layer_of,
-)
-from sgl_jax.srt.layers.moe.eplb import EplbPlacement, replica_tables
+from sgl_jax.srt.layers.moe.ep_moe import ExpertLocation, apply_placement, layer_of
+from sgl_jax.srt.layers.moe.placement import ExpertPlacement, replica_tables
 from sgl_jax.srt.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -131,8 +126,24 @@ def _param_sharding(var: nnx.Variable, mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*(var.get_metadata().get("out_sharding") or ())))
 
 
+def _checked_placement(config: ModelConfig, placement: ExpertPlacement | None,
+                       ep_size: int) -> ExpertPlacement:
+    """``placement`` checked against the model; by default EPLB's placement before any load
+    is known, or the contiguous static one."""
+    if placement is None:
+        if config.eplb:
+            return ExpertPlacement.redundant(config.num_experts, config.num_physical_experts,
+                                             ep_size)
+        return ExpertPlacement.contiguous(config.num_experts, ep_size)
+    placement.check(config.num_experts, ep_size)
+    if placement.dynamic != config.eplb:
+        raise ValueError("an EPLB model needs a dynamic expert placement, any other a static one")
+    return placement
+
+
 def abstract_model(
-    config: ModelConfig, mesh: Mesh, dtype: jnp.dtype, expert_mapping: ExpertMapping | None = None
+    config: ModelConfig, mesh: Mesh, dtype: jnp.dtype,
+    placement: ExpertPlacement | None = None,
 ) -> nnx.Module:
     """The model with ``jax.ShapeDtypeStruct`` parameters sharded over ``mesh``: no checkpoint
     is read and nothing is allocated (for ahead-of-time compilation, ``tools/aot_report``)."""
@@ -144,11 +155,9 @@ def abstract_model(
             jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=_param_sharding(var, mesh))
         )
     model = nnx.merge(graphdef, state)
-    if config.eplb:
-        return model
-    mapping = expert_mapping or ExpertMapping.contiguous(config.num_experts, mesh.shape["expert"])
-    mapping.check(config.num_experts, mesh.shape["expert"])
-    apply_expert_mapping(model, mapping)
+    placement = _checked_placement(config, placement, mesh.shape["expert"])
+    if not placement.dynamic:  # a dynamic placement is data: location_values
+        apply_placement(model, placement)
     return model
 
 
@@ -185,31 +194,29 @@ class ArraySource:
 
 
 def load_model(
-    config: ModelConfig, mesh: Mesh, dtype: jnp.dtype, expert_mapping: ExpertMapping | None = None
+    config: ModelConfig, mesh: Mesh, dtype: jnp.dtype,
+    placement: ExpertPlacement | None = None,
 ) -> nnx.Module:
     """Builds the model for ``config`` with the checkpoint's weights, sharded over ``mesh``;
-    the experts of each MoE layer are placed by ``expert_mapping`` (default: contiguous)."""
+    the experts of each MoE layer are stacked by ``placement`` (default: contiguous, or
+    EPLB's initial one)."""
     model_cls = get_model_class(config.architecture)
     abstract = nnx.eval_shape(lambda: model_cls(config, dtype))
     graphdef, state = nnx.split(abstract)
-    ep_size = mesh.shape["expert"]
-    if config.eplb and not isinstance(expert_mapping, EplbPlacement):
-        expert_mapping = EplbPlacement.default(config, ep_size)
-    mapping = expert_mapping or ExpertMapping.contiguous(config.num_experts, ep_size)
-    mapping.check(config.num_experts, ep_size)
-    pure = read_params(config, state, mesh, mapping, SafetensorsCheckpoint(config.model_path))
-    if config.eplb:
-        pure.update(location_values(config, state, mesh, mapping))
+    placement = _checked_placement(config, placement, mesh.shape["expert"])
+    pure = read_params(config, state, mesh, placement, SafetensorsCheckpoint(config.model_path))
+    if placement.dynamic:
+        pure.update(location_values(config, state, mesh, placement))
     for path, var in _flat_params(state):
         var.set_value(pure[path])
     model = nnx.merge(graphdef, state)
-    if not config.eplb:
-        apply_expert_mapping(model, mapping)  # the order the experts were just stacked in
+    if not placement.dynamic:
+        apply_placement(model, placement)  # the order the experts were just stacked in
     return model
 
 
 def location_values(config: ModelConfig, state: nnx.State, mesh: Mesh,
-                    placement: EplbPlacement) -> dict[Path, jax.Array]:
+                    placement: ExpertPlacement) -> dict[Path, jax.Array]:
     """EPLB: every MoE block's ``replicas`` / ``num_replicas`` for ``placement``, replicated."""
     out: dict[Path, jax.Array] = {}
     for path, var in _flat_params(state):
@@ -222,7 +229,7 @@ def location_values(config: ModelConfig, state: nnx.State, mesh: Mesh,
 
 
 def read_params(
-    config: ModelConfig, state: nnx.State, mesh: Mesh, mapping: ExpertMapping,
+    config: ModelConfig, state: nnx.State, mesh: Mesh, placement: ExpertPlacement,
     source: SafetensorsCheckpoint | ArraySource, partial: bool = False,
 ) -> dict[Path, jax.Array]:
     """The parameters of ``state`` (abstract or loaded) read from ``source`` by their Hugging
@@ -239,7 +246,7 @@ def read_params(
         if not isinstance(var, nnx.Param):  # EPLB placement arrays: not in a checkpoint
             continue
         stacked = path[-1] in _STACKED_EXPERTS
-        order = mapping.physical_order(layer_of(path)) if stacked else None
+        order = placement.physical_order(layer_of(path)) if stacked else None
         names, transpose = hf_sources(path, var, config.num_experts, order)
         expected.update(names)
         given = [n for n in names if n in present]

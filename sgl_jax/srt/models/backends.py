@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sgl_jax.srt.layers.attention import AttentionBackend
+from sgl_jax.srt.layers.moe.experts import MoEBackend
 from sgl_jax.srt.layers.moe.routing import RoutingSpec
 
 
 @dataclass(frozen=True)
 class ModelBackends:
     attention: AttentionBackend  # --attention-backend
-    moe: str  # --moe-backend, resolved: "dense" or "ragged"
+    moe: MoEBackend  # --moe-backend, resolved: "dense" or "ragged"
     # The routing the forward outputs for its consumers (routed-experts capture, the expert
     # distribution recorder); the default, nothing, adds no op to the step.
     routing: RoutingSpec = field(default_factory=RoutingSpec)

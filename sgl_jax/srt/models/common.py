@@ -116,13 +116,13 @@ class GqaAttention(nnx.Module):
 class SparseMoeBlock(nnx.Module):
     """Router, routed experts (``ep_moe_forward`` with the M8 backends) and shared experts.
 
-    Experts are stacked in the layer's physical order (``ep_moe.py``): row i holds logical
-    expert ``expert_order[i]``, and the rows of expert-axis device d are mapping[d]. The loader
-    sets the order it stacked them in; default: identity (contiguous mapping).
+    Experts are stacked in the layer's physical order (``layers/moe/placement.py``): a static
+    placement is recorded as ``expert_order`` (row i holds logical expert ``expert_order[i]``;
+    the loader sets the order it stacked them in; default: identity, contiguous).
 
     With EPLB (``config.eplb``) there are ``P = E + R`` physical rows, row p holding logical
     expert ``physical_to_logical[p]``, and the placement is data: ``replicas [E, R + 1]``
-    (physical rows of each logical expert) and ``num_replicas [E]`` (``layers/moe/eplb.py``).
+    (physical rows of each logical expert) and ``num_replicas [E]``.
     """
 
     def __init__(self, config: ModelConfig, layer_id: int, dtype: jnp.dtype,

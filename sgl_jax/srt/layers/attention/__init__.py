@@ -3,7 +3,7 @@
 
 - ``native``: pure JAX, blocked by request; the CPU default and the reference; GQA and MLA.
 - ``pallas``: JAX's ragged paged attention TPU kernel (interpret mode on CPU, for tests); GQA
-  only (MLA raises: use native).
+  only (``create_attention_backend`` refuses it for a MLA model: use native).
 """
 
 from __future__ import annotations
@@ -36,16 +36,26 @@ __all__ = [
 
 
 def create_attention_backend(
-    name: str, platform: str, head_dim: int, kv_block: int
+    name: str, platform: str, head_dim: int, kv_block: int, *, latent: bool = False,
+    batch_invariant: bool = False,
 ) -> AttentionBackend:
-    """The backend for ``--attention-backend`` on a device platform ("cpu", "tpu", "gpu")."""
+    """The backend for ``--attention-backend`` on a device platform ("cpu", "tpu", "gpu").
+
+    ``latent``: the model uses multi-head latent attention (DeepSeek-V3), which only
+    ``native`` reads. ``batch_invariant`` (``--enable-deterministic-inference``, native only:
+    ``ServerArgs`` refuses the others): no shortcut chosen by the batch-mates' positions."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; use one of {ATTENTION_BACKENDS}")
+    if latent and name != "native":
+        raise ValueError(
+            f"the {name!r} attention backend has no multi-head latent attention (MLA, "
+            "DeepSeek-V3): it reads separate K/V heads, not a latent cache; use "
+            "--attention-backend native")
     if name == "native":
-        return NativeAttention(kv_block)
-    if name == "pallas":
-        check_pallas_shapes(head_dim)
-        if platform not in ("tpu", "cpu"):
-            raise ValueError(
-                f"--attention-backend pallas runs JAX's TPU kernel; on {platform} use native"
-            )
-        return PallasAttention(interpret=platform == "cpu")
-    raise ValueError(f"unknown attention backend {name!r}; use one of {ATTENTION_BACKENDS}")
+        return NativeAttention(kv_block, batch_invariant=batch_invariant)
+    check_pallas_shapes(head_dim)
+    if platform not in ("tpu", "cpu"):
+        raise ValueError(
+            f"--attention-backend pallas runs JAX's TPU kernel; on {platform} use native"
+        )
+    return PallasAttention(interpret=platform == "cpu")

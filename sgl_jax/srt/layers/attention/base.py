@@ -9,8 +9,9 @@ when the head axis is split over the "tensor" mesh axis. A token's KV slot is
 
 Multi-head latent attention (DeepSeek-V3) caches one latent row per token instead:
 ``[num_pages, page_size, 1, kv_lora_rank + qk_rope_head_dim]`` (the normalised latent, then the
-roped shared key part), written by ``write_latent`` and read by ``attend_latent``: every query
-head attends over the whole row as its key, and the row's first ``v_dim`` dims are the value.
+roped shared key part), written by ``write_latent`` and read by ``NativeAttention.attend_latent``
+(the only backend that has it): every query head attends over the whole row as its key, and
+the row's first ``v_dim`` dims are the value.
 
 Per step, ``AttentionMetadata`` is built once (traced, inside the jitted step) from the batch
 and the device-resident page table, and read by every layer.
@@ -119,16 +120,3 @@ class AttentionBackend(ABC):
     ) -> jax.Array:
         """q ``[T, H, D]`` -> ``[T, H, D]``: each token attends to positions ``<=`` its own of
         its request, read from ``kv_cache`` through ``meta.page_indices``."""
-
-    def attend_latent(
-        self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float,
-        v_dim: int,
-    ) -> jax.Array:
-        """Multi-head latent attention over a latent cache ``[P, ps, 1, Dk]``: q ``[T, H, Dk]``
-        -> ``[T, H, v_dim]``. Every head's keys are the cached rows, its values the first
-        ``v_dim`` dims of the same rows; causal within each request as in ``attend``."""
-        raise ValueError(
-            f"the {self.name!r} attention backend has no multi-head latent attention (MLA, "
-            "DeepSeek-V3): it reads separate K/V heads, not a latent cache; use "
-            "--attention-backend native"
-        )

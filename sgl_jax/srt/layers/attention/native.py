@@ -85,13 +85,13 @@ def make_query_blocks(meta: AttentionMetadata, num_tokens: int, q_block: int) ->
 class NativeAttention(AttentionBackend):
     name = "native"
 
-    def __init__(self, kv_block: int = DEFAULT_KV_BLOCK) -> None:
+    def __init__(self, kv_block: int = DEFAULT_KV_BLOCK, batch_invariant: bool = False) -> None:
         self.kv_block = kv_block
         # --enable-deterministic-inference: every KV block goes through the masked loop body.
         # The unmasked shortcut is chosen per group of query blocks, i.e. by the batch-mates'
         # positions, and its body is compiled separately (its reductions may be fused and
         # ordered differently), so it would make a query's result depend on its group.
-        self.batch_invariant = False
+        self.batch_invariant = batch_invariant
 
     def attend(
         self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float

@@ -1,41 +1,32 @@
-"""Expert-parallel MoE over the mesh axes ("expert", "tensor"), driven by a device-expert mapping.
+"""Expert-parallel MoE over the mesh axes ("expert", "tensor"): one forward for every
+placement.
 
-Placement. A layer's experts are stacked into ``[E, ...]`` weights whose leading axis is split
-over the "expert" mesh axis: device ``d`` of that axis holds rows ``[d * E_l, (d + 1) * E_l)``,
-``E_l = E / ep_size``. The mapping says which logical experts those rows are::
-
-    global_expert_id = mapping[d][local_expert_id]      (mapping: [ep_size, E_l])
-
-so the stacked weight is the checkpoint's experts in the order ``mapping.reshape(-1)``, the
-layer's "physical order": the loader reads the experts in that order (device d's shard then
-holds exactly mapping[d]) and records it on the MoE block as the static tuple
-``expert_order`` (:func:`apply_expert_mapping`). The default mapping is contiguous (device d
-holds experts ``d*E_l .. d*E_l+E_l-1``: the identity order); any permutation may be given, per
-layer, e.g. one balanced from routed-expert statistics (:func:`balanced_mapping`). The order
-is a compile-time constant: a new mapping means new weights and a new compilation.
+Placement (``placement.py``). A layer's experts are stacked into ``[P, ...]`` weights whose
+leading axis is split over the "expert" mesh axis: device ``d`` of that axis holds rows
+``[d * P_l, (d + 1) * P_l)``, ``P_l = P / ep_size``. The loader stacks them in the layer's
+physical order (its ``ExpertPlacement.physical_order``), so device d's shard holds exactly
+the experts of its row of the placement. A static placement (``P = E``, contiguous by
+default, any permutation with ``--ep-expert-mapping``) is recorded on the MoE block as the
+compile-time tuple ``expert_order`` (:func:`apply_placement`): a new one means new weights
+and a new compilation. A dynamic one (EPLB, ``P = E + R``) is data: the block's
+``ExpertLocation`` arrays ``replicas`` / ``num_replicas``, swapped by a rebalance without a
+recompilation.
 
 Forward (:func:`ep_moe_forward`). The router runs once, replicated, and its top-k ids are the
-LOGICAL ids (the routed-experts capture sees them before any mapping). Inside ``shard_map``
-every device translates them, through its row of the mapping (:func:`local_row_table`), into
-rows of its own shard of the weights (the sentinel ``E_l`` for experts held elsewhere), runs the
-expert backend (``experts.py``: ``dense`` or ``ragged``) on its own experts (with tp > 1: its
-slice of their intermediate dimension), and one ``psum`` over ("expert", "tensor") adds the
-float32 partial outputs. No device ever holds another device's expert weights, and x is never
-moved: the only communication is that all-reduce of a ``[T, H]`` array (``docs/moe_backends.md``).
-
-EPLB (``--enable-eplb``, ``eplb.py``): the weights have ``P = E + R`` physical rows and the
-placement is DATA (``ExpertLocation`` arrays ``replicas`` / ``num_replicas`` passed with the
-weights), so a rebalance needs no recompilation; each logical id is turned into one of its
-replicas (:func:`physical_ids`) and, per device, into a local row by a subtraction. Without it
-the static path above is unchanged.
+LOGICAL ids (the routed-experts capture sees them before any placement). Each assignment is
+turned into a physical row, by the inverse of the static order (:func:`static_physical_ids`;
+nothing at all for the default identity order) or by choosing one of the expert's replicas
+(:func:`physical_ids`). Inside ``shard_map`` every device turns the rows it holds into local
+rows by a subtraction (the sentinel ``P_l`` for rows held elsewhere), runs the expert backend
+(``experts.py``: ``dense`` or ``ragged``) on its own experts (with tp > 1: its slice of their
+intermediate dimension), and one ``psum`` over ("expert", "tensor") adds the float32 partial
+outputs. No device ever holds another device's expert weights, and x is never moved: the only
+communication is that all-reduce of a ``[T, H]`` array (``docs/moe_backends.md``).
 """
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +34,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from sgl_jax.srt.layers.moe.experts import get_expert_compute
+from sgl_jax.srt.layers.moe.experts import MoEBackend
+from sgl_jax.srt.layers.moe.placement import ExpertPlacement
 
 EXPERT_AXIS = "expert"
 TENSOR_AXIS = "tensor"
@@ -59,163 +51,28 @@ class ExpertLocation(nnx.Variable):
     like the weights, so a rebalance swaps them without a recompilation."""
 
 
-class ExpertMapping:
-    """Per-layer device-expert mapping tables ``[ep_size, E / ep_size]`` of logical expert ids.
-
-    Invariant: every table is a permutation of ``range(num_experts)`` split into ``ep_size``
-    equal rows. Layers without a table of their own use ``default``.
-    """
-
-    def __init__(
-        self, default: np.ndarray | Sequence[Sequence[int]],
-        per_layer: Mapping[int, np.ndarray | Sequence[Sequence[int]]] | None = None,
-    ) -> None:
-        self.default = _check_table(default, "the mapping")
-        self.ep_size, self.experts_per_device = self.default.shape
-        self.num_experts = self.default.size
-        self.per_layer: dict[int, np.ndarray] = {}
-        for layer, table in (per_layer or {}).items():
-            checked = _check_table(table, f"the mapping of layer {layer}")
-            if checked.shape != self.default.shape:
-                raise ValueError(
-                    f"the mapping of layer {layer} has shape {checked.shape}; the others have "
-                    f"{self.default.shape} ([ep_size, num_experts / ep_size])"
-                )
-            self.per_layer[int(layer)] = checked
-
-    @staticmethod
-    def contiguous(num_experts: int, ep_size: int) -> ExpertMapping:
-        if ep_size < 1 or num_experts % ep_size:
-            raise ValueError(f"ep_size={ep_size} does not divide num_experts={num_experts}")
-        return ExpertMapping(np.arange(num_experts, dtype=np.int32).reshape(ep_size, -1))
-
-    @staticmethod
-    def parse(spec: str | Sequence[Any] | Mapping[str, Any]) -> ExpertMapping:
-        """From ``--ep-expert-mapping``: inline JSON or a JSON file holding either one table
-        ``[[...], ...]`` for every layer, or ``{"default": table, "<layer_id>": table, ...}``
-        (``default`` optional: contiguous)."""
-        obj: Any = spec
-        if isinstance(spec, str):
-            text = spec.strip()
-            if not text.startswith(("[", "{")):
-                if not os.path.isfile(text):
-                    raise ValueError(f"expert mapping {spec!r} is neither JSON nor a file")
-                with open(text, encoding="utf-8") as f:
-                    text = f.read()
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"expert mapping is not valid JSON: {e}") from e
-        if isinstance(obj, Mapping):
-            layers = {int(k): v for k, v in obj.items() if k != "default"}
-            if "default" in obj:
-                return ExpertMapping(obj["default"], layers)
-            if not layers:
-                raise ValueError("expert mapping {} has no table")
-            first = _check_table(next(iter(layers.values())), "the mapping")
-            return ExpertMapping(np.arange(first.size, dtype=np.int32).reshape(first.shape), layers)
-        return ExpertMapping(obj)
-
-    def to_json(self) -> str:
-        obj: dict[str, Any] = {"default": self.default.tolist()}
-        obj.update({str(k): v.tolist() for k, v in sorted(self.per_layer.items())})
-        return json.dumps(obj)
-
-    def check(self, num_experts: int, ep_size: int) -> None:
-        if (self.num_experts, self.ep_size) != (num_experts, ep_size):
-            raise ValueError(
-                f"the expert mapping places {self.num_experts} experts on {self.ep_size} "
-                f"device(s); the model has num_experts={num_experts} and ep_size={ep_size}"
-            )
-
-    def for_layer(self, layer_id: int) -> np.ndarray:
-        """``[ep_size, E_l]``: ``table[d][j]`` is the logical id of device d's local expert j."""
-        return self.per_layer.get(layer_id, self.default)
-
-    def physical_order(self, layer_id: int) -> np.ndarray:
-        """``[E]`` int32: the logical expert stored at each row of the stacked weights."""
-        return self.for_layer(layer_id).reshape(-1)
-
-    def device_of(self, layer_id: int) -> np.ndarray:
-        """``[E]``: the expert-axis device holding each logical expert."""
-        table = self.for_layer(layer_id)
-        owner = np.empty(self.num_experts, np.int32)
-        owner[table.reshape(-1)] = np.repeat(np.arange(self.ep_size), self.experts_per_device)
-        return owner
-
-
-def _check_table(table: np.ndarray | Sequence[Sequence[int]], what: str) -> np.ndarray:
-    arr = np.asarray(table)
-    if arr.ndim != 2 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(
-            f"{what} must be a non-empty 2-D integer array [ep_size, num_experts / ep_size] "
-            f"(row d: the experts of device d); got shape {arr.shape}, dtype {arr.dtype}"
-        )
-    flat = arr.reshape(-1)
-    if not np.array_equal(np.sort(flat), np.arange(flat.size)):
-        dup = sorted({int(e) for e in flat if np.count_nonzero(flat == e) > 1})
-        lost = sorted(set(range(flat.size)) - {int(e) for e in flat})
-        raise ValueError(
-            f"{what} must hold every expert 0..{flat.size - 1} exactly once; "
-            f"duplicated {dup[:8]}, missing or out of range {lost[:8]}"
-        )
-    return arr.astype(np.int32)
-
-
 def layer_of(path: Sequence[str | int]) -> int:
     """The decoder layer of a parameter path like ``("model", "layers", 3, "mlp", "w_up")``."""
     return next(int(p) for p in path if isinstance(p, int))
 
 
-def apply_expert_mapping(model: nnx.Module, mapping: ExpertMapping) -> None:
-    """Records each MoE block's physical order. The loader calls it with the mapping it
-    stacked the experts by: the two must agree, or experts get other experts' weights."""
+def apply_placement(model: nnx.Module, placement: ExpertPlacement) -> None:
+    """Records each MoE block's physical order (static placements). The loader calls it with
+    the placement it stacked the experts by: the two must agree, or experts get other experts'
+    weights."""
     for _, module in nnx.iter_modules(model):
         if hasattr(module, EXPERT_ORDER):
-            order = mapping.physical_order(module.layer_id)
+            order = placement.physical_order(module.layer_id)
             setattr(module, EXPERT_ORDER, tuple(int(e) for e in order))
 
 
-def balanced_mapping(expert_load: np.ndarray | Sequence[float], ep_size: int) -> np.ndarray:
-    """A ``[ep_size, E / ep_size]`` table that spreads ``expert_load`` (e.g. token counts per
-    expert from routed-experts statistics) evenly: greedy, heaviest expert first onto the
-    least loaded device that still has room. Rows are sorted by expert id."""
-    load = np.asarray(expert_load, dtype=np.float64)
-    num_experts = load.size
-    if num_experts % ep_size:
-        raise ValueError(f"ep_size={ep_size} does not divide num_experts={num_experts}")
-    per_device = num_experts // ep_size
-    totals = np.zeros(ep_size)
-    rows: list[list[int]] = [[] for _ in range(ep_size)]
-    for e in np.argsort(-load, kind="stable"):
-        open_devices = [d for d in range(ep_size) if len(rows[d]) < per_device]
-        d = min(open_devices, key=lambda i: (totals[i], i))
-        rows[d].append(int(e))
-        totals[d] += load[e]
-    return np.array([sorted(r) for r in rows], dtype=np.int32)
-
-
-def expert_load(routed_experts: np.ndarray, num_experts: int) -> np.ndarray:
-    """Routed-experts rows ``[..., num_layers, k]`` -> tokens per expert ``[num_layers, E]``
-    (rows of -1, layers without a router, count nothing)."""
-    ids = np.asarray(routed_experts).reshape(-1, *np.shape(routed_experts)[-2:])
-    out = np.zeros((ids.shape[1], num_experts), np.int64)
-    for layer in range(ids.shape[1]):
-        flat = ids[:, layer].reshape(-1)
-        out[layer] = np.bincount(flat[flat >= 0], minlength=num_experts)
-    return out
-
-
-def local_row_table(expert_order: Sequence[int], ep_size: int) -> np.ndarray:
-    """``[ep_size, E]`` int32: ``table[d][e]`` is the row of logical expert e in expert-axis
-    device d's shard of the stacked weights, or ``E_l = E / ep_size`` (the sentinel: held by
-    another device). The inverse of the mapping rows; a compile-time constant."""
+def static_physical_ids(topk_ids: jax.Array, expert_order: Sequence[int]) -> jax.Array:
+    """Static placement: LOGICAL ids ``[T, k]`` -> rows of the stacked weights, through the
+    inverse of the compile-time order (the identity order, the default: the ids themselves)."""
     order = np.asarray(expert_order, dtype=np.int32)
-    per_device = order.size // ep_size
-    table = np.full((ep_size, order.size), per_device, dtype=np.int32)
-    for d, experts in enumerate(order.reshape(ep_size, per_device)):
-        table[d, experts] = np.arange(per_device, dtype=np.int32)
-    return table
+    if np.array_equal(order, np.arange(order.size)):
+        return topk_ids
+    return jnp.asarray(np.argsort(order).astype(np.int32))[topk_ids]
 
 
 def physical_ids(topk_ids: jax.Array, replicas: jax.Array, num_replicas: jax.Array) -> jax.Array:
@@ -230,32 +87,6 @@ def physical_ids(topk_ids: jax.Array, replicas: jax.Array, num_replicas: jax.Arr
     return replicas[topk_ids, choice]
 
 
-def _eplb_forward(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array,
-                  w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                  location: tuple[jax.Array, jax.Array], compute: Any) -> jax.Array:
-    """The EPLB path: physical rows are contiguous per device (device d: rows
-    ``[d * P_l, (d + 1) * P_l)``), so a physical id becomes a local row by a subtraction."""
-    phys = physical_ids(topk_ids, *location)
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not {EXPERT_AXIS, TENSOR_AXIS} <= set(mesh.axis_names):
-        return compute(x, phys, topk_weights, w_gate, w_up, w_down).astype(x.dtype)
-
-    def local_experts(x: jax.Array, phys: jax.Array, topk_weights: jax.Array,
-                      w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-        per_device = w_gate.shape[0]
-        local = phys - jax.lax.axis_index(EXPERT_AXIS) * per_device
-        rows = jnp.where((local >= 0) & (local < per_device), local, per_device)
-        partial = compute(x, rows, topk_weights, w_gate, w_up, w_down)
-        return jax.lax.psum(partial, (EXPERT_AXIS, TENSOR_AXIS)).astype(x.dtype)
-
-    moe = jax.shard_map(
-        local_experts, mesh=mesh,
-        in_specs=(P(), P(), P(), P(*W_GATE_UP_SPEC), P(*W_GATE_UP_SPEC), P(*W_DOWN_SPEC)),
-        out_specs=P(),
-    )
-    return moe(x, phys, topk_weights, w_gate, w_up, w_down)
-
-
 def ep_moe_forward(
     x: jax.Array,
     topk_ids: jax.Array,
@@ -264,45 +95,43 @@ def ep_moe_forward(
     w_up: jax.Array,
     w_down: jax.Array,
     expert_order: Sequence[int],
-    backend: str = "dense",
+    backend: MoEBackend,
     location: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """x [T, H] (replicated); topk_ids / topk_weights [T, k] LOGICAL ids and their weights;
-    stacked weights in physical order; expert_order [E] that order; backend a resolved
-    expert backend, "dense" or "ragged" (static: part of the compiled program). Returns
-    [T, H] in x's dtype.
+    stacked weights ``[P, ...]`` in physical order; ``backend`` the expert compute chosen at
+    start-up (``experts.create_moe_backend``). Returns [T, H] in x's dtype.
+
+    The placement says which physical row serves each assignment: ``location`` (a dynamic
+    placement: ``(replicas [E, R + 1], num_replicas [E])`` device arrays, ``expert_order``
+    unused) or, without it, the static ``expert_order`` [E] (a compile-time constant).
 
     Traced under ``jax.set_mesh(mesh)`` (the model runner's step), this is an explicit
     ``shard_map`` over the mesh; without a mesh in context (a model called directly) the same
     maths runs on the whole stacked weights.
-
-    ``location`` (EPLB only): ``(replicas [E, R + 1], num_replicas [E])`` device arrays; the
-    weights then have ``P = E + R`` physical rows and ``expert_order`` is not used.
     """
-    compute = get_expert_compute(backend)
-    if location is not None:
-        return _eplb_forward(x, topk_ids, topk_weights, w_gate, w_up, w_down, location, compute)
+    if location is None:
+        rows = static_physical_ids(topk_ids, expert_order)
+    else:
+        rows = physical_ids(topk_ids, *location)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not {EXPERT_AXIS, TENSOR_AXIS} <= set(mesh.axis_names):
-        rows = jnp.asarray(local_row_table(expert_order, 1)[0])[topk_ids]
-        return compute(x, rows, topk_weights, w_gate, w_up, w_down).astype(x.dtype)
-    table = local_row_table(expert_order, mesh.shape[EXPERT_AXIS])
+        return backend(x, rows, topk_weights, w_gate, w_up, w_down).astype(x.dtype)
 
-    def local_experts(
-        x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate: jax.Array,
-        w_up: jax.Array, w_down: jax.Array,
-    ) -> jax.Array:
-        # This device's row of the table is the only place a global id is translated.
-        # Assignments to experts held elsewhere get the sentinel row and contribute nothing
-        # here, so the partial sums of all devices add up to the single-device result.
-        rows = jnp.asarray(table)[jax.lax.axis_index(EXPERT_AXIS)][topk_ids]
-        partial = compute(x, rows, topk_weights, w_gate, w_up, w_down)  # float32
+    def local_experts(x: jax.Array, rows: jax.Array, topk_weights: jax.Array,
+                      w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+        # Physical rows are contiguous per device, so a row becomes a local one by a
+        # subtraction; rows held elsewhere get the sentinel ``rows_here`` and contribute
+        # nothing here, so the partial sums of all devices add up to the single-device result.
+        rows_here = w_gate.shape[0]
+        local = rows - jax.lax.axis_index(EXPERT_AXIS) * rows_here
+        local = jnp.where((local >= 0) & (local < rows_here), local, rows_here)
+        partial = backend(x, local, topk_weights, w_gate, w_up, w_down)  # float32
         return jax.lax.psum(partial, (EXPERT_AXIS, TENSOR_AXIS)).astype(x.dtype)
 
     moe = jax.shard_map(
-        local_experts,
-        mesh=mesh,
+        local_experts, mesh=mesh,
         in_specs=(P(), P(), P(), P(*W_GATE_UP_SPEC), P(*W_GATE_UP_SPEC), P(*W_DOWN_SPEC)),
         out_specs=P(),
     )
-    return moe(x, topk_ids, topk_weights, w_gate, w_up, w_down)
+    return moe(x, rows, topk_weights, w_gate, w_up, w_down)

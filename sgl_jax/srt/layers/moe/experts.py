@@ -1,4 +1,4 @@
-"""Expert-compute backends of the sparse MoE block: one interface, chosen once by name.
+"""Expert-compute backends of the sparse MoE block: one interface, an object chosen once.
 
 A backend computes, on one device, the experts that device holds for every token routed to
 them. Its signature (:class:`ExpertCompute`)::
@@ -16,11 +16,14 @@ consumes the same (topk_ids, topk_weights), so the routed experts never depend o
 - ``ragged`` (``ragged.py``): each token-expert assignment once, grouped by expert,
   ``jax.lax.ragged_dot``.
 
-``--moe-backend auto`` is resolved once at start-up by :func:`resolve_moe_backend`.
+The runner builds the :class:`MoEBackend` once at start-up (:func:`create_moe_backend`:
+``--moe-backend auto`` resolved for the platform, the dense reference in batch-invariant mode)
+and the model's forward calls it, as it calls the attention backend.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import jax
@@ -29,8 +32,8 @@ from sgl_jax.srt.layers.moe.dense import combine_weights, dense_experts, experts
 from sgl_jax.srt.layers.moe.ragged import ragged_experts
 
 __all__ = [
-    "MOE_BACKENDS", "MOE_BACKEND_CHOICES", "ExpertCompute", "combine_weights", "experts_forward",
-    "get_expert_compute", "resolve_moe_backend",
+    "MOE_BACKENDS", "MOE_BACKEND_CHOICES", "ExpertCompute", "MoEBackend", "combine_weights",
+    "create_moe_backend", "experts_forward", "get_moe_backend", "resolve_moe_backend",
 ]
 
 
@@ -75,12 +78,34 @@ def resolve_moe_backend(name: str, platform: str) -> str:
     )
 
 
-def get_expert_compute(backend: str) -> ExpertCompute:
-    """The per-device compute of a resolved backend ("dense" or "ragged")."""
+@dataclass(frozen=True)
+class MoEBackend:
+    """A resolved expert backend: its name ("dense" or "ragged") and its per-device compute.
+    Part of the compiled program (a static of the step), like the attention backend."""
+
+    name: str
+    compute: ExpertCompute
+
+    def __call__(
+        self, x: jax.Array, local_ids: jax.Array, topk_weights: jax.Array, w_gate: jax.Array,
+        w_up: jax.Array, w_down: jax.Array,
+    ) -> jax.Array:
+        return self.compute(x, local_ids, topk_weights, w_gate, w_up, w_down)
+
+
+def get_moe_backend(name: str) -> MoEBackend:
+    """The backend of a resolved name ("dense" or "ragged")."""
     try:
-        return MOE_BACKENDS[backend]
+        return MoEBackend(name, MOE_BACKENDS[name])
     except KeyError:
-        hint = " (resolve 'auto' with resolve_moe_backend first)" if backend == "auto" else ""
+        hint = " (resolve 'auto' with resolve_moe_backend first)" if name == "auto" else ""
         raise ValueError(
-            f"unknown MoE backend {backend!r}{hint}; valid: {', '.join(MOE_BACKENDS)}"
+            f"unknown MoE backend {name!r}{hint}; valid: {', '.join(MOE_BACKENDS)}"
         ) from None
+
+
+def create_moe_backend(name: str, platform: str, batch_invariant: bool = False) -> MoEBackend:
+    """The backend ``--moe-backend name`` runs on ``platform``. ``batch_invariant``
+    (``--enable-deterministic-inference``): the dense reference, whose rows never depend on
+    the batch (ragged groups do; ``ServerArgs`` refuses an explicit ``ragged`` there)."""
+    return get_moe_backend("dense" if batch_invariant else resolve_moe_backend(name, platform))

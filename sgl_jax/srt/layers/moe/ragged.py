@@ -4,7 +4,7 @@ Each of the ``M = T * k`` token-expert assignments is computed once, by its own 
 
 1. the assignments are flattened and stably sorted by expert row, so each expert's tokens are
    one contiguous group; assignments of experts this device does not hold carry the sentinel
-   row ``E_l`` (see ``ep_moe.local_row_table``), sort after every real group and are counted in
+   row ``E_l`` (see ``ep_moe.ep_moe_forward``), sort after every real group and are counted in
    no group;
 2. the token rows are gathered in that order (``[M, H]``) and the gate, up and down
    projections are three grouped matmuls (``ragged_dot`` with the per-expert group sizes),

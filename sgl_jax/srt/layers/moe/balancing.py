@@ -1,23 +1,24 @@
-"""EPLB: expert-parallel load balancing with redundant experts (pure numpy placement).
+"""Choosing where experts go from how much they are used (pure numpy): one module for every
+balancing algorithm.
 
-A MoE layer with ``E`` logical experts holds ``P = E + R`` physical expert slots (``R`` =
-``--ep-num-redundant-experts``), ``P / ep_size`` per expert-axis device: device ``d`` holds
-physical slots ``[d * P_l, (d + 1) * P_l)``. A placement is, per MoE layer, the table
-``physical_to_logical [P]`` (the logical expert whose weights slot p holds). Every logical
-expert has at least one slot; a hot expert may have several (replicas), and the tokens routed
-to it are split over them deterministically (``replica_choice``).
+A load is, per MoE layer, the token count of each logical expert ``[L, E]`` (from routed
+experts or the expert-distribution recorder). A result is, per layer, the table
+``physical_to_logical [P]`` of an :class:`~sgl_jax.srt.layers.moe.placement.ExpertPlacement`
+(``P = E + R``; ``R`` redundant rows, 0 for a static placement), ``P / ep_size`` rows per
+expert-axis device.
 
-Algorithms (``--eplb-algorithm``), from a per-layer logical load ``[L, E]`` (token counts):
+Algorithms (``--eplb-algorithm``):
 
-- ``greedy``: (1) replication: every expert gets one slot, each of the R extra slots goes to
+- ``greedy``: (1) replication: every expert gets one row, each of the R extra rows goes to
   the expert with the highest load per replica (``load / replicas``; ties: lowest id);
   (2) packing: the P replicas, each weighing ``load / replicas``, go heaviest first onto the
-  least loaded device that still has a free slot (LPT with equal slot counts; ties: a device
-  not yet holding that expert, then the lowest device).
+  least loaded device that still has a free row (LPT with equal row counts; ties: a device
+  not yet holding that expert, then the lowest device). With ``R = 0`` this is
+  :func:`balanced_mapping`, the static placement ``--ep-expert-mapping`` takes.
 - ``hierarchical`` (in the spirit of DeepSeek's EPLB): the experts form ``num_groups``
   contiguous groups and the devices ``num_nodes`` contiguous device groups; (1) the expert
   groups are packed onto device groups by group load (equal group counts per device group);
-  (2) within each device group its experts are replicated into its ``P / num_nodes`` slots
+  (2) within each device group its experts are replicated into its ``P / num_nodes`` rows
   and packed onto its devices as in ``greedy``. Replicas never leave their device group (on
   a multi-node mesh: the node), so a token's expert traffic stays inside one group.
 
@@ -27,7 +28,6 @@ takes ``load / replicas`` of its expert's load (``device_load``).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -138,61 +138,28 @@ def _check_load(load: Any, ep_size: int, num_physical: int) -> np.ndarray:
                          f"{load.shape[1]} and a multiple of ep_size={ep_size}")
     return load
 
-
-def default_placement(num_experts: int, num_physical: int) -> np.ndarray:
-    """``[P]``: the logical experts in order, then replicas round-robin (0, 1, ...)."""
-    return (np.arange(num_physical) % num_experts).astype(np.int32)
-
-
-# -- tables the forward uses ----------------------------------------------------------------------
-def replica_tables(physical_to_logical: np.ndarray, num_experts: int,
-                   max_replicas: int) -> tuple[np.ndarray, np.ndarray]:
-    """``[P]`` -> (replicas ``[E, max_replicas]`` physical slots, padded with the first;
-    num_replicas ``[E]``). Shapes depend only on (E, R): a new placement fits the same arrays."""
-    p2l = np.asarray(physical_to_logical)
-    replicas = np.zeros((num_experts, max_replicas), np.int32)
-    num = np.zeros(num_experts, np.int32)
-    for e in range(num_experts):
-        slots = np.flatnonzero(p2l == e)
-        if slots.size == 0 or slots.size > max_replicas:
-            raise ValueError(f"expert {e} has {slots.size} physical slots (1..{max_replicas})")
-        replicas[e, :slots.size] = slots
-        replicas[e, slots.size:] = slots[0]
-        num[e] = slots.size
-    return replicas, num
+def balanced_mapping(expert_load: np.ndarray | Sequence[float], ep_size: int) -> np.ndarray:
+    """A static placement's ``[ep_size, E / ep_size]`` table that spreads ``expert_load``
+    (tokens per expert) evenly: ``greedy`` without redundant rows (each device's experts
+    sorted by id)."""
+    load = np.asarray(expert_load, dtype=np.float64)
+    if load.size % ep_size:
+        raise ValueError(f"ep_size={ep_size} does not divide num_experts={load.size}")
+    return greedy_placement(load, ep_size, load.size)[0].reshape(ep_size, -1)
 
 
-def replica_choice(topk_ids: np.ndarray, num_replicas: np.ndarray) -> np.ndarray:
-    """The replica index of every assignment ``[T, k]``: ``(t + j) % num_replicas[e]`` for
-    token t's j-th expert e. Consecutive tokens of the batch that pick an expert at the same
-    top-k slot take its replicas in turn, so its tokens split evenly over them (not
-    ``t * k + j``: with k a multiple of the replica count that would be constant per slot);
-    the jitted forward computes the same (``ep_moe.physical_ids``)."""
-    ids = np.asarray(topk_ids)
-    index = np.arange(ids.shape[0])[:, None] + np.arange(ids.shape[1])[None, :]
-    return index % np.asarray(num_replicas)[ids]
+# -- loads and imbalance --------------------------------------------------------------------------
+def expert_load(routed_experts: np.ndarray, num_experts: int) -> np.ndarray:
+    """Routed-experts rows ``[..., num_layers, k]`` -> tokens per expert ``[num_layers, E]``
+    (rows of -1, layers without a router, count nothing)."""
+    ids = np.asarray(routed_experts).reshape(-1, *np.shape(routed_experts)[-2:])
+    out = np.zeros((ids.shape[1], num_experts), np.int64)
+    for layer in range(ids.shape[1]):
+        flat = ids[:, layer].reshape(-1)
+        out[layer] = np.bincount(flat[flat >= 0], minlength=num_experts)
+    return out
 
 
-def physical_ids_np(topk_ids: np.ndarray, physical_to_logical: np.ndarray,
-                    max_replicas: int) -> np.ndarray:
-    """numpy twin of the forward's logical -> physical translation, for tests and figures."""
-    ids = np.asarray(topk_ids)
-    p2l = np.asarray(physical_to_logical)
-    num_experts = int(p2l.max()) + 1
-    replicas, num = replica_tables(p2l, num_experts, max_replicas)
-    return replicas[ids, replica_choice(ids, num)]
-
-
-def source_rows(old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """``[P]`` int32: for each new physical slot, an old slot holding the same logical expert
-    (the slot itself when unchanged, else the expert's first old slot): the gather that moves
-    the weights from placement ``old`` to ``new``."""
-    old, new = np.asarray(old), np.asarray(new)
-    first = {int(e): int(np.flatnonzero(old == e)[0]) for e in np.unique(old)}
-    return np.array([p if old[p] == e else first[int(e)] for p, e in enumerate(new)], np.int32)
-
-
-# -- imbalance ------------------------------------------------------------------------------------
 def device_load(load: np.ndarray, physical_to_logical: np.ndarray, ep_size: int) -> np.ndarray:
     """``[L, ep_size]``: each replica takes ``load / replicas`` of its expert's load."""
     load = np.atleast_2d(np.asarray(load, dtype=np.float64))
@@ -210,61 +177,3 @@ def imbalance(per_device: np.ndarray) -> np.ndarray:
     per_device = np.atleast_2d(np.asarray(per_device, dtype=np.float64))
     mean = per_device.mean(axis=1)
     return np.where(mean > 0, per_device.max(axis=1) / np.where(mean > 0, mean, 1), 1.0)
-
-
-# -- --init-expert-location ------------------------------------------------------------------------
-def read_init_location(path: str, num_moe_layers: int, num_experts: int, ep_size: int,
-                       num_physical: int, algorithm: str = "greedy",
-                       num_nodes: int = 1) -> np.ndarray:
-    """``[moe_layers, P]`` from a recorder dump (``.npz`` with ``counts [layers, E]``:
-    balanced by ``algorithm``) or a JSON ``{"physical_to_logical": [P] or [[P] per MoE
-    layer]}`` (a bare list is accepted too)."""
-    if path.endswith(".npz"):
-        with np.load(path) as f:
-            if "counts" not in f:
-                raise ValueError(f"{path} has no 'counts' (a 'stat' recorder dump has)")
-            counts = np.asarray(f["counts"], dtype=np.float64)
-        if counts.ndim == 3:  # per_pass dumps: one row per pass
-            counts = counts.sum(axis=0)
-        if counts.shape != (num_moe_layers, num_experts):
-            raise ValueError(f"{path}: counts {counts.shape}, expected "
-                             f"({num_moe_layers}, {num_experts})")
-        table = compute_placement(counts, ep_size, num_physical, algorithm, num_nodes=num_nodes)
-    else:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-        table = np.asarray(obj["physical_to_logical"] if isinstance(obj, dict) else obj)
-        if table.ndim == 1:
-            table = np.tile(table, (num_moe_layers, 1))
-    table = np.asarray(table, dtype=np.int32)
-    if table.shape != (num_moe_layers, num_physical):
-        raise ValueError(f"{path}: placement {table.shape}, expected "
-                         f"({num_moe_layers}, {num_physical})")
-    for row in table:
-        if row.min() < 0 or row.max() >= num_experts or np.unique(row).size != num_experts:
-            raise ValueError(f"{path}: every row must hold each expert 0..{num_experts - 1}")
-    return table
-
-
-class EplbPlacement:
-    """Per MoE layer ``physical_to_logical [P]``; the loader's ``physical_order`` source
-    (duck-typed like ``ExpertMapping``: it stacks row p from logical expert table[p])."""
-
-    def __init__(self, tables: dict[int, np.ndarray], num_experts: int, ep_size: int) -> None:
-        self.tables = {int(k): np.asarray(v, np.int32) for k, v in tables.items()}
-        self.num_experts, self.ep_size = num_experts, ep_size
-        self.num_physical = next(iter(self.tables.values())).size if self.tables else num_experts
-
-    @staticmethod
-    def default(config: Any, ep_size: int) -> EplbPlacement:
-        table = default_placement(config.num_experts, config.num_physical_experts)
-        return EplbPlacement({i: table for i in config.moe_layer_ids}, config.num_experts,
-                             ep_size)
-
-    def physical_order(self, layer_id: int) -> np.ndarray:
-        return self.tables[layer_id]
-
-    def check(self, num_experts: int, ep_size: int) -> None:
-        if (num_experts, ep_size) != (self.num_experts, self.ep_size):
-            raise ValueError(f"EPLB placement for E={self.num_experts}, ep={self.ep_size}; "
-                             f"the model has E={num_experts}, ep={ep_size}")

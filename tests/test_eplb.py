@@ -140,3 +140,25 @@ def test_flags():
     ]:
         with pytest.raises(ValueError, match=message):
             ServerArgs(**kwargs)
+
+
+def test_one_placement_type_for_static_and_eplb():
+    """A static mapping is a placement without redundant rows; EPLB's is dynamic, with them."""
+    from sgl_jax.srt.layers.moe.balancing import balanced_mapping
+    from sgl_jax.srt.layers.moe.placement import ExpertPlacement
+
+    load = skewed_load()[0]
+    static = ExpertPlacement(balanced_mapping(load, 4))
+    assert not static.dynamic and static.num_physical == static.num_experts == 16
+    # balanced_mapping is greedy without redundant rows, row by row.
+    np.testing.assert_array_equal(static.physical_order(7), greedy_placement(load, 4, 16)[0])
+    eplb = ExpertPlacement.from_layers({0: greedy_placement(load, 4, 20)[0]}, 16, 4)
+    assert eplb.dynamic and (eplb.num_physical, eplb.rows_per_device) == (20, 5)
+    np.testing.assert_array_equal(ExpertPlacement.redundant(16, 20, 4).physical_order(3),
+                                  default_placement(16, 20))
+    with pytest.raises(ValueError, match="at least once"):
+        ExpertPlacement.from_layers({0: np.zeros(20, np.int32)}, 16, 4)
+    with pytest.raises(ValueError, match="several devices"):
+        eplb.device_of(0)
+    with pytest.raises(ValueError, match="multiple of ep_size=3"):
+        ExpertPlacement.redundant(16, 20, 3)

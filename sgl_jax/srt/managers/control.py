@@ -414,7 +414,6 @@ class _MemoryOccupationOp(ControlOp):
             return MemoryOccupationReqOutput(success=False, message=str(e),
                                              released=_ordered(target.released_memory()))
         done = f"{self.verb}d {', '.join(tags)}" if tags else f"nothing to {self.verb}"
-        logger.info("memory occupation: %s %s", done, result)
         return MemoryOccupationReqOutput(success=True, message=done,
                                          released=_ordered(target.released_memory()), **result)
 

@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -117,10 +118,18 @@ class RunnerControl:
         return self.runner.rebalance_experts(load)
 
     def release_memory_occupation(self, tags: list[str]) -> dict[str, Any]:
-        return measured(lambda: self.runner.release_memory(tags))
+        return self._logged("released", tags, lambda: self.runner.release_memory(tags))
 
     def resume_memory_occupation(self, tags: list[str]) -> dict[str, Any]:
-        return measured(lambda: self.runner.resume_memory(tags))
+        return self._logged("resumed", tags, lambda: self.runner.resume_memory(tags))
+
+    @staticmethod
+    def _logged(done: str, tags: list[str], change: Callable[[], None]) -> dict[str, Any]:
+        result = measured(change)
+        logger.info("%s %s: live device bytes %d -> %d in %.3fs", done, ", ".join(tags),
+                    result["device_bytes_before"], result["device_bytes_after"],
+                    result["seconds"])
+        return result
 
     def _check_weights_held(self) -> None:
         # Released weights are placeholders; their host copy comes back on resume.

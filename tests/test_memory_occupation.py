@@ -92,6 +92,7 @@ def test_release_frees_the_device_bytes_and_resume_restores_the_outputs(engine, 
 
     with pytest.raises(MemoryReleasedError, match="resume_memory_occupation"):
         generate(engine)
+    assert not engine.tokenizer_manager.states
     assert_no_leak(engine)
 
     back = engine.resume_memory_occupation(tags)
@@ -115,6 +116,23 @@ def test_weights_then_kv_cache_as_rl_frameworks_resume(engine):
     assert out["success"]
     assert engine.resume_memory_occupation()["released"] == []
     assert_same(before, generate(engine))
+
+
+def test_a_request_racing_a_release_is_ended_by_the_scheduler(engine):
+    """A request sent after a release was sent but before its reply came back passes the
+    tokenizer manager's check (simulated: its record of the release cleared); the scheduler
+    ends it with the same reason, holding nothing."""
+    engine.release_memory_occupation(["kv_cache"])
+    tm = engine.tokenizer_manager
+    try:
+        tm.released_memory = []
+        out = engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+        assert out["output_ids"] == []
+        reason = out["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "resume_memory_occupation" in reason["message"]
+        assert_no_leak(engine)
+    finally:
+        engine.resume_memory_occupation()
 
 
 def test_double_release_and_resume_without_release_are_refused(engine):

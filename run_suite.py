@@ -52,6 +52,7 @@ E2E = [
     "tests/test_openai_api.py",
     "tests/test_reliability.py",
     "tests/test_weight_update.py",
+    "tests/test_memory_occupation.py",
     "tests/test_bad_updates.py",
     "tests/test_logprobs.py",
     "tests/test_deterministic.py",

@@ -113,6 +113,31 @@ def test_the_prefix_cache_was_used(two_node_results):
     assert two_node_results["cached_prefix"][0]["meta_info"]["cached_tokens"] >= 16
 
 
+def test_release_and_resume_reach_every_node(two_nodes, two_node_results):
+    """/release_memory_occupation frees the KV cache and the weights on both nodes (each its
+    own shards) and /resume_memory_occupation restores them: the outputs are then what they
+    were, with no step recompiled."""
+    server = two_nodes.leader
+    compiles = server.get("/get_server_info").json()["num_compiles"]
+    res = server.post("/release_memory_occupation", json={})
+    assert res.status_code == 200, res.text
+    out = res.json()
+    assert out["released"] == ["kv_cache", "weights"]
+    assert out["device_bytes_after"] < out["device_bytes_before"]
+    res = server.post("/generate", json={"input_ids": A, "sampling_params": GREEDY})
+    assert res.status_code == 503 and res.json()["error"]["code"] == "memory_released"
+    res = server.post("/resume_memory_occupation", json={})
+    assert res.status_code == 200 and res.json()["released"] == [], res.text
+    for name, outs in run_all(server).items():
+        for out, before in zip(outs, two_node_results[name], strict=True):
+            assert out["output_ids"] == before["output_ids"]
+            assert out["meta_info"]["routed_experts"] == before["meta_info"]["routed_experts"]
+    assert server.get("/get_server_info").json()["num_compiles"] == compiles
+    assert wait_until(lambda: "resumed kv_cache, weights" in two_nodes.follower_log(), timeout=10)
+    assert "released kv_cache, weights: live device bytes" in two_nodes.follower_log()
+    assert "diverge" not in two_nodes.follower_log()
+
+
 @pytest.fixture(scope="module")
 def second_ckpt(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("second_ckpt"))

@@ -400,7 +400,8 @@ def test_exactly_the_mirrored_control_operations_cross_to_the_followers():
     mirrored = {c for c in ops if c.mirrored}
     assert {c.__name__ for c in mirrored} == {"UpdateWeightsFromDisk", "UpdateWeightsFromArrays",
                                               "RebalanceExperts", "StartExpertRecord",
-                                              "StopExpertRecord"}
+                                              "StopExpertRecord", "ReleaseMemoryOccupation",
+                                              "ResumeMemoryOccupation"}
     for cls in ops:
         assert (node_wire._DATACLASSES.get(cls.__name__) is cls) == cls.mirrored, cls
         assert cls.__name__ in node_wire.schema() or not cls.mirrored

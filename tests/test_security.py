@@ -107,6 +107,8 @@ def test_admin_routes_need_the_admin_key(server, path):
     assert res.status_code not in (401, 403), res.text
     if path == "/pause_generation":
         assert call(server, "/continue_generation", ADMIN).status_code == 200
+    if path == "/release_memory_occupation":
+        assert call(server, "/resume_memory_occupation", ADMIN).status_code == 200
     assert generate(server).status_code == 200  # and the server serves on
 
 

@@ -30,6 +30,8 @@ from sgl_jax.srt.managers.control import (
     GetExpertLoad,
     PauseGeneration,
     RebalanceExperts,
+    ReleaseMemoryOccupation,
+    ResumeMemoryOccupation,
     StartExpertRecord,
     StopExpertRecord,
     UpdateWeightsFromArrays,
@@ -320,6 +322,18 @@ class Engine:
     def continue_generation(self) -> None:
         """Resumes after ``pause_generation``, exactly where every request stopped."""
         self._control(PauseGeneration(pause=False))
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """SGLang's: frees the KV cache ("kv_cache") and the weights ("weights", kept in host
+        memory); ``tags`` None = both. Only on an idle engine (ValueError while requests run or
+        wait); until resumed, generate raises ``MemoryReleasedError``. Returns ``released``
+        (the tags released now) and the scheduler's ``device_bytes_before`` / ``_after``."""
+        return dataclasses.asdict(self._control(ReleaseMemoryOccupation(tags=tags)))
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Puts released memory back (``tags`` None = every released tag) without
+        recompiling: outputs are then what they were before the release."""
+        return dataclasses.asdict(self._control(ResumeMemoryOccupation(tags=tags)))
 
     def _control(self, op: ControlOp) -> Any:
         """The reply to ``op``; ValueError with the scheduler's reason if it refused."""

@@ -4,7 +4,8 @@ Routes: native ``/generate``; OpenAI ``/v1/completions``, ``/v1/chat/completions
 ``/v1/models``; operations ``/health``, ``/health_generate``, ``/get_model_info`` (also
 ``/model_info``), ``/get_server_info`` (also ``/server_info``), ``/get_load``,
 ``/flush_cache``, ``/abort_request``, ``/update_weights_from_disk``,
-``/pause_generation``, ``/continue_generation``, ``/metrics`` (``--enable-metrics``,
+``/pause_generation``, ``/continue_generation``, ``/release_memory_occupation``,
+``/resume_memory_occupation``, ``/metrics`` (``--enable-metrics``,
 Prometheus: :mod:`sgl_jax.srt.metrics`); the expert distribution recorder
 ``/start_expert_distribution_record``, ``/stop_expert_distribution_record``,
 ``/dump_expert_distribution_record``, ``/expert_load``, ``/expert_load.png`` and
@@ -49,6 +50,7 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    MemoryOccupationRequest,
     ModelCard,
     ModelList,
     OpenAIError,
@@ -72,6 +74,7 @@ ADMIN_PATHS = frozenset({
     "/update_weights_from_disk", "/pause_generation", "/continue_generation", "/flush_cache",
     "/start_expert_distribution_record", "/stop_expert_distribution_record",
     "/dump_expert_distribution_record", "/rebalance_experts", "/abort_request",
+    "/release_memory_occupation", "/resume_memory_occupation",
 })
 HEALTH_GENERATE_TIMEOUT = 30.0
 # After a child dies the server answers 503 for this long (in-flight requests get their error,
@@ -158,7 +161,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app = FastAPI(title="sgl_jax", docs_url=None, redoc_url=None)
     # Specific types are handled in place; a bare Exception (a bug) becomes a logged 500.
     for exc_type in (OpenAIError, ValidationError, ValueError, EngineDeadError, TimeoutError,
-                     StarletteHTTPException, ClientGone, Exception):
+                     control.MemoryReleasedError, StarletteHTTPException, ClientGone, Exception):
         app.add_exception_handler(exc_type, handle_error)
     args = ctx.server_args
     if args.api_key or args.admin_api_key:
@@ -306,6 +309,25 @@ def create_app(ctx: ServerContext) -> FastAPI:
     async def continue_generation() -> Response:
         await tm.control(control.PauseGeneration(pause=False))
         return JSONResponse({"success": True, "message": "generation continued"})
+
+    async def memory_occupation(request: Request, op: type[control.ControlOp]) -> Response:
+        # SGLang's clients may send no body: every tag.
+        empty = request.headers.get("content-length", "0") == "0" \
+            and "transfer-encoding" not in request.headers
+        body = MemoryOccupationRequest() if empty else \
+            await read_json(request, MemoryOccupationRequest)
+        out = await tm.control(op(tags=body.tags))
+        if not out.success:
+            raise OpenAIError(400, out.message)
+        return JSONResponse(dataclasses.asdict(out))
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request) -> Response:
+        return await memory_occupation(request, control.ReleaseMemoryOccupation)
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: Request) -> Response:
+        return await memory_occupation(request, control.ResumeMemoryOccupation)
 
     async def recorder(op: control.ControlOp) -> Any:
         try:

@@ -30,6 +30,7 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
     error_body,
     short_repr,
 )
+from sgl_jax.srt.managers.control import MemoryReleasedError
 from sgl_jax.srt.managers.io_struct import GenerateReqInput
 from sgl_jax.srt.managers.request_options import InvalidRequestError
 from sgl_jax.srt.managers.tokenizer_manager import EngineDeadError, TokenizerManager
@@ -210,6 +211,8 @@ def _error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
         return 400, error_body(message, param=param)
     if isinstance(exc, EngineDeadError):
         return 503, error_body(str(exc), "server_error", code="engine_unavailable")
+    if isinstance(exc, MemoryReleasedError):  # until /resume_memory_occupation
+        return 503, error_body(str(exc), "server_error", code="memory_released")
     if isinstance(exc, TimeoutError):
         return 503, error_body("the engine did not answer in time", "server_error", code="timeout")
     # The tokenizer manager, SamplingParams and the chat template report bad input as

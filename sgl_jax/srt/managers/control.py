@@ -24,7 +24,7 @@ only, no JAX.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -34,6 +34,11 @@ from sgl_jax.srt.managers.request_options import InvalidRequestError
 logger = logging.getLogger(__name__)
 
 MAX_WEIGHT_VERSION_CHARS = 128
+# What release_memory_occupation frees, by SGLang's tag names. SGLang's third tag,
+# "cuda_graph", is accepted and ignored: XLA's compiled programs are never freed (which is why
+# a resume recompiles nothing).
+MEMORY_TAGS = ("kv_cache", "weights")
+_IGNORED_MEMORY_TAGS = ("cuda_graph",)
 _RECORDER_OFF = ("the expert distribution recorder is off; start the server with "
                  "--expert-distribution-recorder-mode stat, per_pass or per_token")
 
@@ -58,6 +63,12 @@ class NodeControl(Protocol):
     def rebalance_experts(self, load: np.ndarray | None) -> dict[str, Any]: ...
     def expert_recorder(self) -> ExpertRecorder: ...  # ValueError when off
 
+    def release_memory_occupation(self, tags: list[str]) -> dict[str, Any]:
+        """Frees the device memory of ``tags``; this process's live device bytes before and
+        after (``device_bytes_before`` / ``_after``) and the ``seconds`` it took."""
+
+    def resume_memory_occupation(self, tags: list[str]) -> dict[str, Any]: ...  # the same
+
 
 class ControlTarget(Protocol):
     """Rank 0's scheduler, as control operations use it."""
@@ -69,6 +80,11 @@ class ControlTarget(Protocol):
     def set_paused(self, paused: bool) -> None: ...
     def flush_cache(self) -> None: ...  # ValueError while requests run
     def server_info(self) -> dict[str, Any]: ...
+    def released_memory(self) -> frozenset[str]: ...  # the MEMORY_TAGS released now
+
+    def quiesce(self) -> None:
+        """ValueError while requests run or wait (or a weight update waits for them); else
+        the step in flight, if any, is processed: nothing uses the device state any more."""
 
     def request_weight_update(self, op: UpdateWeights,
                               checkpoint: str | None = None) -> UpdateWeightsReqOutput | None:
@@ -111,6 +127,15 @@ class ControlReply:
     reply: Any
 
 
+class MemoryReleasedError(RuntimeError):
+    """Generation while the engine's memory is released (``release_memory_occupation``)."""
+
+
+def memory_released_message(tags: Any) -> str:
+    return (f"the engine's memory is released ({', '.join(tags)}: release_memory_occupation); "
+            "call resume_memory_occupation before generating")
+
+
 # -- replies ------------------------------------------------------------------------------------
 def check_reply(reply: Any) -> Any:
     """``reply``; ValueError with its message if it is a refusal (``success`` False: the
@@ -151,6 +176,18 @@ class ExpertDistributionReqOutput:
     message: str = ""
     path: str | None = None  # dump: the file written
     load: dict[str, Any] | None = None  # load: counts, num_tokens, moe_layer_ids, ...; rebalance
+
+
+@dataclass
+class MemoryOccupationReqOutput:
+    success: bool
+    message: str = ""
+    released: list[str] = field(default_factory=list)  # the tags released after the call
+    # Rank 0's live device bytes (``jax.live_arrays()`` in the scheduler's process) before
+    # and after the change, and its time.
+    device_bytes_before: int = 0
+    device_bytes_after: int = 0
+    seconds: float = 0.0
 
 
 # -- the operations -----------------------------------------------------------------------------
@@ -352,3 +389,112 @@ class RebalanceExperts(ControlOp):
 
     def apply_on_node(self, node: NodeControl) -> dict[str, Any]:
         return node.rebalance_experts(self.load)
+
+
+class _MemoryOccupationOp(ControlOp):
+    """SGLang's release / resume of the engine's device memory, by tags (``MEMORY_TAGS``; None
+    or [] = every tag in the right state). A tag given explicitly must be in the right state
+    (release: held; resume: released), else the call is refused and nothing changes. Mirrored:
+    every node frees and restores its own shards (``model_executor/memory_occupation.py``)."""
+
+    tags: list[str] | None
+    reply_type = MemoryOccupationReqOutput
+    mirrored = True
+    timeout = None  # the weights go to host memory and back: large models take a while
+    verb: ClassVar[str]
+
+    def checked(self) -> _MemoryOccupationOp:
+        return replace(self, tags=check_memory_tags(self.tags))
+
+    def apply(self, target: ControlTarget) -> MemoryOccupationReqOutput:
+        try:
+            tags = self.chosen(target.released_memory())
+            result = self.change(target, tags) if tags else {}
+        except ValueError as e:
+            return MemoryOccupationReqOutput(success=False, message=str(e),
+                                             released=_ordered(target.released_memory()))
+        done = f"{self.verb}d {', '.join(tags)}" if tags else f"nothing to {self.verb}"
+        return MemoryOccupationReqOutput(success=True, message=done,
+                                         released=_ordered(target.released_memory()), **result)
+
+    def chosen(self, released: frozenset[str]) -> list[str]:
+        """The tags this call changes (ValueError: a tag in the wrong state)."""
+        raise NotImplementedError
+
+    def change(self, target: ControlTarget, tags: list[str]) -> dict[str, Any]:
+        return target.on_every_node(replace(self, tags=tags))
+
+
+def check_memory_tags(tags: Any) -> list[str] | None:
+    """The tags of a release / resume call, validated (InvalidRequestError); None: every tag.
+    SGLang's "cuda_graph" is dropped (nothing to free); an empty list means every tag."""
+    if tags is None or (isinstance(tags, list | tuple) and not tags):
+        return None
+    if not isinstance(tags, list | tuple) or not all(isinstance(t, str) for t in tags):
+        raise InvalidRequestError("tags must be a list of strings", "tags")
+    known = MEMORY_TAGS + _IGNORED_MEMORY_TAGS
+    bad = [t for t in tags if t not in known]
+    if bad:
+        raise InvalidRequestError(
+            f"unknown memory tag {bad[0][:64]!r}; the tags are {', '.join(known)}", "tags")
+    return [t for t in MEMORY_TAGS if t in tags]
+
+
+def _ordered(tags: frozenset[str]) -> list[str]:
+    return [t for t in MEMORY_TAGS if t in tags]
+
+
+@dataclass
+class ReleaseMemoryOccupation(_MemoryOccupationOp):
+    """Frees the KV cache ("kv_cache": the prefix cache is flushed) and the weights
+    ("weights": kept in host memory until resumed). Only on an idle engine: refused while
+    requests run or wait (paused ones included: they hold KV); until every tag is resumed,
+    generation fails fast (``MemoryReleasedError``)."""
+
+    tags: list[str] | None = None
+    verb = "release"
+
+    def chosen(self, released: frozenset[str]) -> list[str]:
+        if self.tags is None:
+            tags = [t for t in MEMORY_TAGS if t not in released]
+            if not tags:
+                raise ValueError("everything is released already; call "
+                                 "resume_memory_occupation first")
+            return tags
+        again = [t for t in self.tags if t in released]
+        if again:
+            raise ValueError(f"{', '.join(again)} is released already; call "
+                             "resume_memory_occupation first")
+        return self.tags
+
+    def change(self, target: ControlTarget, tags: list[str]) -> dict[str, Any]:
+        target.quiesce()
+        if "kv_cache" in tags:
+            target.flush_cache()  # the cached prefixes' KV is about to go
+        return super().change(target, tags)
+
+    def apply_on_node(self, node: NodeControl) -> dict[str, Any]:
+        return node.release_memory_occupation(self.tags)
+
+
+@dataclass
+class ResumeMemoryOccupation(_MemoryOccupationOp):
+    """Puts released memory back with the same shapes and shardings (no recompilation): the
+    weights as they were, the KV cache empty."""
+
+    tags: list[str] | None = None
+    verb = "resume"
+
+    def chosen(self, released: frozenset[str]) -> list[str]:
+        if self.tags is None:
+            if not released:
+                raise ValueError("nothing is released; call release_memory_occupation first")
+            return _ordered(released)
+        held = [t for t in self.tags if t not in released]
+        if held:
+            raise ValueError(f"{', '.join(held)} is not released; call "
+                             "release_memory_occupation first")
+        return self.tags
+
+    def apply_on_node(self, node: NodeControl) -> dict[str, Any]:
+        return node.resume_memory_occupation(self.tags)

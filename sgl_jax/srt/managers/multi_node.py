@@ -12,7 +12,7 @@ step travels as the unpadded ``ModelWorkerBatch`` plus the prefix page rows read
 pools; each follower pads it to the same bucket and checks the digest of what its devices
 will receive against rank 0's before dispatching, so a follower can never run another batch.
 A mirrored control operation (``control.py``: weight update, EPLB rebalance, recorder start /
-stop) travels as itself and every node runs its ``apply_on_node``; then rank 0 sends its own
+stop, memory release / resume) travels as itself and every node runs its ``apply_on_node``; then rank 0 sends its own
 outcome, and a follower whose outcome differs stops: nodes never go on with
 different weights. Results (sampled tokens, routed-experts rows, logprobs) are replicated
 outputs of the step, read by rank 0 from its own devices: no gather per step.
@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from sgl_jax.srt.managers import node_wire
 from sgl_jax.srt.managers.control import ControlOp, ExpertRecorder
 from sgl_jax.srt.managers.node_auth import load_node_secret
 from sgl_jax.srt.managers.step_channel import FollowerChannel, LeaderChannel
+from sgl_jax.srt.model_executor.memory_occupation import measured
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, StepOutput
 from sgl_jax.srt.model_executor.weight_updater import WeightUpdater
 from sgl_jax.srt.server_args import ServerArgs
@@ -104,13 +106,36 @@ class RunnerControl:
         self.weights = WeightUpdater(runner)
 
     def update_weights_from_disk(self, model_path: str) -> tuple[int, float]:
+        self._check_weights_held()
         return self.weights.update_from_disk(model_path), self.weights.seconds
 
     def update_weights_from_arrays(self, arrays: dict[str, Any]) -> tuple[int, float]:
+        self._check_weights_held()
         return self.weights.update_from_arrays(arrays), self.weights.seconds
 
     def rebalance_experts(self, load: np.ndarray | None) -> dict[str, Any]:
+        self._check_weights_held()
         return self.runner.rebalance_experts(load)
+
+    def release_memory_occupation(self, tags: list[str]) -> dict[str, Any]:
+        return self._logged("released", tags, lambda: self.runner.release_memory(tags))
+
+    def resume_memory_occupation(self, tags: list[str]) -> dict[str, Any]:
+        return self._logged("resumed", tags, lambda: self.runner.resume_memory(tags))
+
+    @staticmethod
+    def _logged(done: str, tags: list[str], change: Callable[[], None]) -> dict[str, Any]:
+        result = measured(change)
+        logger.info("%s %s: live device bytes %d -> %d in %.3fs", done, ", ".join(tags),
+                    result["device_bytes_before"], result["device_bytes_after"],
+                    result["seconds"])
+        return result
+
+    def _check_weights_held(self) -> None:
+        # Released weights are placeholders; their host copy comes back on resume.
+        if "weights" in self.runner.released_memory():
+            raise ValueError("the weights are released (release_memory_occupation); call "
+                             "resume_memory_occupation with the weights first")
 
     def expert_recorder(self) -> ExpertRecorder:
         if self.runner.recorder() is None:

@@ -40,6 +40,8 @@ import numpy as np
 from sgl_jax.srt.forward_batch_info import ForwardMode, LogprobRequest, ModelWorkerBatch
 from sgl_jax.srt.managers.control import (
     RebalanceExperts,
+    ReleaseMemoryOccupation,
+    ResumeMemoryOccupation,
     StartExpertRecord,
     StopExpertRecord,
     UpdateWeightsFromArrays,
@@ -69,7 +71,8 @@ _MAX_NDIM = 32
 _DATACLASSES: dict[str, type] = {
     cls.__name__: cls for cls in (
         ModelWorkerBatch, SamplingParams, LogprobRequest, UpdateWeightsFromDisk,
-        UpdateWeightsFromArrays, RebalanceExperts, StartExpertRecord, StopExpertRecord)
+        UpdateWeightsFromArrays, RebalanceExperts, StartExpertRecord, StopExpertRecord,
+        ReleaseMemoryOccupation, ResumeMemoryOccupation)
 }
 # Their fields in declaration order: an object goes as its values in that order (a step holds
 # one SamplingParams per request; names and ``dataclasses.fields`` per object cost 10x more).

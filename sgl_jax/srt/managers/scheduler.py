@@ -33,6 +33,7 @@ from sgl_jax.srt.managers.control import (
     ExpertRecorder,
     UpdateWeights,
     UpdateWeightsReqOutput,
+    memory_released_message,
 )
 from sgl_jax.srt.managers.finish_checker import FinishChecker
 from sgl_jax.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
@@ -199,8 +200,10 @@ class Scheduler:
         )
         # The prompt plus the first generated token, in whole pages.
         need = self.memory.kv_needed(0, len(req.origin_input_ids) + 1)
-        if need > self.memory.total_kv():
+        released = self.runner.released_memory()  # the tokenizer manager refuses these first
+        if released or need > self.memory.total_kv():
             req.finished_reason = finish_abort(
+                memory_released_message(sorted(released)) if released else
                 f"the prompt needs {need} KV slots but the KV cache holds "
                 f"{self.memory.total_kv()}; raise --max-total-tokens"
             )
@@ -429,6 +432,18 @@ class Scheduler:
             raise ValueError("requests are still running")
         self.memory.flush()
 
+    def released_memory(self) -> frozenset[str]:
+        return self.runner.released_memory()
+
+    def quiesce(self) -> None:
+        started = len(self.waiting) + len(self.running) + (self.chunked is not None)
+        if started or self.update is not None:
+            raise ValueError(
+                f"the engine is not idle ({started} request(s) running or waiting"
+                f"{', a weight update waiting for them' if self.update else ''}); let them "
+                "finish or abort them first (paused requests hold their KV cache too)")
+        self.drain()
+
     # -- weight updates -------------------------------------------------------------------------
     def _started_requests(self) -> list[Req]:
         """Requests computed in part on the current weights (running, chunked, retracted)."""
@@ -497,6 +512,7 @@ class Scheduler:
         return {
             "weight_version": self.weight_version,
             "paused": self.paused,
+            "released_memory": sorted(self.runner.released_memory()),
             **self.memory.stats(),
             "num_running_reqs": len(self.running) + (1 if self.chunked else 0),
             "num_waiting_reqs": len(self.waiting),

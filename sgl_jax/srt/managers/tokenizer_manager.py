@@ -27,7 +27,14 @@ from typing import Any
 import zmq
 
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.srt.managers.control import ControlOp, ControlReply, GetServerInfo
+from sgl_jax.srt.managers.control import (
+    ControlOp,
+    ControlReply,
+    GetServerInfo,
+    MemoryOccupationReqOutput,
+    MemoryReleasedError,
+    memory_released_message,
+)
 from sgl_jax.srt.managers.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -100,6 +107,9 @@ class TokenizerManager:
         self._by_key: dict[str, ReqState] = {}
         self._keys = itertools.count()
         self.dead_reason: str | None = None
+        # The memory tags released in the scheduler (release_memory_occupation), as its last
+        # release / resume reply said: generation fails fast until they are resumed.
+        self.released_memory: list[str] = []
         self._control: dict[int, Future] = {}  # control calls awaiting a reply, by call id
         self._call_ids = itertools.count(1)
         self._ctx = zmq.Context(2)
@@ -212,6 +222,7 @@ class TokenizerManager:
         is sent, so a bad prompt in a batch rejects the whole batch.
         """
         self._check_alive()
+        self._check_memory()
         prompts = obj.split()
         for prompt in prompts:  # O(1) each: a hopeless request costs no tokenizing
             self.check_prompt_size(prompt)
@@ -224,8 +235,9 @@ class TokenizerManager:
         try:
             await self._prefill_shared_prompts(tokenized, groups, loop, keys)
             # Checked again with no await until every rid is registered: another request may
-            # have taken one meanwhile.
+            # have taken one meanwhile (or the memory been released).
             self._check_rids_free(tokenized)
+            self._check_memory()
             for i, t in enumerate(tokenized):
                 keys.append(self._submit(t, loop, split_at.get(i)))
             if obj.is_single:
@@ -378,6 +390,8 @@ class TokenizerManager:
         reply = await asyncio.wait_for(asyncio.wrap_future(fut), op.timeout)
         if not isinstance(reply, op.reply_type):
             raise TypeError(f"{type(op).__name__} got a {type(reply).__name__} reply")
+        if isinstance(reply, MemoryOccupationReqOutput):
+            self.released_memory = reply.released
         return reply
 
     async def get_server_info(self) -> dict[str, Any]:
@@ -400,6 +414,11 @@ class TokenizerManager:
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+
+    def _check_memory(self) -> None:
+        # A request sent while a release is under way is ended by the scheduler instead.
+        if self.released_memory:
+            raise MemoryReleasedError(memory_released_message(self.released_memory))
 
     def _receive_loop(self) -> None:
         try:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import hashlib
 import logging
 import math
@@ -69,6 +70,7 @@ from sgl_jax.srt.layers.sampler import sample
 from sgl_jax.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.routed_experts_host_cache import RoutedExpertsHostCache
 from sgl_jax.srt.model_executor.eplb_manager import EplbManager
+from sgl_jax.srt.model_executor.memory_occupation import MemoryOccupation
 from sgl_jax.srt.model_loader.loader import abstract_model, load_model
 from sgl_jax.srt.models.backends import ModelBackends
 from sgl_jax.srt.server_args import ServerArgs
@@ -328,6 +330,30 @@ class ModelRunner:
             "page_table": _nbytes(self.req_to_page),
             **self.capturer.memory_report(),
         }
+
+    # -- memory occupation (release_memory_occupation: memory_occupation.py) --------------------
+    @functools.cached_property
+    def _memory(self) -> MemoryOccupation:
+        return MemoryOccupation()
+
+    def release_memory(self, tags: Sequence[str]) -> None:
+        """Frees the device arrays of ``tags``: "kv_cache" (contents dropped), "weights"
+        (kept in host memory). No step may run until they are resumed."""
+        if "kv_cache" in tags:
+            self.kv_caches = self._memory.release("kv_cache", self.kv_caches, keep=False)
+        if "weights" in tags:
+            self.param_leaves = self._memory.release("weights", self.param_leaves, keep=True)
+
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        """Puts them back with the same shapes, dtypes and shardings (no step recompiles):
+        the weights as they were, the KV cache zeroed."""
+        if "weights" in tags:
+            self.param_leaves = self._memory.resume("weights")
+        if "kv_cache" in tags:
+            self.kv_caches = self._memory.resume("kv_cache")
+
+    def released_memory(self) -> frozenset[str]:
+        return self._memory.released()
 
     # -- the scheduler's side ---------------------------------------------------------------------
     def memory_pools(self) -> MemoryPools:

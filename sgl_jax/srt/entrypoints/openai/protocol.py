@@ -289,6 +289,14 @@ class UpdateWeightsFromDiskRequest(BaseModel):
     abort_all_requests: bool = False
 
 
+class MemoryOccupationRequest(BaseModel):
+    """SGLang's body of /release_memory_occupation and /resume_memory_occupation (optional:
+    no body = every tag); the tags are checked by the operation (``control.py``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    tags: list[str] | None = Field(None, max_length=8)
+
+
 # -- responses --------------------------------------------------------------------------------
 def _omit_none(value: Any) -> bool:
     return value is None

@@ -17,12 +17,9 @@ import pytest
 
 pytest.importorskip("tunix", reason="needs the tunix extra: pip install 'sgl_jax[tunix]'")
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
-from tunix.models.qwen3 import params as qwen3_params  # noqa: E402
-from tunix.rl import common  # noqa: E402
 from tunix.rl.rollout import base_rollout  # noqa: E402
 
 from sgl_jax.integrations.tunix import SglJaxRollout  # noqa: E402
@@ -32,29 +29,20 @@ from sgl_jax.integrations.tunix_qwen3 import (  # noqa: E402
 )
 from sgl_jax.srt.configs.model_config import BUNDLED_MODEL_PATH  # noqa: E402
 from sgl_jax.srt.tokenizer import Tokenizer  # noqa: E402
-from sgl_jax.testing import engine_args  # noqa: E402
-
-MAX_NEW, TEMPERATURE = 10, 0.9
-# Float32 engine against tunix's float32 model: another program, other rounding (measured
-# up to 3e-6 on the bundled model); a different expert choice at a router near-tie would be
-# far larger.
-TOL = 5e-5
-
-
-def make_mesh() -> jax.sharding.Mesh:
-    return jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-
-
-def rollout_config(**overrides) -> base_rollout.RolloutConfig:
-    return base_rollout.RolloutConfig(**{
-        "max_tokens_to_generate": MAX_NEW, "temperature": TEMPERATURE, "max_prompt_length": 16,
-        "rollout_sglang_jax_kwargs": engine_args(model_path=None), **overrides})
+from tests.tunix.tunix_utils import (  # noqa: E402
+    MAX_NEW,
+    TOL,
+    load_actor,
+    make_mesh,
+    right_padded,
+    rollout_config,
+    tunix_logps,
+)
 
 
 @pytest.fixture(scope="module")
 def actor():
-    return qwen3_params.create_model_from_safe_tensors(
-        BUNDLED_MODEL_PATH, tunix_qwen3_config(), make_mesh())
+    return load_actor()
 
 
 @pytest.fixture(scope="module")
@@ -64,17 +52,6 @@ def rollout(actor):
                       rollout_config=rollout_config())
     yield r
     r.shutdown()
-
-
-def tunix_logps(model, prompts: np.ndarray, completions: np.ndarray, pad: int, eos: int):
-    graphdef, state = nnx.split(model)
-    return np.asarray(common.compute_per_token_logps(
-        graphdef, state, jnp.asarray(prompts), jnp.asarray(completions), pad, eos,
-        temperature=TEMPERATURE))
-
-
-def right_padded(rows: list[np.ndarray], width: int, value) -> np.ndarray:
-    return np.array([np.pad(r, (0, width - len(r)), constant_values=value) for r in rows])
 
 
 # -- the contract -------------------------------------------------------------------------------

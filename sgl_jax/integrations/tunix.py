@@ -5,9 +5,10 @@ tunix (``google-tunix==0.1.7``, the ``tunix`` extra) builds the rollout itself, 
 come from ``rollout_config.rollout_sglang_jax_kwargs`` and from keywords bound with
 ``functools.partial(SglJaxRollout, **engine_kwargs)`` (the partial's win); the model directory
 is ``model_path`` there, else ``rollout_config.rollout_sglang_jax_model_version``, else the
-bundled model. Nothing here picks the engine's mode: ``enable_single_process=True`` among the
-engine settings (where the Engine offers it) runs the engine in the trainer's process, and
-then tunix's rollout mesh is handed to it as ``mesh`` unless one is given.
+bundled model. Nothing here picks the engine's mode or placement: ``enable_single_process=
+True`` among the engine settings (where the Engine offers it) runs the engine in the trainer's
+process, placed by the ``mesh`` / ``device_indexes`` given there (tunix's rollout mesh has the
+trainer's axis names, not the engine's, so it is not passed on).
 
 What tunix gets, per ``BaseRollout``:
 
@@ -66,14 +67,14 @@ class SglJaxRollout(base_rollout.BaseRollout):
         rollout_config: base_rollout.RolloutConfig | None = None,
         **engine_kwargs: Any,
     ) -> None:
-        del tokenizer  # prompts are tokenized with the served model's tokenizer
+        # Prompts are tokenized with the served model's tokenizer; the engine is placed by its
+        # own settings (the module's docstring).
+        del tokenizer, mesh
         config = rollout_config or base_rollout.RolloutConfig()
         kwargs = {**config.rollout_sglang_jax_kwargs, **engine_kwargs}
         kwargs.setdefault("model_path", config.rollout_sglang_jax_model_version or None)
         # Routing replay is what a MoE rollout is for; a caller can still turn it off.
         kwargs.setdefault("enable_return_routed_experts", True)
-        if kwargs.get("enable_single_process") and mesh is not None:
-            kwargs.setdefault("mesh", mesh)
         self._temperature = config.temperature  # the TRAIN config: the loss's temperature
         self._engine = Engine(**kwargs)
         args = self._engine.server_args

@@ -8,6 +8,7 @@ without tunix (its own CI stage installs it: .ci/run).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import shutil
@@ -180,3 +181,20 @@ def test_a_checkpoint_tunix_would_compute_differently_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="norm_topk_prob.*rope_theta 10000.*dense"):
         tunix_qwen3_config(str(tmp_path))
+
+
+def test_engine_settings_bound_with_a_partial_win_over_the_rollout_configs():
+    """tunix also takes ``functools.partial(SglJaxRollout, ...)``; without an actor the
+    engine serves its checkpoint as loaded (no sync)."""
+    make = functools.partial(SglJaxRollout, enable_return_routed_experts=False)
+    config = rollout_config()
+    config.rollout_sglang_jax_kwargs["enable_return_routed_experts"] = True
+    r = make(rollout_actor=None, tokenizer=None, mesh=make_mesh(), rollout_config=config)
+    try:
+        assert r.engine.server_args.enable_return_routed_experts is False
+        assert r.engine.server_args.model_path in (None, BUNDLED_MODEL_PATH)
+        out = r.generate(["hi"], rollout_config(max_tokens_to_generate=2))
+        assert len(out.tokens[0]) >= 1 and r.take_routed_experts() == []
+        assert r.engine.get_server_info()["weight_version"] == "0"
+    finally:
+        r.shutdown()

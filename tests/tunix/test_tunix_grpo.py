@@ -6,12 +6,16 @@ What must hold, against tunix's model as the independent reference:
   weight sync reaches the engine: the engine's logprobs of its own samples at step k equal the
   trainer's recomputation (``compute_per_token_logps``) with the actor's weights of that
   moment, which differ from the initial weights' by far more than the tolerance;
-- after training, the engine scores a probe as the trained actor does.
+- after training, the engine scores a probe as the trained actor does, and generates exactly
+  what a fresh engine started on the trained weights (written as a checkpoint) generates.
 The largest engine-trainer difference is printed: the train-inference mismatch.
 Skipped without tunix (its own CI stage installs it: .ci/run).
 """
 
 from __future__ import annotations
+
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -22,11 +26,16 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 import transformers  # noqa: E402
 from flax import nnx  # noqa: E402
+from safetensors.numpy import save_file  # noqa: E402
 from tunix.rl import rl_cluster as rlc  # noqa: E402
 from tunix.rl.grpo import grpo_learner  # noqa: E402
 
+from sgl_jax import Engine  # noqa: E402
 from sgl_jax.integrations.tunix import SglJaxRollout  # noqa: E402
+from sgl_jax.integrations.tunix_qwen3 import hf_arrays_from_tunix_qwen3  # noqa: E402
 from sgl_jax.srt.configs.model_config import BUNDLED_MODEL_PATH  # noqa: E402
+from sgl_jax.srt.routed_experts_codec import extract_routed_experts_from_meta_info  # noqa: E402
+from sgl_jax.testing import engine_args  # noqa: E402
 from tests.tunix.tunix_utils import (  # noqa: E402
     MAX_NEW,
     TOL,
@@ -128,3 +137,27 @@ def test_after_training_the_engine_serves_the_trained_actor(trained):
     assert np.abs(got - want)[mask].max() < TOL
     assert np.abs(got - before)[mask].max() > 100 * TOL
     assert rollout.engine.get_server_info()["weight_version"] == f"tunix-sync-{STEPS + 1}"
+
+
+def test_after_training_the_engine_equals_a_fresh_engine_on_the_trained_weights(trained,
+                                                                                 tmp_path):
+    cluster, _ = trained
+    arrays = hf_arrays_from_tunix_qwen3(nnx.state(cluster.actor_trainer.model, nnx.Param))
+    for name in os.listdir(BUNDLED_MODEL_PATH):
+        if name != "model.safetensors":
+            shutil.copy(os.path.join(BUNDLED_MODEL_PATH, name), tmp_path)
+    save_file({k: np.asarray(v) for k, v in arrays.items()}, str(tmp_path / "model.safetensors"))
+    request = dict(input_ids=[[46, 77, 354, 220], [313, 273, 271]],
+                   sampling_params={"max_new_tokens": 8, "temperature": 0.0},
+                   return_logprob=True, return_routed_experts=True)
+    fresh = Engine(**engine_args(model_path=str(tmp_path), enable_return_routed_experts=True))
+    try:
+        want = fresh.generate(**request)
+    finally:
+        fresh.shutdown()
+    got = cluster.rollout.engine.generate(**request)
+    for g, w in zip(got, want, strict=True):
+        assert g["output_ids"] == w["output_ids"]
+        assert g["meta_info"]["output_token_logprobs"] == w["meta_info"]["output_token_logprobs"]
+        np.testing.assert_array_equal(extract_routed_experts_from_meta_info(g),
+                                      extract_routed_experts_from_meta_info(w))

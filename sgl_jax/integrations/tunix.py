@@ -137,10 +137,9 @@ class SglJaxRollout(base_rollout.BaseRollout):
         if filter_types and any(issubclass(t, nnx.LoRAParam) for t in filter_types):
             raise ValueError("SglJaxRollout takes full weights, not LoRA adapters: merge them "
                              "into the base weights before syncing")
-        state = params if isinstance(params, nnx.State) else nnx.State(params)
-        if filter_types:
-            state = state.filter(*filter_types)
-        arrays = hf_arrays_from_tunix_qwen3(state)
+        if filter_types and isinstance(params, nnx.State):
+            params = params.filter(*filter_types)
+        arrays = hf_arrays_from_tunix_qwen3(params)
         self._syncs += 1
         # A child-process engine copies the arrays to the host (tunix forbids transfers during
         # its sync on CPU); an in-process one takes them on device, under tunix's guard.

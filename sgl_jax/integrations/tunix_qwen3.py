@@ -11,7 +11,8 @@ serve another in the engine, so ``tunix_qwen3_config`` refuses it with a ValueEr
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import jax
 from flax import nnx
@@ -93,22 +94,32 @@ _RULES: tuple[tuple[re.Pattern[str], str, Layout], ...] = tuple(
 _EXPERTS = re.compile(_LAYER + r"mlp\.(gate|up|down)_proj")
 
 
-def hf_arrays_from_tunix_qwen3(state: nnx.State) -> dict[str, jax.Array]:
-    """The parameters of a tunix Qwen3(-MoE) model (``nnx.state(model, nnx.Param)``) as
-    Hugging Face tensors by name, what ``Engine.update_weights_from_arrays`` takes.
+def hf_arrays_from_tunix_qwen3(state: Mapping[Any, Any]) -> dict[str, jax.Array]:
+    """The parameters of a tunix Qwen3(-MoE) model (``nnx.state(model, nnx.Param)``, or the
+    same tree as plain nested dicts of arrays) as Hugging Face tensors by name, what
+    ``Engine.update_weights_from_arrays`` takes.
 
     One jitted program on the parameters' devices (compiled once per model shape): nothing
     crosses to the host, which tunix's weight sync forbids on CPU. ValueError naming the first
     parameter no rule knows (a LoRA adapter, another model)."""
     flat = {}
-    for path, var in nnx.to_flat_state(state):
-        dotted = ".".join(str(p) for p in path)
+    for dotted, var in _flat(state, ""):
         if _EXPERTS.fullmatch(dotted) is None and _rule(dotted) is None:
             raise ValueError(
                 f"tunix parameter {dotted!r} has no Hugging Face name here (tunix's Qwen3-MoE "
                 "parameters are mapped; merge LoRA adapters into the base weights first)")
         flat[dotted] = var.get_value() if isinstance(var, nnx.Variable) else var
     return _to_hf(flat)
+
+
+def _flat(tree: Mapping[Any, Any], prefix: str) -> Iterator[tuple[str, Any]]:
+    """(dotted path, leaf) of a nested mapping (an ``nnx.State`` is one)."""
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            yield from _flat(value, path + ".")
+        else:
+            yield path, value
 
 
 def _rule(dotted: str) -> tuple[str, Layout] | None:

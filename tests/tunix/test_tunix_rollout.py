@@ -146,8 +146,7 @@ def test_refused_updates_leave_the_served_weights(rollout, actor):
     before = np.asarray(rollout.get_per_token_logps(*probe))
     with pytest.raises(ValueError, match="LoRA"):
         rollout.update_params(nnx.state(actor, nnx.Param), filter_types=(nnx.LoRAParam,))
-    state = nnx.state(actor, nnx.Param)
-    bogus = {**state.to_pure_dict(), "adapter": {"w": jnp.zeros(3)}}
+    bogus = {**nnx.to_pure_dict(nnx.state(actor, nnx.Param)), "adapter": {"w": jnp.zeros(3)}}
     with pytest.raises(ValueError, match="'adapter.w' has no Hugging Face name"):
         rollout.update_params(bogus)
     np.testing.assert_array_equal(np.asarray(rollout.get_per_token_logps(*probe)), before)

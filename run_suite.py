@@ -40,6 +40,7 @@ UNIT = [
     "tests/test_expert_load_tool.py",
     "tests/test_eplb.py",
     "tests/test_eplb_parallel.py",
+    "tests/test_integrations.py",
 ]
 E2E = [
     "tests/test_engine.py",
@@ -68,6 +69,7 @@ E2E = [
     "tests/test_seed_user_story.py",
 ]
 # Optional checks outside every suite (they skip without packages the project does not need).
+# tests/tunix (the tunix extra) has its own CI stage and environment (.ci/run).
 OPTIONAL = ["tests/test_hf_transformers.py"]
 SUITES = {"unit": UNIT, "e2e": E2E, "all": UNIT + E2E}
 DEFAULT = "all"

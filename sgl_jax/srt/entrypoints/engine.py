@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from concurrent.futures import CancelledError
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Protocol
@@ -187,7 +187,9 @@ class Engine:
         ("expert", "tensor") to run on, with ``enable_single_process=True`` (``tp_size`` and
         ``ep_size`` default to its axis sizes); else ``device_indexes`` or all devices."""
         if mesh is not None:
-            sizes = dict(getattr(mesh, "shape", {}))
+            # Its axis sizes by name (a Mesh's shape); anything else fails the check below.
+            sizes = getattr(mesh, "shape", None)
+            sizes = sizes if isinstance(sizes, Mapping) else {}
             kwargs = {"tp_size": sizes.get("tensor", 1), "ep_size": sizes.get("expert", 1),
                       **kwargs}
         self.server_args = ServerArgs(**kwargs)

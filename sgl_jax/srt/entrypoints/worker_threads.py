@@ -80,12 +80,8 @@ class WorkerThreads:
                 target=self._run, args=(name, start, statuses[name]),
                 name=f"sgl-jax-{name}", daemon=True)  # daemon: see Engine's atexit shutdown
             self.threads[name].start()
-        try:
-            self.info = {name: self._handshake(name, status, server_args.startup_timeout)
-                         for name, status in statuses.items()}
-        except BaseException:
-            self.stop()
-            raise
+        self.info = {name: self._handshake(name, status, server_args.startup_timeout)
+                     for name, status in statuses.items()}
 
     def _run(self, name: str, start: Callable[[_StatusQueue], Any],
              status: _StatusQueue) -> None:
@@ -103,14 +99,18 @@ class WorkerThreads:
             worker.close()
 
     def _handshake(self, name: str, status: _StatusQueue, timeout: float) -> dict[str, Any]:
+        """``name``'s start-up report; on a failure, stops every thread and raises."""
         try:
             msg = status.recv(timeout)
         except queue.Empty:
-            raise EngineStartupError(
-                f"the {name} thread was not ready within {timeout:.0f}s") from None
-        if msg.get("status") != "ready":
-            raise EngineStartupError(f"the {name} thread failed to start:\n{msg.get('error')}")
-        return msg
+            msg = {"error": f"not ready within {timeout:.0f}s"}
+        except BaseException:  # interrupted (Ctrl-C): nothing is left running
+            self.stop()
+            raise
+        if msg.get("status") == "ready":
+            return msg
+        self.stop()
+        raise EngineStartupError(f"the {name} thread failed to start:\n{msg.get('error')}")
 
     def _died(self, reason: str) -> None:
         with self._lock:

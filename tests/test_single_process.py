@@ -19,6 +19,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import psutil
 import pytest
 from jax.sharding import Mesh
 from tqdm._monitor import TMonitor
@@ -28,7 +29,7 @@ from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.entrypoints.engine import EngineStartupError
 from sgl_jax.srt.managers.tokenizer_manager import EngineDeadError
 from sgl_jax.srt.server_args import ServerArgs
-from sgl_jax.testing import TEST_MODEL_PATH, engine_args, wait_until
+from sgl_jax.testing import TEST_MODEL_PATH, engine_args, server_flags, wait_until
 from tests.engine_utils import (
     assert_no_leak,
     decoded_rows,
@@ -36,6 +37,7 @@ from tests.engine_utils import (
     prompt_ids,
     reference_greedy,
 )
+from tests.server_utils import start_server
 
 CFG = ModelConfig.from_hf(TEST_MODEL_PATH)
 L, K = CFG.num_hidden_layers, CFG.num_experts_per_tok
@@ -245,3 +247,21 @@ def test_failure_in_the_scheduler_thread_raises_in_the_caller():
         eng.generate(input_ids=ids, max_new_tokens=3)
     eng.shutdown()
     assert engine_threads() == before_threads
+
+
+def test_http_server_with_enable_single_process():
+    """The flag works for the server too (its default stays multi-process): one process,
+    the same answers, SIGTERM exits 0."""
+    server = start_server(server_flags(enable_return_routed_experts=True,
+                                       enable_single_process=True))
+    try:
+        info = server.get("/get_server_info").json()
+        assert info["pid"] == server.proc.pid and info["pids"] == {}
+        assert psutil.Process(server.proc.pid).children() == []
+        ids = prompt_ids(600, 11)
+        out = server.post("/generate", json={
+            "input_ids": ids, "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": 6, **GREEDY}}).json()
+        check_against_reference(ids, out)
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]

@@ -182,7 +182,7 @@ def launch_engine(server_args: ServerArgs,
 
 
 class Engine:
-    def __init__(self, mesh: Mesh | None = None, **kwargs: Any) -> None:
+    def __init__(self, *, mesh: Mesh | None = None, **kwargs: Any) -> None:
         """``kwargs`` are ServerArgs fields. ``mesh``: a ``jax.sharding.Mesh`` with the axes
         ("expert", "tensor") to run on, with ``enable_single_process=True`` (``tp_size`` and
         ``ep_size`` default to its axis sizes); else ``device_indexes`` or all devices."""
@@ -384,7 +384,10 @@ class Engine:
         self.tokenizer_manager.close()  # fails the requests still waiting
         if self._loop_thread is not threading.current_thread():
             # What still runs on the loop (a caller's generate) ends before the loop stops.
-            asyncio.run_coroutine_threadsafe(_cancel_tasks(), self._loop).result(5)
+            try:
+                asyncio.run_coroutine_threadsafe(_cancel_tasks(), self._loop).result(5)
+            except TimeoutError:
+                logger.warning("calls still running on the engine's loop did not end in 5s")
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._loop_thread.join(timeout=2)
         if not self._loop_thread.is_alive():

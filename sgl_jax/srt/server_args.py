@@ -124,9 +124,9 @@ class ServerArgs:
               "on the other devices of the host; tp_size x ep_size of them form the mesh. "
               "Default: all devices.", nargs="+")
     enable_single_process: bool = _arg(
-        False, "Run the tokenizer manager, the scheduler and the detokenizer as threads of "
-               "the caller's process, on its JAX runtime (the model's arrays live there), "
-               "instead of child processes: for an RL trainer that owns the accelerators and "
+        False, "Run the scheduler and the detokenizer as threads of the caller's process "
+               "(next to the tokenizer manager), on its JAX runtime (the model's arrays live "
+               "there), instead of child processes: for an RL trainer that owns the chips and "
                "generates its own rollouts (Engine(enable_single_process=True, mesh=...); "
                "docs/rl_rollouts.md). One node only. Default: child processes.")
     ep_expert_mapping: str | None = _arg(

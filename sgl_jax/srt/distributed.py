@@ -11,8 +11,11 @@ with a message naming the number that does not divide, instead of failing deep i
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 import jax
+from jax.sharding import Mesh
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 
@@ -82,6 +85,45 @@ def check_parallel_layout(
         + f". With {num_devices} device(s) this model accepts tp_size in {tp_ok} and ep_size "
         f"in {ep_ok} (tp_size x ep_size <= {num_devices})"
     )
+
+
+def select_devices(devices: Sequence[Any], indexes: Sequence[int] | None) -> list[Any]:
+    """``devices`` picked by position (``device_indexes``, as SGLang-JAX), or all of them."""
+    devices = list(devices)
+    if indexes is None:
+        return devices
+    bad = [i for i in indexes if not 0 <= i < len(devices)]
+    if bad:
+        raise ValueError(
+            f"device_indexes={list(indexes)}: {bad} not in [0, {len(devices)}) "
+            f"({len(devices)} {devices[0].platform} device(s) visible)")
+    return [devices[i] for i in indexes]
+
+
+def check_mesh(mesh: Mesh, tp_size: int, ep_size: int) -> Mesh:
+    """A caller's mesh (``Engine(mesh=...)``), checked against the layout; returned as is.
+
+    The model's partition specs name the axes, so the mesh must have exactly the axes
+    ``"expert"`` and ``"tensor"`` (in either order) with the sizes ``ep_size`` and ``tp_size``.
+    """
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh, not {type(mesh).__name__}")
+    if set(mesh.axis_names) != {"expert", "tensor"}:
+        raise ValueError(
+            f"the mesh has the axes {tuple(mesh.axis_names)}; the engine needs exactly "
+            "('expert', 'tensor') (experts are split over 'expert', attention heads, MLP "
+            "widths and the vocabulary over 'tensor'): build one over the same devices, "
+            "e.g. Mesh(devices.reshape(ep, tp), ('expert', 'tensor'))")
+    got = (mesh.shape["tensor"], mesh.shape["expert"])
+    if got != (tp_size, ep_size):
+        raise ValueError(
+            f"the mesh is 'tensor' {got[0]} x 'expert' {got[1]} but tp_size={tp_size}, "
+            f"ep_size={ep_size}; give tp_size and ep_size equal to the mesh's axis sizes "
+            "(or leave them out: Engine(mesh=...) takes them from the mesh)")
+    if len({d.process_index for d in mesh.devices.flat}) > 1:
+        raise ValueError("a mesh over several hosts is for multi-node jobs (--nnodes); "
+                         "Engine(mesh=...) runs on the devices of this process")
+    return mesh
 
 
 def maybe_initialize_distributed(

@@ -119,6 +119,16 @@ class ServerArgs:
     # Parallelism
     tp_size: int = _arg(1, "Tensor-parallel size (devices along the 'tensor' mesh axis).")
     ep_size: int = _arg(1, "Expert-parallel size (devices along the 'expert' mesh axis).")
+    device_indexes: list[int] | None = _arg(
+        None, "Run on these devices (positions in jax.devices()), e.g. '0 1' next to a trainer "
+              "on the other devices of the host; tp_size x ep_size of them form the mesh. "
+              "Default: all devices.", nargs="+")
+    enable_single_process: bool = _arg(
+        False, "Run the scheduler and the detokenizer as threads of the caller's process "
+               "(next to the tokenizer manager), on its JAX runtime (the model's arrays live "
+               "there), instead of child processes: for an RL trainer that owns the chips and "
+               "generates its own rollouts (Engine(enable_single_process=True, mesh=...); "
+               "docs/rl_rollouts.md). One node only. Default: child processes.")
     ep_expert_mapping: str | None = _arg(
         None, "Which experts each 'expert'-axis device holds: JSON (inline or a file) with a "
               "table [ep_size][num_experts/ep_size] of expert ids for every MoE layer, or "
@@ -248,6 +258,15 @@ class ServerArgs:
             fail(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
         if self.nnodes > 1 and not self.dist_init_addr:
             fail(f"nnodes={self.nnodes} needs dist_init_addr (host:port of node 0)")
+        if self.enable_single_process and self.nnodes > 1:
+            fail(f"enable_single_process runs on one node; nnodes={self.nnodes} needs the "
+                 "scheduler's process of its own (drop enable_single_process)")
+        if self.device_indexes is not None:
+            idx = self.device_indexes
+            if not idx or min(idx) < 0 or len(set(idx)) != len(idx):
+                fail(f"device_indexes={idx} must be distinct device positions >= 0")
+            if self.nnodes > 1:
+                fail("device_indexes picks devices of one host; a multi-node job uses them all")
         if self.dist_init_addr and not self.dist_init_addr.rpartition(":")[2].isdigit():
             fail(f"dist_init_addr={self.dist_init_addr!r} must be host:port")
         if self.http_header_timeout <= 0:

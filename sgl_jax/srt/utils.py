@@ -7,13 +7,32 @@ import os
 import socket
 import threading
 import time
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from sgl_jax.srt.server_args import ServerArgs
+
+T = TypeVar("T")
 
 
 def configure_logging(level: str, prefix: str = "") -> None:
     fmt = f"[%(asctime)s{' ' + prefix if prefix else ''}] %(levelname)s %(message)s"
     logging.basicConfig(level=level.upper(), format=fmt, datefmt="%H:%M:%S", force=True)
+
+
+def report_startup(pipe: Any, build: Callable[[], T],
+                   ready_info: Callable[[T], dict[str, Any]] = lambda _: {}) -> T:
+    """``build()``, reporting over ``pipe`` (``send(dict)``) ``{"status": "ready", ...}`` or
+    the error's traceback (then re-raised): what the engine waits for at start-up, from a
+    child process or a thread of its own process alike."""
+    try:
+        built = build()
+        pipe.send({"status": "ready", **ready_info(built)})
+    except BaseException:
+        pipe.send({"status": "error", "error": traceback.format_exc()})
+        raise
+    return built
 
 
 def enable_compilation_cache(server_args: ServerArgs) -> None:

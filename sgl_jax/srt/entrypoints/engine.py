@@ -1,9 +1,14 @@
 """Engine: starts the scheduler and detokenizer processes and serves generate calls.
 
 ``Engine(**server_args)`` blocks until the model is loaded and compiled. ``generate`` is
-synchronous (a background event loop runs the tokenizer manager's coroutines);
+synchronous (a background event loop runs the tokenizer manager's coroutines), so it works
+from any thread and from inside a running event loop (which it blocks meanwhile);
 ``async_generate`` runs in the caller's own loop. ``shutdown()`` (also on context exit and at
 interpreter exit) stops every child process.
+
+With ``enable_single_process=True`` the scheduler and the detokenizer are threads of this
+process instead (``worker_threads.py``), on its JAX runtime and, with ``mesh=``, on the
+caller's mesh; everything else is the same.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from concurrent.futures import CancelledError
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.managers.control import (
@@ -40,10 +46,13 @@ from sgl_jax.srt.managers.control import (
 )
 from sgl_jax.srt.managers.io_struct import GenerateReqInput
 from sgl_jax.srt.managers.request_options import RequestOptions
-from sgl_jax.srt.managers.tokenizer_manager import TokenizerManager
+from sgl_jax.srt.managers.tokenizer_manager import EngineDeadError, TokenizerManager
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
 from sgl_jax.srt.utils import configure_logging
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +61,16 @@ _SAMPLING_KEYS = {f for f in SamplingParams.__dataclass_fields__}
 
 class EngineStartupError(RuntimeError):
     pass
+
+
+class EngineWorkers(Protocol):
+    """The scheduler and the detokenizer, as processes or as threads (single-process mode)."""
+
+    info: dict[str, dict[str, Any]]  # each one's start-up report
+
+    def watch(self, on_death: Callable[[str], None]) -> None: ...
+    def pids(self) -> dict[str, int]: ...
+    def stop(self) -> None: ...
 
 
 class Subprocesses:
@@ -135,13 +154,25 @@ class Subprocesses:
         self.port_args.remove()  # the private ipc directory and its sockets
 
 
-def launch_engine(server_args: ServerArgs) -> tuple[TokenizerManager, Subprocesses]:
-    """Starts the child processes and the tokenizer manager that talks to them."""
+def launch_engine(server_args: ServerArgs,
+                  mesh: Mesh | None = None) -> tuple[TokenizerManager, EngineWorkers]:
+    """Starts the child processes (or, single-process, the threads: on ``mesh`` if given)
+    and the tokenizer manager that talks to them."""
     model_config = ModelConfig.from_hf(server_args.model_path, server_args.context_length)
     port_args = PortArgs.new()
     t0 = time.perf_counter()
-    procs = Subprocesses(server_args, port_args)
-    tm = TokenizerManager(server_args, port_args, model_config, child_pids=procs.pids)
+    procs: EngineWorkers
+    if server_args.enable_single_process:
+        from sgl_jax.srt.entrypoints.worker_threads import WorkerThreads  # imports JAX
+
+        procs = WorkerThreads(server_args, port_args, mesh)
+    else:
+        procs = Subprocesses(server_args, port_args)
+    try:
+        tm = TokenizerManager(server_args, port_args, model_config, child_pids=procs.pids)
+    except BaseException:
+        procs.stop()
+        raise
     procs.watch(tm.set_dead)
     info = procs.info["scheduler"]
     logger.info(
@@ -153,21 +184,33 @@ def launch_engine(server_args: ServerArgs) -> tuple[TokenizerManager, Subprocess
 
 
 class Engine:
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, *, mesh: Mesh | None = None, **kwargs: Any) -> None:
+        """``kwargs`` are ServerArgs fields. ``mesh``: a ``jax.sharding.Mesh`` with the axes
+        ("expert", "tensor") to run on, with ``enable_single_process=True`` (``tp_size`` and
+        ``ep_size`` default to its axis sizes); else ``device_indexes`` or all devices."""
+        if mesh is not None:
+            # Its axis sizes by name (a Mesh's shape); anything else fails the check below.
+            sizes = getattr(mesh, "shape", None)
+            sizes = sizes if isinstance(sizes, Mapping) else {}
+            kwargs = {"tp_size": sizes.get("tensor", 1), "ep_size": sizes.get("expert", 1),
+                      **kwargs}
         self.server_args = ServerArgs(**kwargs)
         if self.server_args.node_rank > 0:
             raise ValueError(
                 f"node_rank={self.server_args.node_rank}: only node 0 runs an Engine; on the "
                 "other hosts run `python -m sgl_jax.launch_server` with the same flags and "
                 "their --node-rank (they run node 0's steps)")
+        if mesh is not None:
+            _check_given_mesh(mesh, self.server_args)
         configure_logging(self.server_args.log_level)
-        self.tokenizer_manager, self._procs = launch_engine(self.server_args)
+        self.tokenizer_manager, self._procs = launch_engine(self.server_args, mesh)
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(
             target=self._loop.run_forever, name="engine-loop", daemon=True
         )
         self._loop_thread.start()
         self._closed = False
+        self._shutdown_lock = threading.Lock()
         atexit.register(self.shutdown)
 
     # -- generation -----------------------------------------------------------------------------
@@ -340,17 +383,29 @@ class Engine:
         return check_reply(self._run(self.tokenizer_manager.control(op)))
 
     def child_pids(self) -> dict[str, int]:
+        """The scheduler's and detokenizer's pids ({} in single-process mode)."""
         return self._procs.pids()
 
     def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        """Stops the engine (idempotent). Calls still waiting, in any thread, raise
+        EngineDeadError; no process or thread of the engine is left."""
+        with self._shutdown_lock:
+            if self._closed:
+                return
+            self._closed = True
         atexit.unregister(self.shutdown)
         self._procs.stop()
-        self.tokenizer_manager.close()
+        self.tokenizer_manager.close()  # fails the requests still waiting
+        if self._loop_thread is not threading.current_thread():
+            # What still runs on the loop (a caller's generate) ends before the loop stops.
+            try:
+                asyncio.run_coroutine_threadsafe(_cancel_tasks(), self._loop).result(5)
+            except TimeoutError:
+                logger.warning("calls still running on the engine's loop did not end in 5s")
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._loop_thread.join(timeout=2)
+        if not self._loop_thread.is_alive():
+            self._loop.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -360,8 +415,18 @@ class Engine:
 
     def _run(self, coro: Any) -> Any:
         if self._closed:
+            coro.close()
             raise RuntimeError("the engine is shut down")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        if threading.current_thread() is self._loop_thread:
+            coro.close()
+            raise RuntimeError("a synchronous Engine call from the engine's own event loop "
+                               "would wait for itself; use async_generate")
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        except CancelledError:
+            if self._closed:  # shutdown() cancelled it
+                raise EngineDeadError("the engine was shut down during the call") from None
+            raise
 
 
 def _add_routed_experts(kwargs: dict[str, Any], want: bool | list[bool] | None,
@@ -370,6 +435,26 @@ def _add_routed_experts(kwargs: dict[str, Any], want: bool | list[bool] | None,
     if want is not None:
         kwargs["return_routed_experts"] = want
     kwargs["routed_experts_start_len"] = start_len
+
+
+def _check_given_mesh(mesh: Mesh, server_args: ServerArgs) -> None:
+    if not server_args.enable_single_process:
+        raise ValueError("Engine(mesh=...) needs enable_single_process=True: the model runs "
+                         "on the mesh in this process (a mesh cannot cross into the "
+                         "scheduler's process; there, pick devices with device_indexes)")
+    if server_args.device_indexes is not None:
+        raise ValueError("give either mesh or device_indexes, not both")
+    from sgl_jax.srt.distributed import check_mesh  # imports JAX, as the mesh did
+
+    check_mesh(mesh, server_args.tp_size, server_args.ep_size)
+
+
+async def _cancel_tasks() -> None:
+    """Cancels every other task of the running loop and waits for them to end."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _collect(agen: AsyncIterator[dict[str, Any]]) -> list[dict[str, Any]]:

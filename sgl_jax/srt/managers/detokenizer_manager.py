@@ -15,6 +15,7 @@ feature's payload passes through as it came, its numpy arrays out of band in bot
 from __future__ import annotations
 
 import logging
+import threading
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -26,9 +27,12 @@ from sgl_jax.srt.managers.io_struct import BatchStrOut, BatchTokenIDOut
 from sgl_jax.srt.managers.transport import recv_obj, send_obj
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
 from sgl_jax.srt.tokenizer import Tokenizer
-from sgl_jax.srt.utils import configure_logging, watch_parent
+from sgl_jax.srt.utils import configure_logging, report_startup, watch_parent
 
 logger = logging.getLogger(__name__)
+
+# How often an idle loop looks at its stop event (single-process mode's shutdown latency).
+STOP_POLL_MS = 100
 
 
 class DetokenizerManager:
@@ -38,18 +42,29 @@ class DetokenizerManager:
         path = server_args.tokenizer_path or resolve_model_path(server_args.model_path)
         self.tokenizer = Tokenizer.from_pretrained(path)
         self.decoders: dict[str, IncrementalDecoder] = {}
-        ctx = zmq.Context(2)
+        self.ctx = ctx = zmq.Context(2)
         self.recv_socket = ctx.socket(zmq.PULL)
         self.recv_socket.bind(port_args.detokenizer_ipc)
         self.send_socket = ctx.socket(zmq.PUSH)
         self.send_socket.connect(port_args.tokenizer_ipc)
 
-    def event_loop(self) -> None:
-        while True:
+    def event_loop(self, stop: threading.Event | None = None) -> None:
+        """Forwards messages until ``stop`` is set (a thread of the caller's process) or
+        forever (its own process)."""
+        stop = stop or threading.Event()
+        while not stop.is_set():
+            if not self.recv_socket.poll(timeout=STOP_POLL_MS):
+                continue
             msg = recv_obj(self.recv_socket)
             if isinstance(msg, BatchTokenIDOut):
                 msg = self.handle_batch_token_id_out(msg)
             send_obj(self.send_socket, msg)
+
+    def close(self) -> None:
+        """Releases the sockets; from the loop's thread, once it has stopped."""
+        self.recv_socket.close(linger=0)
+        self.send_socket.close(linger=0)
+        self.ctx.term()
 
     def handle_batch_token_id_out(self, out: BatchTokenIDOut) -> BatchStrOut:
         # Column by column: the records are never built here (see _OutputBatch).
@@ -77,12 +92,7 @@ class DetokenizerManager:
 def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, pipe: Any) -> None:
     configure_logging(server_args.log_level, prefix="detokenizer")
     watch_parent()
-    try:
-        manager = DetokenizerManager(server_args, port_args)
-        pipe.send({"status": "ready"})
-    except BaseException:
-        pipe.send({"status": "error", "error": traceback.format_exc()})
-        raise
+    manager = report_startup(pipe, lambda: DetokenizerManager(server_args, port_args))
     try:
         manager.event_loop()
     except BaseException:

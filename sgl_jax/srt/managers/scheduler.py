@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import zmq
+from jax.sharding import Mesh
 
 from sgl_jax.srt.bounded_text import bound_message
 from sgl_jax.srt.configs.model_config import ModelConfig
@@ -46,7 +47,12 @@ from sgl_jax.srt.model_executor.model_runner import ModelRunner, StepOutput
 from sgl_jax.srt.model_executor.weight_updater import check_compatible
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
 from sgl_jax.srt.tokenizer import Tokenizer
-from sgl_jax.srt.utils import configure_logging, enable_compilation_cache, watch_parent
+from sgl_jax.srt.utils import (
+    configure_logging,
+    enable_compilation_cache,
+    report_startup,
+    watch_parent,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +76,8 @@ class StepStats:
 
 
 class Scheduler:
-    def __init__(self, server_args: ServerArgs, port_args: PortArgs) -> None:
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs,
+                 mesh: Mesh | None = None) -> None:
         self.server_args = server_args
         self.model_config = ModelConfig.from_hf(server_args.model_path, server_args.context_length)
         self.tokenizer = Tokenizer.from_pretrained(
@@ -81,7 +88,7 @@ class Scheduler:
         channel = None
         if server_args.nnodes > 1:
             channel = open_leader_channel(server_args, self.model_config)
-        self.runner = ModelRunner(server_args, self.model_config)
+        self.runner = ModelRunner(server_args, self.model_config, mesh=mesh)
         if not server_args.disable_precompile:
             self.runner.precompile()
         # What changes the runner's device state goes through here (to every node).
@@ -115,7 +122,7 @@ class Scheduler:
         # A weight update waiting for the requests that started on the old weights to finish.
         self.update: UpdateWeights | None = None
 
-        ctx = zmq.Context(2)
+        self.ctx = ctx = zmq.Context(2)
         self.recv_socket = ctx.socket(zmq.PULL)
         self.recv_socket.bind(port_args.scheduler_ipc)
         self.send_socket = ctx.socket(zmq.PUSH)
@@ -125,9 +132,18 @@ class Scheduler:
         self._step_started = time.perf_counter()
 
     # -- loop -----------------------------------------------------------------------------------
-    def event_loop(self) -> None:
-        while True:
+    def event_loop(self, stop: threading.Event | None = None) -> None:
+        """Steps until ``stop`` is set (a thread of the caller's process) or forever."""
+        while stop is None or not stop.is_set():
             self.run_step()
+
+    def close(self) -> None:
+        """Releases the sockets (and the followers of a multi-node job); from the loop's
+        thread, once it has stopped."""
+        self.node.close()
+        self.recv_socket.close(linger=0)
+        self.send_socket.close(linger=0)
+        self.ctx.term()
 
     def run_step(self) -> ScheduleBatch | None:
         """recv -> schedule -> launch -> process; returns the batch launched, if any.
@@ -527,16 +543,15 @@ class Scheduler:
         }
 
 
-def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Any) -> None:
-    configure_logging(server_args.log_level, prefix="scheduler")
-    watch_parent()
-    enable_compilation_cache(server_args)
-    try:
-        t0 = time.perf_counter()
-        scheduler = Scheduler(server_args, port_args)
+def start_scheduler(server_args: ServerArgs, port_args: PortArgs, pipe: Any,
+                    mesh: Mesh | None = None) -> Scheduler:
+    """Builds the scheduler (loads and compiles) and reports ready with its numbers, or the
+    error, over ``pipe``: the child process's and the single-process mode's start-up."""
+    t0 = time.perf_counter()
+
+    def ready_info(scheduler: Scheduler) -> dict[str, Any]:
         runner = scheduler.runner
-        pipe.send({
-            "status": "ready",
+        return {
             "pid": os.getpid(),
             "startup_seconds": time.perf_counter() - t0,
             "load_seconds": runner.load_seconds,
@@ -545,10 +560,16 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: An
             "context_length": runner.context_len,
             "memory_bytes": runner.memory_report(),
             "num_compiles": runner.num_compiles,
-        })
-    except BaseException:
-        pipe.send({"status": "error", "error": traceback.format_exc()})
-        raise
+        }
+
+    return report_startup(pipe, lambda: Scheduler(server_args, port_args, mesh=mesh), ready_info)
+
+
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: Any) -> None:
+    configure_logging(server_args.log_level, prefix="scheduler")
+    watch_parent()
+    enable_compilation_cache(server_args)
+    scheduler = start_scheduler(server_args, port_args, pipe)
     threading.current_thread().name = "scheduler"
     if server_args.nnodes > 1:
         # SIGTERM (Engine.shutdown) ends the loop, so the followers are told to stop.
@@ -561,4 +582,4 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: An
         logger.error("scheduler crashed:\n%s", traceback.format_exc())
         raise
     finally:
-        scheduler.node.close()
+        scheduler.close()

@@ -487,19 +487,28 @@ class TokenizerManager:
         """A child died: fail every waiting request now and every new one from now on."""
         if self.dead_reason is not None:
             return
-        self.dead_reason = reason
         logger.error("%s", reason)
+        self._fail_all(reason)
+
+    def _fail_all(self, reason: str) -> None:
+        self.dead_reason = reason
         for state in list(self.states.values()):
             state.error = reason
-            state.loop.call_soon_threadsafe(state.event.set)
+            if not state.loop.is_closed():  # else its caller is gone already
+                state.loop.call_soon_threadsafe(state.event.set)
         while self._control:
             _, fut = self._control.popitem()
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(EngineDeadError(reason))
 
     def close(self) -> None:
+        """Stops the receiver and tokenizer threads; a call still waiting, in any loop, fails
+        with EngineDeadError."""
+        if self.dead_reason is None:
+            self._fail_all("the engine was shut down")
         self._closing = True
-        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        # Waits for a prompt being tokenized (bounded by the prompt checks), so no thread stays.
+        self._tokenizer_pool.shutdown(wait=True, cancel_futures=True)
         self._receiver.join(timeout=2)
         self._send.close(linger=0)
         self._recv.close(linger=0)

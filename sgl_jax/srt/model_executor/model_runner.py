@@ -46,7 +46,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.srt.distributed import check_parallel_layout, maybe_initialize_distributed
+from sgl_jax.srt.distributed import (
+    check_mesh,
+    check_parallel_layout,
+    maybe_initialize_distributed,
+    select_devices,
+)
 from sgl_jax.srt.forward_batch_info import (
     ForwardBatch,
     ForwardMode,
@@ -172,6 +177,7 @@ class ModelRunner:
     def __init__(
         self, server_args: ServerArgs, model_config: ModelConfig,
         devices: Sequence[Any] | None = None, abstract: bool = False,
+        mesh: Mesh | None = None,
     ) -> None:
         self.server_args = server_args
         self.model_config = model_config
@@ -179,14 +185,17 @@ class ModelRunner:
         # A follower node of a multi-node job dispatches the steps rank 0 sends and reads no
         # result (docs/parallelism.md, "Several hosts").
         self.keeps_results = server_args.node_rank == 0
-        if devices is None:
+        if mesh is not None:  # the caller's (Engine(mesh=...), single-process mode)
+            devices = list(mesh.devices.flat)
+        elif devices is None:
             # Before the first use of the backend: afterwards JAX only sees this host's devices.
             maybe_initialize_distributed(
                 server_args.dist_init_addr, server_args.nnodes, server_args.node_rank
             )
-            devices = jax.devices()
+            devices = select_devices(jax.devices(), server_args.device_indexes)
         check_parallel_layout(model_config, server_args.tp_size, server_args.ep_size, len(devices))
-        self.mesh = make_mesh(devices, server_args.tp_size, server_args.ep_size)
+        self.mesh = (check_mesh(mesh, server_args.tp_size, server_args.ep_size) if mesh is not None
+                     else make_mesh(devices, server_args.tp_size, server_args.ep_size))
         self.platform = devices[0].platform
         self.dtype = resolve_dtype(server_args.dtype, self.platform)
         # Chosen (and checked) once, before loading; bundled with the routing outputs in

@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.entrypoints import scoring
 from sgl_jax.srt.managers.control import (
     ControlOp,
     DumpExpertRecord,
@@ -298,6 +299,28 @@ class Engine:
         if stream:
             return agen
         return obj.shape_results(await _collect(agen))
+
+    # -- scoring --------------------------------------------------------------------------------
+    def score(
+        self, prompt_ids: list[int] | list[list[int]], completion_ids: list[list[int]], *,
+        temperature: float = 1.0, return_routed_experts: bool = False,
+    ) -> list[dict[str, Any]]:
+        """The per-token logprobs of given completions (``scoring.py``): ``prompt_ids`` one
+        prompt shared by every completion or one per completion. One record per completion:
+        ``logprobs`` (``log_softmax(logits / temperature)`` of each completion token),
+        ``cached_tokens``, ``weight_version`` and, with ``return_routed_experts``,
+        ``routed_experts`` int32 ``[prompt + completion - 1, layers, k]``. One batch; a
+        shared prompt is computed once. Bad input raises ValueError."""
+        return self._run(scoring.score(self.tokenizer_manager, prompt_ids, completion_ids,
+                                       temperature, return_routed_experts))
+
+    async def async_score(
+        self, prompt_ids: list[int] | list[list[int]], completion_ids: list[list[int]], *,
+        temperature: float = 1.0, return_routed_experts: bool = False,
+    ) -> list[dict[str, Any]]:
+        """``score`` in the caller's event loop."""
+        return await scoring.score(self.tokenizer_manager, prompt_ids, completion_ids,
+                                   temperature, return_routed_experts)
 
     # -- control --------------------------------------------------------------------------------
     def get_server_info(self) -> dict[str, Any]:

@@ -204,3 +204,25 @@ def test_engine_update_weights_from_tensor(new_ckpt):
         with pytest.raises(NotImplementedError, match="NCCL"):
             engine.init_weights_update_group("127.0.0.1", 1234, 1, 2)
         assert engine.get_server_info()["weight_version"] == "pairs"
+
+
+def test_flush_cache_by_get_as_sglang_clients_send_it(server):
+    """SGLang's HTTP engine adapter (slime's) flushes with GET; admin route either way."""
+    res = requests.get(server.url + "/flush_cache", headers=ADMIN_HEADERS, timeout=60)
+    assert res.status_code == 200 and res.json()["success"], res.text
+    assert requests.get(server.url + "/flush_cache", timeout=60).status_code == 401
+
+
+def test_other_sglang_rl_calls_as_docs_say(server):
+    """docs/rl_rollouts.md's table: what SGLang's RL clients send that differs here."""
+    res = server.post("/abort_request", headers=ADMIN_HEADERS, json={"rid": "", "abort_all": True})
+    assert res.status_code == 400  # abort by rid
+    res = server.post("/update_weights_from_disk", headers=ADMIN_HEADERS, json={
+        "model_path": TEST_MODEL_PATH, "abort_all_request": True})  # AReaL 0.3's spelling
+    assert res.status_code == 400 and "abort_all_request" in res.text
+    res = server.post("/pause_generation", headers=ADMIN_HEADERS, json={"mode": "abort"})
+    assert res.status_code == 200  # in place; the mode is not read
+    assert server.get("/get_server_info").json()["paused"]
+    assert server.post("/continue_generation", headers=ADMIN_HEADERS).status_code == 200
+    assert server.post("/get_weights_by_name", headers=ADMIN_HEADERS,
+                       json={"name": "lm_head.weight"}).status_code == 404

@@ -284,7 +284,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
             "num_waiting_reqs": waiting, "num_tokens": in_use,
         }])
 
-    @app.post("/flush_cache")
+    @app.api_route("/flush_cache", methods=["GET", "POST"])  # SGLang's clients use both
     async def flush_cache() -> Response:
         out = await tm.control(control.FlushCache())
         if not out.success:

@@ -356,40 +356,6 @@ class Engine:
             arrays=dict(arrays), weight_version=weight_version,
             abort_all_requests=abort_all_requests)))
 
-    def update_weights_from_tensor(
-        self, named_tensors: dict[str, Any] | list[tuple[str, Any]],
-        load_format: str | None = None, flush_cache: bool = True,
-        abort_all_requests: bool = False, weight_version: str | None = None,
-    ) -> dict[str, Any]:
-        """SGLang's name for ``update_weights_from_arrays``: ``named_tensors`` a dict or a list
-        of ``(hf_name, array)`` pairs (numpy or JAX arrays; a name given twice is a
-        ValueError). ``load_format`` must be None (tensors are taken as given);
-        ``flush_cache`` is accepted, and the prefix cache is always flushed (KV of the old
-        weights would be wrong)."""
-        if load_format is not None:
-            raise ValueError(f"load_format={load_format!r}: pass None, the arrays are taken "
-                             "as given (SGLang's torch formats do not apply)")
-        del flush_cache
-        return self.update_weights_from_arrays(
-            weight_tensors.named_arrays(named_tensors), weight_version=weight_version,
-            abort_all_requests=abort_all_requests)
-
-    def init_weights_update_group(self, *args: Any, **kwargs: Any) -> None:
-        """Not available: NCCL groups have no JAX counterpart (raises NotImplementedError
-        saying what to use instead)."""
-        raise NotImplementedError(
-            weight_tensors.DISTRIBUTED_UNSUPPORTED.format(what="init_weights_update_group"))
-
-    def update_weights_from_distributed(self, *args: Any, **kwargs: Any) -> None:
-        """Not available, as ``init_weights_update_group``."""
-        raise NotImplementedError(
-            weight_tensors.DISTRIBUTED_UNSUPPORTED.format(what="update_weights_from_distributed"))
-
-    def destroy_weights_update_group(self, *args: Any, **kwargs: Any) -> None:
-        """Not available, as ``init_weights_update_group``."""
-        raise NotImplementedError(
-            weight_tensors.DISTRIBUTED_UNSUPPORTED.format(what="destroy_weights_update_group"))
-
     def start_expert_distribution_record(self) -> None:
         """Starts a window of the expert distribution recorder (needs
         ``expert_distribution_recorder_mode``; docs/expert_load.md). ValueError if the
@@ -434,6 +400,40 @@ class Engine:
         """Puts released memory back (``tags`` None = every released tag) without
         recompiling: outputs are then what they were before the release."""
         return dataclasses.asdict(self._control(ResumeMemoryOccupation(tags=tags)))
+
+    def update_weights_from_tensor(
+        self, named_tensors: dict[str, Any] | list[tuple[str, Any]],
+        load_format: str | None = None, flush_cache: bool = True,
+        abort_all_requests: bool = False, weight_version: str | None = None,
+    ) -> dict[str, Any]:
+        """SGLang's name for ``update_weights_from_arrays``: ``named_tensors`` a dict or a list
+        of ``(hf_name, array)`` pairs (numpy or JAX arrays; a name given twice is a
+        ValueError). ``load_format`` must be None (tensors are taken as given);
+        ``flush_cache`` is accepted, and the prefix cache is always flushed (KV of the old
+        weights would be wrong)."""
+        if load_format is not None:
+            raise ValueError(f"load_format={load_format!r}: pass None, the arrays are taken "
+                             "as given (SGLang's torch formats do not apply)")
+        del flush_cache
+        return self.update_weights_from_arrays(
+            weight_tensors.named_arrays(named_tensors), weight_version=weight_version,
+            abort_all_requests=abort_all_requests)
+
+    def init_weights_update_group(self, *args: Any, **kwargs: Any) -> None:
+        """Not available: NCCL groups have no JAX counterpart (raises NotImplementedError
+        saying what to use instead)."""
+        raise NotImplementedError(
+            weight_tensors.DISTRIBUTED_UNSUPPORTED.format(what="init_weights_update_group"))
+
+    def update_weights_from_distributed(self, *args: Any, **kwargs: Any) -> None:
+        """Not available, as ``init_weights_update_group``."""
+        raise NotImplementedError(
+            weight_tensors.DISTRIBUTED_UNSUPPORTED.format(what="update_weights_from_distributed"))
+
+    def destroy_weights_update_group(self, *args: Any, **kwargs: Any) -> None:
+        """Not available, as ``init_weights_update_group``."""
+        raise NotImplementedError(
+            weight_tensors.DISTRIBUTED_UNSUPPORTED.format(what="destroy_weights_update_group"))
 
     def _control(self, op: ControlOp) -> Any:
         """The reply to ``op``; ValueError with the scheduler's reason if it refused."""

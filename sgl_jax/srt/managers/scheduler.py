@@ -580,6 +580,12 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: An
         logger.info("scheduler stopped")
     except BaseException:
         logger.error("scheduler crashed:\n%s", traceback.format_exc())
+        if server_args.nnodes > 1:
+            # JAX's atexit hook shuts the distributed runtime down, which waits for every
+            # node, and a lost node never answers: leave at once (the parent sees the exit).
+            scheduler.close()
+            logging.shutdown()
+            os._exit(1)
         raise
     finally:
         scheduler.close()

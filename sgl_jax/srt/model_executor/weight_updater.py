@@ -32,6 +32,7 @@ from jax.experimental import multihost_utils
 
 from sgl_jax.srt.bounded_text import bound_message, name_list, short_repr
 from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.model_executor.on_device_weights import OnDeviceUpdate
 from sgl_jax.srt.model_loader.loader import ArraySource, SafetensorsCheckpoint, read_params
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,11 @@ class WeightUpdater:
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
+        self.seconds = 0.0
+        # Bytes of the last update that crossed between host and devices: the on-device path's
+        # finiteness verdict; numpy arrays' own bytes; -1 from disk (not counted).
+        self.host_bytes = -1
+        self.peak_device_bytes = 0  # the on-device path's measured peak (0: not measured)
 
     def update_from_disk(self, model_path: str) -> int:
         """Every parameter from the checkpoint at ``model_path``; returns the count."""
@@ -128,12 +134,42 @@ class WeightUpdater:
 
     def update_from_arrays(self, arrays: dict[str, Any]) -> int:
         """The parameters made of the given tensors (numpy or JAX arrays by Hugging Face name;
-        all experts of a stacked projection together); returns how many were replaced."""
-        def read() -> tuple[list, int]:
-            if not isinstance(arrays, dict) or not arrays:
-                raise WeightUpdateError("no arrays given: pass tensors by Hugging Face name")
-            return self._read(ArraySource(arrays), partial=True)
-        return self._replace(ArraySource.where, read)
+        all experts of a stacked projection together); returns how many were replaced.
+        JAX arrays only (they reach the runner by reference in single-process mode): on the
+        devices, one parameter at a time (``on_device_weights``)."""
+        if not isinstance(arrays, dict) or not arrays:
+            raise WeightUpdateError("no arrays given: pass tensors by Hugging Face name")
+        if all(isinstance(a, jax.Array) for a in arrays.values()):
+            return self._update_on_device(arrays)
+        count = self._replace(ArraySource.where,
+                              lambda: self._read(ArraySource(arrays), partial=True))
+        self.host_bytes = sum(a.nbytes for a in arrays.values() if isinstance(a, np.ndarray))
+        return count
+
+    def _update_on_device(self, arrays: dict[str, jax.Array]) -> int:
+        """Checks everything, agrees the outcome with the other nodes (one node in practice:
+        single-process mode), then replaces the parameters one by one."""
+        t0 = time.perf_counter()
+        jax.block_until_ready([a for a in jax.live_arrays() if not a.is_deleted()])
+        update = OnDeviceUpdate(self.runner, arrays)
+        error = None
+        try:
+            as_update_error(ArraySource.where, update.check)
+        except WeightUpdateError as e:
+            error = e
+        error = agree_across_nodes(error)
+        if error is not None:
+            raise error
+        as_update_error(ArraySource.where, update.apply)
+        self.seconds = time.perf_counter() - t0
+        self.host_bytes = update.host_bytes
+        self.peak_device_bytes = update.peak_device_bytes
+        return update.count
+
+    def report(self, count: int) -> dict[str, Any]:
+        """The last update's figures, as ``UpdateWeightsReqOutput`` fields."""
+        return {"num_parameters": count, "seconds": self.seconds,
+                "host_bytes": self.host_bytes, "peak_device_bytes": self.peak_device_bytes}
 
     def _replace(self, where: str, read: Callable[[], tuple[list, int]]) -> int:
         """Reads with ``read``, agrees the outcome with the other nodes, then swaps: all of
@@ -153,6 +189,7 @@ class WeightUpdater:
             raise error
         self.runner.param_leaves = leaves  # the swap: one assignment, nothing fails after it
         self.seconds = time.perf_counter() - t0
+        self.host_bytes, self.peak_device_bytes = -1, 0
         return count
 
     def _read(self, source: SafetensorsCheckpoint | ArraySource,

@@ -91,9 +91,10 @@ class OnDeviceUpdate:
         with no_host_transfers():
             for _path, var, names, transpose in plan:
                 check_tensors(var, names, self.source, transpose, cfg.architecture)
-                sources = [_on_mesh(self.source.get(n), runner.mesh) for n in names]
+                sources = [self.source.get(n) for n in names]
                 self.params.append(_Param(var, names, transpose, sources))
-            flags = [_finite_flags(p.sources, p.var.get_value().dtype) for p in self.params]
+            flags = [_finite_flags(p.sources, p.var.get_value().dtype, runner.mesh)
+                     for p in self.params]
             verdict = _all_true(flags) if flags else None
         if verdict is None:
             return
@@ -122,8 +123,11 @@ class OnDeviceUpdate:
             with no_host_transfers():
                 for param in self.params:
                     old = param.var.get_value()
+                    sources = [_onto_mesh(a, old.sharding, param.transpose, len(param.names))
+                               for a in param.sources]
                     new = _converter(param.transpose, ".experts." in param.names[0],
-                                     jnp.dtype(old.dtype), old.sharding)(param.sources)
+                                     jnp.dtype(old.dtype), old.sharding)(sources)
+                    del sources
                     if (new.shape, new.dtype, new.sharding) != (old.shape, old.dtype,
                                                                  old.sharding):
                         raise RuntimeError("a converted parameter differs in layout from the "
@@ -145,13 +149,26 @@ class OnDeviceUpdate:
         jax.block_until_ready(self.runner.param_leaves)
 
 
-def _on_mesh(a: jax.Array, mesh: Mesh) -> jax.Array:
-    """``a`` itself if it lives on the engine's devices; else a replicated copy there (a
-    device-to-device transfer; the memory bound of the module's docstring assumes the arrays
-    are on the engine's devices already)."""
-    if a.sharding.device_set == set(mesh.devices.flat):
+def _on_mesh(a: jax.Array, mesh: Mesh) -> bool:
+    """Whether ``a`` lives on the engine's devices in the mesh's order (what one jitted
+    program over it and the engine's parameters needs)."""
+    devices = list(mesh.devices.flat)
+    if len(devices) == 1:
+        return a.sharding.device_set == set(devices)
+    return isinstance(a.sharding, NamedSharding) and list(a.sharding.mesh.devices.flat) == devices
+
+
+def _onto_mesh(a: jax.Array, target: NamedSharding, transpose: bool, count: int) -> jax.Array:
+    """``a`` itself if it is on the engine's devices; else a device-to-device copy laid out as
+    its part of the ``target`` parameter (a stacked one: each expert's tensor replicated over
+    the expert axis). Only then does an update need more than the memory bound of the
+    module's docstring: the copies of one parameter's tensors."""
+    if _on_mesh(a, target.mesh):
         return a
-    return jax.device_put(a, NamedSharding(mesh, PartitionSpec()))
+    spec = tuple(target.spec) + (None,) * (a.ndim + (count > 1) - len(target.spec))
+    spec = spec[1:] if count > 1 else spec
+    return jax.device_put(a, NamedSharding(target.mesh, PartitionSpec(*(
+        spec[::-1] if transpose else spec))))
 
 
 def _cast_flags(arrays: list[jax.Array], dtype: Any) -> jax.Array:
@@ -164,9 +181,16 @@ def _finite_flags_jit(arrays: list[jax.Array], dtype: Any) -> jax.Array:
     return _cast_flags(arrays, dtype)
 
 
-def _finite_flags(arrays: list[jax.Array], dtype: Any) -> jax.Array:
-    """One flag per tensor, on the devices: finite after the cast to ``dtype``."""
-    return _finite_flags_jit(arrays, jnp.dtype(dtype))
+def _finite_flags(arrays: list[jax.Array], dtype: Any, mesh: Mesh) -> jax.Array:
+    """One flag per tensor, on the engine's devices: finite after the cast to ``dtype``.
+    One program for all when they are on the engine's devices; else one per tensor, on its
+    own devices, its flag then copied over (device to device)."""
+    dtype = jnp.dtype(dtype)
+    if all(_on_mesh(a, mesh) for a in arrays):
+        return _finite_flags_jit(arrays, dtype)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jnp.concatenate([jax.device_put(_finite_flags_jit([a], dtype), replicated)
+                            for a in arrays])
 
 
 @jax.jit

@@ -109,7 +109,8 @@ def test_update_from_jax_arrays_on_device(engine, second_ckpt):
     jax.block_until_ready(tensors)
     before = live_device_bytes()  # parameters, KV cache and the new arrays
     with no_host_transfers_anywhere():
-        out = engine.update_weights_from_arrays(tensors, weight_version="second")
+        out = engine.update_weights_from_arrays(tensors, weight_version="second",
+                                                measure_memory=True)
     after = live_device_bytes()
     assert out["success"] and out["weight_version"] == "second"
     assert out["num_parameters"] == len([n for n in tensors if ".experts." not in n]) \

@@ -328,6 +328,7 @@ class Engine:
     def update_weights_from_arrays(
         self, arrays: Mapping[Any, Any], weight_version: str | None = None,
         abort_all_requests: bool = False, names: Names | None = None,
+        measure_memory: bool = False,
     ) -> dict[str, Any]:
         """As ``update_weights_from_disk``, from tensors given by Hugging Face name (numpy or
         JAX arrays; a subset is fine, but all experts of a stacked projection together), or
@@ -338,8 +339,9 @@ class Engine:
         token crosses its socket) and JAX arrays are transposed, stacked, cast and resharded
         on the devices, one parameter at a time (``on_device_weights.py``): no byte through
         host memory (``host_bytes`` in the reply: the 1-byte finiteness verdict), device
-        memory the parameters plus the largest new one (``peak_device_bytes``). Otherwise
-        the scheduler runs in another process, so the arrays travel as host bytes."""
+        memory the parameters plus the largest new one (with ``measure_memory``, the reply's
+        ``peak_device_bytes``: it costs a scan of every live array). Otherwise the scheduler
+        runs in another process, so the arrays travel as host bytes."""
         named = hf_named_arrays(arrays, names)
         if not self.server_args.enable_single_process:
             return dataclasses.asdict(self._control(UpdateWeightsFromArrays(
@@ -349,7 +351,7 @@ class Engine:
         try:
             return dataclasses.asdict(self._control(UpdateWeightsInProcess(
                 handle=token, weight_version=weight_version,
-                abort_all_requests=abort_all_requests)))
+                abort_all_requests=abort_all_requests, measure_memory=measure_memory)))
         finally:
             array_handoff.withdraw(token)  # refused, failed early or interrupted
 

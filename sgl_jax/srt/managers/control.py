@@ -61,7 +61,8 @@ class NodeControl(Protocol):
 
     # Both return the ``UpdateWeightsReqOutput`` figures (num_parameters, seconds, ...).
     def update_weights_from_disk(self, model_path: str) -> dict[str, Any]: ...
-    def update_weights_from_arrays(self, arrays: dict[str, Any]) -> dict[str, Any]: ...
+    def update_weights_from_arrays(self, arrays: dict[str, Any],
+                                   measure_memory: bool = False) -> dict[str, Any]: ...
     def rebalance_experts(self, load: np.ndarray | None) -> dict[str, Any]: ...
     def expert_recorder(self) -> ExpertRecorder: ...  # ValueError when off
 
@@ -169,9 +170,9 @@ class UpdateWeightsReqOutput:
     # JAX arrays in single-process mode only the finiteness verdict (1), numpy arrays their
     # size; -1 from disk (not counted).
     host_bytes: int = -1
-    # Single-process JAX arrays: the scheduler's process's live device bytes at the update's
-    # point of maximal residency (the largest new parameter made, its old one not yet freed);
-    # 0 where not measured.
+    # Single-process JAX arrays with measure_memory: the process's live device bytes at the
+    # update's point of maximal residency (the largest new parameter made, its old one not yet
+    # freed); 0 where not measured.
     peak_device_bytes: int = 0
 
 
@@ -319,6 +320,7 @@ class UpdateWeightsInProcess(UpdateWeights):
     handle: str
     weight_version: str | None = None
     abort_all_requests: bool = False
+    measure_memory: bool = False  # the reply's peak_device_bytes (a scan of the live arrays)
 
     def apply(self, target: ControlTarget) -> UpdateWeightsReqOutput | None:
         if not array_handoff.holds(self.handle):
@@ -329,7 +331,8 @@ class UpdateWeightsInProcess(UpdateWeights):
         return target.request_weight_update(self)
 
     def apply_on_node(self, node: NodeControl) -> dict[str, Any]:
-        return node.update_weights_from_arrays(array_handoff.take(self.handle))
+        return node.update_weights_from_arrays(array_handoff.take(self.handle),
+                                               self.measure_memory)
 
 
 class _RecorderOp(ControlOp):

@@ -109,9 +109,10 @@ class RunnerControl:
         self._check_weights_held()
         return self.weights.report(self.weights.update_from_disk(model_path))
 
-    def update_weights_from_arrays(self, arrays: dict[str, Any]) -> dict[str, Any]:
+    def update_weights_from_arrays(self, arrays: dict[str, Any],
+                                   measure_memory: bool = False) -> dict[str, Any]:
         self._check_weights_held()
-        return self.weights.report(self.weights.update_from_arrays(arrays))
+        return self.weights.report(self.weights.update_from_arrays(arrays, measure_memory))
 
     def rebalance_experts(self, load: np.ndarray | None) -> dict[str, Any]:
         self._check_weights_held()

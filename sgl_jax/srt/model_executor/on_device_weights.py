@@ -41,6 +41,7 @@ from sgl_jax.srt.model_loader.loader import (
     ArraySource,
     CheckpointError,
     check_tensors,
+    finite_flags,
     plan_params,
 )
 
@@ -52,7 +53,8 @@ class _Param:
     var: nnx.Variable  # the served parameter's variable (in the runner's state)
     names: list[str]  # its Hugging Face tensors (stacked: in physical order)
     transpose: bool
-    sources: list[jax.Array]  # the given arrays, on the engine's devices
+    sources: list[jax.Array]  # the given arrays
+    on_mesh: bool  # all on the engine's devices, in its order (else moved there first)
 
     @property
     def nbytes(self) -> int:
@@ -72,11 +74,14 @@ class OnDeviceUpdate:
 
     ``check()`` (no change; WeightUpdateError-able ValueErrors), then ``apply()``. After
     ``apply``: ``count`` parameters replaced, ``host_bytes`` moved between host and devices,
-    ``peak_device_bytes`` (this process's live device bytes when the largest new parameter
-    and the one it replaces both existed: the update's point of maximal residency)."""
+    and with ``measure_memory`` ``peak_device_bytes`` (this process's live device bytes when
+    the largest new parameter and the one it replaces both existed: the update's point of
+    maximal residency)."""
 
-    def __init__(self, runner: Any, arrays: dict[str, jax.Array]) -> None:
+    def __init__(self, runner: Any, arrays: dict[str, jax.Array],
+                 measure_memory: bool = False) -> None:
         self.runner = runner
+        self.measure_memory = measure_memory  # costs a scan of every live array
         self.source = ArraySource(arrays)
         self.state = jax.tree.unflatten(runner.param_treedef, runner.param_leaves)
         self.params: list[_Param] = []
@@ -92,9 +97,9 @@ class OnDeviceUpdate:
             for _path, var, names, transpose in plan:
                 check_tensors(var, names, self.source, transpose, cfg.architecture)
                 sources = [self.source.get(n) for n in names]
-                self.params.append(_Param(var, names, transpose, sources))
-            flags = [_finite_flags(p.sources, p.var.get_value().dtype, runner.mesh)
-                     for p in self.params]
+                on_mesh = all(_on_mesh(s, runner.mesh) for s in {a.sharding for a in sources})
+                self.params.append(_Param(var, names, transpose, sources, on_mesh))
+            flags = [_finite_flags(p, runner.mesh) for p in self.params]
             verdict = _all_true(flags) if flags else None
         if verdict is None:
             return
@@ -123,16 +128,18 @@ class OnDeviceUpdate:
             with no_host_transfers():
                 for param in self.params:
                     old = param.var.get_value()
-                    sources = [_onto_mesh(a, old.sharding, param.transpose, len(param.names))
-                               for a in param.sources]
-                    new = _converter(param.transpose, ".experts." in param.names[0],
-                                     jnp.dtype(old.dtype), old.sharding)(sources)
+                    stacked = ".experts." in param.names[0]  # as the loader: one per expert
+                    sources = param.sources if param.on_mesh else [
+                        _onto_mesh(a, old.sharding, param.transpose, stacked)
+                        for a in param.sources]
+                    new = _converter(param.transpose, stacked, jnp.dtype(old.dtype),
+                                     old.sharding)(sources)
                     del sources
                     if (new.shape, new.dtype, new.sharding) != (old.shape, old.dtype,
                                                                  old.sharding):
                         raise RuntimeError("a converted parameter differs in layout from the "
                                            "compiled one")
-                    if param is largest:
+                    if param is largest and self.measure_memory:
                         new.block_until_ready()
                         self.peak_device_bytes = live_device_bytes()
                     param.var.set_value(new)
@@ -149,48 +156,46 @@ class OnDeviceUpdate:
         jax.block_until_ready(self.runner.param_leaves)
 
 
-def _on_mesh(a: jax.Array, mesh: Mesh) -> bool:
-    """Whether ``a`` lives on the engine's devices in the mesh's order (what one jitted
-    program over it and the engine's parameters needs)."""
+def _on_mesh(sharding: jax.sharding.Sharding, mesh: Mesh) -> bool:
+    """Whether arrays of ``sharding`` live on the engine's devices in the mesh's order (what
+    one jitted program over them and the engine's parameters needs)."""
     devices = list(mesh.devices.flat)
     if len(devices) == 1:
-        return a.sharding.device_set == set(devices)
-    return isinstance(a.sharding, NamedSharding) and list(a.sharding.mesh.devices.flat) == devices
+        return sharding.device_set == set(devices)
+    return isinstance(sharding, NamedSharding) and list(sharding.mesh.devices.flat) == devices
 
 
-def _onto_mesh(a: jax.Array, target: NamedSharding, transpose: bool, count: int) -> jax.Array:
+def _onto_mesh(a: jax.Array, target: NamedSharding, transpose: bool,
+               stacked: bool) -> jax.Array:
     """``a`` itself if it is on the engine's devices; else a device-to-device copy laid out as
     its part of the ``target`` parameter (a stacked one: each expert's tensor replicated over
     the expert axis). Only then does an update need more than the memory bound of the
     module's docstring: the copies of one parameter's tensors."""
-    if _on_mesh(a, target.mesh):
+    if _on_mesh(a.sharding, target.mesh):
         return a
-    spec = tuple(target.spec) + (None,) * (a.ndim + (count > 1) - len(target.spec))
-    spec = spec[1:] if count > 1 else spec
+    spec = tuple(target.spec) + (None,) * (a.ndim + stacked - len(target.spec))
+    spec = spec[1:] if stacked else spec
     return jax.device_put(a, NamedSharding(target.mesh, PartitionSpec(*(
         spec[::-1] if transpose else spec))))
 
 
-def _cast_flags(arrays: list[jax.Array], dtype: Any) -> jax.Array:
-    # x * 0 is 0 for a finite value and NaN otherwise (the loader's check, per tensor).
-    return jnp.stack([(a.astype(dtype) * 0).astype(jnp.float32).sum() == 0 for a in arrays])
-
-
 @functools.partial(jax.jit, static_argnums=1)
 def _finite_flags_jit(arrays: list[jax.Array], dtype: Any) -> jax.Array:
-    return _cast_flags(arrays, dtype)
+    # The loader's check of each tensor, after the cast (fused into the reduction by XLA: the
+    # cast values are never stored).
+    return jnp.concatenate([finite_flags(a.astype(dtype), False) for a in arrays])
 
 
-def _finite_flags(arrays: list[jax.Array], dtype: Any, mesh: Mesh) -> jax.Array:
-    """One flag per tensor, on the engine's devices: finite after the cast to ``dtype``.
-    One program for all when they are on the engine's devices; else one per tensor, on its
-    own devices, its flag then copied over (device to device)."""
-    dtype = jnp.dtype(dtype)
-    if all(_on_mesh(a, mesh) for a in arrays):
-        return _finite_flags_jit(arrays, dtype)
+def _finite_flags(param: _Param, mesh: Mesh) -> jax.Array:
+    """One flag per tensor of ``param``, on the engine's devices: finite after the cast to
+    the parameter's dtype. One program for all when they are on the engine's devices; else
+    one per tensor, on its own devices, its flag then copied over (device to device)."""
+    dtype = jnp.dtype(param.var.get_value().dtype)
+    if param.on_mesh:
+        return _finite_flags_jit(param.sources, dtype)
     replicated = NamedSharding(mesh, PartitionSpec())
     return jnp.concatenate([jax.device_put(_finite_flags_jit([a], dtype), replicated)
-                            for a in arrays])
+                            for a in param.sources])
 
 
 @jax.jit

@@ -132,26 +132,29 @@ class WeightUpdater:
             return self._read(SafetensorsCheckpoint(model_path), partial=False)
         return self._replace(model_path, read)
 
-    def update_from_arrays(self, arrays: dict[str, Any]) -> int:
+    def update_from_arrays(self, arrays: dict[str, Any], measure_memory: bool = False) -> int:
         """The parameters made of the given tensors (numpy or JAX arrays by Hugging Face name;
         all experts of a stacked projection together); returns how many were replaced.
         JAX arrays only (they reach the runner by reference in single-process mode): on the
-        devices, one parameter at a time (``on_device_weights``)."""
+        devices, one parameter at a time (``on_device_weights``; ``measure_memory``: sample
+        the live device bytes at its peak)."""
         if not isinstance(arrays, dict) or not arrays:
             raise WeightUpdateError("no arrays given: pass tensors by Hugging Face name")
         if all(isinstance(a, jax.Array) for a in arrays.values()):
-            return self._update_on_device(arrays)
+            return self._update_on_device(arrays, measure_memory)
         count = self._replace(ArraySource.where,
                               lambda: self._read(ArraySource(arrays), partial=True))
         self.host_bytes = sum(a.nbytes for a in arrays.values() if isinstance(a, np.ndarray))
         return count
 
-    def _update_on_device(self, arrays: dict[str, jax.Array]) -> int:
+    def _update_on_device(self, arrays: dict[str, jax.Array], measure_memory: bool) -> int:
         """Checks everything, agrees the outcome with the other nodes (one node in practice:
         single-process mode), then replaces the parameters one by one."""
         t0 = time.perf_counter()
-        jax.block_until_ready([a for a in jax.live_arrays() if not a.is_deleted()])
-        update = OnDeviceUpdate(self.runner, arrays)
+        # The last step's outputs (the KV cache) ready: no step reads the parameters any
+        # more. (Not every live array: in the trainer's process those are the trainer's too.)
+        jax.block_until_ready([a for a in self.runner.kv_caches if isinstance(a, jax.Array)])
+        update = OnDeviceUpdate(self.runner, arrays, measure_memory)
         error = None
         try:
             as_update_error(ArraySource.where, update.check)

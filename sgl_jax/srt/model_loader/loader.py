@@ -186,11 +186,16 @@ class ArraySource:
         return tuple(self._arrays[name].shape)
 
     def is_float(self, name: str) -> tuple[bool, str]:
-        dtype = np.dtype(self._arrays[name].dtype)
-        return bool(jnp.issubdtype(dtype, jnp.floating)), dtype.name
+        return _float_dtype(np.dtype(self._arrays[name].dtype))
 
     def read(self, name: str, index: tuple[slice, ...]) -> Any:
         return self._arrays[name][index]
+
+
+@functools.cache
+def _float_dtype(dtype: np.dtype) -> tuple[bool, str]:
+    # Cached: a model's update can give tens of thousands of tensors of one or two dtypes.
+    return bool(jnp.issubdtype(dtype, jnp.floating)), dtype.name
 
 
 def load_model(
@@ -329,7 +334,7 @@ class FiniteCheck:
         for shard in value.addressable_shards:
             if shard.replica_id == 0:
                 first_row = (shard.index[0].start or 0) if stacked else 0
-                self.pending.append((names, first_row, _finite_flags(shard.data, stacked)))
+                self.pending.append((names, first_row, finite_flags(shard.data, stacked)))
 
     def finish(self) -> None:
         pending, self.pending = self.pending, []
@@ -343,7 +348,7 @@ class FiniteCheck:
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _finite_flags(x: jax.Array, per_row: bool) -> jax.Array:
+def finite_flags(x: jax.Array, per_row: bool) -> jax.Array:
     """One flag per leading row (``per_row``) or one in all: no NaN and no infinity. x * 0 is 0
     for a finite value and NaN otherwise, so a sum of those is exactly 0 iff all are finite
     (it cannot overflow); it runs faster than isfinite().all() on a CPU."""

@@ -6,7 +6,9 @@ is a checkpoint directory (``update_from_disk``) or tensors by their Hugging Fac
 (``update_from_arrays``); both go through the loader's checks (names, shapes, float dtypes,
 finite values), and every tensor is read, placed and checked before any parameter is swapped:
 the swap is one assignment of ``runner.param_leaves``, so an update that fails at any point
-before it leaves the served weights untouched, whole.
+before it leaves the served weights untouched, whole. JAX arrays in single-process mode take
+another path with the same checks, all done before anything changes, then one parameter
+replaced at a time so that the model is never held twice (``on_device_weights.py``).
 
 Every failure of an update is a ``WeightUpdateError`` (a ValueError) with a bounded message
 that names the source being loaded: the scheduler answers it as a failed update and serves on.
@@ -135,9 +137,10 @@ class WeightUpdater:
     def update_from_arrays(self, arrays: dict[str, Any], measure_memory: bool = False) -> int:
         """The parameters made of the given tensors (numpy or JAX arrays by Hugging Face name;
         all experts of a stacked projection together); returns how many were replaced.
-        JAX arrays only (they reach the runner by reference in single-process mode): on the
-        devices, one parameter at a time (``on_device_weights``; ``measure_memory``: sample
-        the live device bytes at its peak)."""
+        When every one is a JAX array (they reach the runner by reference in single-process
+        mode), the update runs on the devices, one parameter at a time
+        (``on_device_weights``; ``measure_memory``: sample the live device bytes at its
+        peak); otherwise they are read as a checkpoint is, through the host."""
         if not isinstance(arrays, dict) or not arrays:
             raise WeightUpdateError("no arrays given: pass tensors by Hugging Face name")
         if all(isinstance(a, jax.Array) for a in arrays.values()):

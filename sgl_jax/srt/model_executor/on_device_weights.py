@@ -23,7 +23,6 @@ and the error says so.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,8 +43,6 @@ from sgl_jax.srt.model_loader.loader import (
     finite_flags,
     plan_params,
 )
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass

@@ -68,6 +68,8 @@ E2E = [
     "tests/test_drain.py",
     "tests/test_seed_user_story.py",
     "tests/test_single_process.py",
+    "tests/test_score.py",
+    "tests/test_weight_api_sglang.py",
 ]
 # Optional checks outside every suite (they skip without packages the project does not need).
 # tests/tunix (the tunix extra) has its own CI stage and environment (.ci/run).

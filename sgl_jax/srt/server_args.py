@@ -64,6 +64,10 @@ class ServerArgs:
     http_header_timeout: float = _arg(
         10.0, "Seconds a client has to send a request's headers (from its connection, or from "
               "the previous response on a kept-alive one) before it is disconnected.")
+    max_weight_update_bytes: int = _arg(
+        1 << 30, "Largest body of POST /update_weights_from_tensor (safetensors bytes, or JSON "
+                 "with them in base64), refused with 413 before it is parsed. Other bodies "
+                 "stay capped at 32 MiB.")
     http_max_connections: int = _arg(
         2048, "Most open HTTP connections. A new connection beyond it closes the one that has "
               "waited longest for its headers (or itself, if every connection is busy), so a "
@@ -251,7 +255,8 @@ class ServerArgs:
             fail(f"log_level={self.log_level!r}; use one of {', '.join(LOG_LEVELS)}")
         for name in ("max_running_requests", "chunked_prefill_size", "stream_interval",
                      "tp_size", "ep_size", "attention_block_size", "nnodes",
-                     "max_prompts_per_request", "http_max_connections"):
+                     "max_prompts_per_request", "http_max_connections",
+                     "max_weight_update_bytes"):
             if getattr(self, name) < 1:
                 fail(f"{name}={getattr(self, name)} must be >= 1")
         if not 0 <= self.node_rank < self.nnodes:

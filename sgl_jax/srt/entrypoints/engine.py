@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.entrypoints import scoring, weight_tensors
 from sgl_jax.srt.entrypoints.named_arrays import Names, hf_named_arrays
 from sgl_jax.srt.managers import array_handoff
 from sgl_jax.srt.managers.control import (
@@ -302,6 +303,28 @@ class Engine:
             return agen
         return obj.shape_results(await _collect(agen))
 
+    # -- scoring --------------------------------------------------------------------------------
+    def score(
+        self, prompt_ids: list[int] | list[list[int]], completion_ids: list[list[int]], *,
+        temperature: float = 1.0, return_routed_experts: bool = False,
+    ) -> list[dict[str, Any]]:
+        """The per-token logprobs of given completions (``scoring.py``): ``prompt_ids`` one
+        prompt shared by every completion or one per completion. One record per completion:
+        ``logprobs`` (``log_softmax(logits / temperature)`` of each completion token),
+        ``cached_tokens``, ``weight_version`` and, with ``return_routed_experts``,
+        ``routed_experts`` int32 ``[prompt + completion - 1, layers, k]``. One batch; a
+        shared prompt is computed once. Bad input raises ValueError."""
+        return self._run(scoring.score(self.tokenizer_manager, prompt_ids, completion_ids,
+                                       temperature, return_routed_experts))
+
+    async def async_score(
+        self, prompt_ids: list[int] | list[list[int]], completion_ids: list[list[int]], *,
+        temperature: float = 1.0, return_routed_experts: bool = False,
+    ) -> list[dict[str, Any]]:
+        """``score`` in the caller's event loop."""
+        return await scoring.score(self.tokenizer_manager, prompt_ids, completion_ids,
+                                   temperature, return_routed_experts)
+
     # -- control --------------------------------------------------------------------------------
     def get_server_info(self) -> dict[str, Any]:
         return self._run(self.tokenizer_manager.get_server_info())
@@ -399,6 +422,40 @@ class Engine:
         """Puts released memory back (``tags`` None = every released tag) without
         recompiling: outputs are then what they were before the release."""
         return dataclasses.asdict(self._control(ResumeMemoryOccupation(tags=tags)))
+
+    def update_weights_from_tensor(
+        self, named_tensors: dict[str, Any] | list[tuple[str, Any]],
+        load_format: str | None = None, flush_cache: bool = True,
+        abort_all_requests: bool = False, weight_version: str | None = None,
+    ) -> dict[str, Any]:
+        """SGLang's name for ``update_weights_from_arrays``: ``named_tensors`` a dict or a list
+        of ``(hf_name, array)`` pairs (numpy or JAX arrays; a name given twice is a
+        ValueError). ``load_format`` must be None (tensors are taken as given);
+        ``flush_cache`` is accepted, and the prefix cache is always flushed (KV of the old
+        weights would be wrong)."""
+        if load_format is not None:
+            raise ValueError(f"load_format={load_format!r}: pass None, the arrays are taken "
+                             "as given (SGLang's torch formats do not apply)")
+        del flush_cache
+        return self.update_weights_from_arrays(
+            weight_tensors.named_arrays(named_tensors), weight_version=weight_version,
+            abort_all_requests=abort_all_requests)
+
+    def init_weights_update_group(self, *args: Any, **kwargs: Any) -> None:
+        """Not available: NCCL groups have no JAX counterpart (raises NotImplementedError
+        saying what to use instead)."""
+        raise NotImplementedError(
+            weight_tensors.DISTRIBUTED_UNSUPPORTED.format(what="init_weights_update_group"))
+
+    def update_weights_from_distributed(self, *args: Any, **kwargs: Any) -> None:
+        """Not available, as ``init_weights_update_group``."""
+        raise NotImplementedError(
+            weight_tensors.DISTRIBUTED_UNSUPPORTED.format(what="update_weights_from_distributed"))
+
+    def destroy_weights_update_group(self, *args: Any, **kwargs: Any) -> None:
+        """Not available, as ``init_weights_update_group``."""
+        raise NotImplementedError(
+            weight_tensors.DISTRIBUTED_UNSUPPORTED.format(what="destroy_weights_update_group"))
 
     def _control(self, op: ControlOp) -> Any:
         """The reply to ``op``; ValueError with the scheduler's reason if it refused."""

@@ -4,6 +4,7 @@ Routes: native ``/generate``; OpenAI ``/v1/completions``, ``/v1/chat/completions
 ``/v1/models``; operations ``/health``, ``/health_generate``, ``/get_model_info`` (also
 ``/model_info``), ``/get_server_info`` (also ``/server_info``), ``/get_load``,
 ``/flush_cache``, ``/abort_request``, ``/update_weights_from_disk``,
+``/update_weights_from_tensor`` (and SGLang's NCCL routes, 501: :mod:`weight_routes`),
 ``/pause_generation``, ``/continue_generation``, ``/release_memory_occupation``,
 ``/resume_memory_occupation``, ``/metrics`` (``--enable-metrics``,
 Prometheus: :mod:`sgl_jax.srt.metrics`); the expert distribution recorder
@@ -59,6 +60,7 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
 )
 from sgl_jax.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sgl_jax.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from sgl_jax.srt.entrypoints.weight_routes import WEIGHT_TENSOR_PATHS, add_weight_tensor_routes
 from sgl_jax.srt.expert_load_plot import PlotUnavailableError, render_expert_load_png
 from sgl_jax.srt.managers import control
 from sgl_jax.srt.managers.io_struct import GenerateReqInput
@@ -75,7 +77,7 @@ ADMIN_PATHS = frozenset({
     "/start_expert_distribution_record", "/stop_expert_distribution_record",
     "/dump_expert_distribution_record", "/rebalance_experts", "/abort_request",
     "/release_memory_occupation", "/resume_memory_occupation",
-})
+}) | WEIGHT_TENSOR_PATHS
 HEALTH_GENERATE_TIMEOUT = 30.0
 # After a child dies the server answers 503 for this long (in-flight requests get their error,
 # health checks see the reason), then exits with code 1.
@@ -282,7 +284,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
             "num_waiting_reqs": waiting, "num_tokens": in_use,
         }])
 
-    @app.post("/flush_cache")
+    @app.api_route("/flush_cache", methods=["GET", "POST"])  # SGLang's clients use both
     async def flush_cache() -> Response:
         out = await tm.control(control.FlushCache())
         if not out.success:
@@ -299,6 +301,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
             raise OpenAIError(400, f"the weights were not updated: {out.message}",
                               param="model_path")
         return JSONResponse(dataclasses.asdict(out))
+
+    add_weight_tensor_routes(app, tm, args.max_weight_update_bytes)
 
     @app.post("/pause_generation")
     async def pause_generation() -> Response:

@@ -237,25 +237,31 @@ async def handle_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(body, status_code=status)
 
 
-async def read_json(request: Request, model: type[M]) -> M:
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes (declared,
+    or while it streams in)."""
     declared = request.headers.get("content-length", "")
-    too_big = OpenAIError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes",
+    too_big = OpenAIError(413, f"the request body exceeds {limit} bytes",
                           code="request_too_large")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+    if declared.isdigit() and int(declared) > limit:
         raise too_big
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > MAX_BODY_BYTES:
+        if size > limit:
             raise too_big
         chunks.append(chunk)
-    body = b"".join(chunks)
-    if size <= INLINE_PARSE_BYTES:
-        return _parse(body, model)
-    return await asyncio.to_thread(_parse, body, model)  # a large body: off the event loop
+    return b"".join(chunks)
 
 
-def _parse(body: bytes, model: type[M]) -> M:
+async def read_json(request: Request, model: type[M]) -> M:
+    body = await read_body(request)
+    if len(body) <= INLINE_PARSE_BYTES:
+        return parse_json(body, model)
+    return await asyncio.to_thread(parse_json, body, model)  # a large body: off the event loop
+
+
+def parse_json(body: bytes, model: type[M]) -> M:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -8,12 +8,14 @@ What must hold, against tunix's model as the independent reference:
   moment, which differ from the initial weights' by far more than the tolerance;
 - after training, the engine scores a probe as the trained actor does, and generates exactly
   what a fresh engine started on the trained weights (written as a checkpoint) generates.
-The largest engine-trainer difference is printed: the train-inference mismatch.
-Skipped without tunix (its own CI stage installs it: .ci/run).
+The largest engine-trainer difference is printed: the train-inference mismatch. Run twice: the
+engine in child processes (the default) and in tunix's process (``enable_single_process``: the
+weight syncs go on device, under tunix's transfer guard). Skipped without tunix (its own CI stage installs it: .ci/run).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 
@@ -68,8 +70,8 @@ def reward_letter_e(prompts, completions, **kwargs) -> list[float]:
     return [float(c.count("e")) for c in completions]
 
 
-@pytest.fixture(scope="module")
-def trained():
+@pytest.fixture(scope="module", params=[False, True], ids=["child-process", "single-process"])
+def trained(request):
     mesh = make_mesh()
     actor = load_actor()
     initial = nnx.clone(actor)
@@ -78,7 +80,8 @@ def trained():
         tokenizer=transformers.AutoTokenizer.from_pretrained(BUNDLED_MODEL_PATH),
         cluster_config=rlc.ClusterConfig(
             role_to_mesh={rlc.Role.ACTOR: mesh, rlc.Role.REFERENCE: mesh, rlc.Role.ROLLOUT: mesh},
-            rollout_engine=RecordingRollout,
+            rollout_engine=functools.partial(RecordingRollout,
+                                             enable_single_process=request.param),
             training_config=rlc.RLTrainingConfig(
                 actor_optimizer=optax.adam(3e-3), eval_every_n_steps=100, max_steps=STEPS),
             rollout_config=rollout_config(seed=1234),

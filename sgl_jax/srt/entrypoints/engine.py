@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.entrypoints import scoring, weight_tensors
+from sgl_jax.srt.entrypoints.named_arrays import Names, hf_named_arrays
+from sgl_jax.srt.managers import array_handoff
 from sgl_jax.srt.managers.control import (
     ControlOp,
     DumpExpertRecord,
@@ -43,6 +45,7 @@ from sgl_jax.srt.managers.control import (
     StopExpertRecord,
     UpdateWeightsFromArrays,
     UpdateWeightsFromDisk,
+    UpdateWeightsInProcess,
     check_reply,
 )
 from sgl_jax.srt.managers.io_struct import GenerateReqInput
@@ -346,15 +349,34 @@ class Engine:
             abort_all_requests=abort_all_requests)))
 
     def update_weights_from_arrays(
-        self, arrays: dict[str, Any], weight_version: str | None = None,
-        abort_all_requests: bool = False,
+        self, arrays: Mapping[Any, Any], weight_version: str | None = None,
+        abort_all_requests: bool = False, names: Names | None = None,
+        measure_memory: bool = False,
     ) -> dict[str, Any]:
         """As ``update_weights_from_disk``, from tensors given by Hugging Face name (numpy or
-        JAX arrays; a subset is fine, but all experts of a stacked projection together). The
-        model runs in the scheduler's process, so the arrays travel as host bytes."""
-        return dataclasses.asdict(self._control(UpdateWeightsFromArrays(
-            arrays=dict(arrays), weight_version=weight_version,
-            abort_all_requests=abort_all_requests)))
+        JAX arrays; a subset is fine, but all experts of a stacked projection together), or
+        a nested state (``nnx.State``, dicts) with ``names`` mapping each leaf's path to its
+        Hugging Face name (``named_arrays.py``).
+
+        Single-process mode: the arrays reach the scheduler thread by reference (only a
+        token crosses its socket) and JAX arrays are transposed, stacked, cast and resharded
+        on the devices, one parameter at a time (``on_device_weights.py``): no byte through
+        host memory (``host_bytes`` in the reply: the 1-byte finiteness verdict), device
+        memory the parameters plus the largest new one (with ``measure_memory``, the reply's
+        ``peak_device_bytes``: it costs a scan of every live array). Otherwise the scheduler
+        runs in another process, so the arrays travel as host bytes."""
+        named = hf_named_arrays(arrays, names)
+        if not self.server_args.enable_single_process:
+            return dataclasses.asdict(self._control(UpdateWeightsFromArrays(
+                arrays=named, weight_version=weight_version,
+                abort_all_requests=abort_all_requests)))
+        token = array_handoff.hand_over(named)
+        try:
+            return dataclasses.asdict(self._control(UpdateWeightsInProcess(
+                handle=token, weight_version=weight_version,
+                abort_all_requests=abort_all_requests, measure_memory=measure_memory)))
+        finally:
+            array_handoff.withdraw(token)  # refused, failed early or interrupted
 
     def start_expert_distribution_record(self) -> None:
         """Starts a window of the expert distribution recorder (needs

@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
+from sgl_jax.srt.managers import array_handoff
 from sgl_jax.srt.managers.request_options import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -58,8 +59,10 @@ class NodeControl(Protocol):
     """One node's runner, as mirrored operations change it (the same calls on every node).
     Failures are ValueError or OSError: the nodes compare them (``multi_node``)."""
 
-    def update_weights_from_disk(self, model_path: str) -> tuple[int, float]: ...
-    def update_weights_from_arrays(self, arrays: dict[str, Any]) -> tuple[int, float]: ...
+    # Both return the ``UpdateWeightsReqOutput`` figures (num_parameters, seconds, ...).
+    def update_weights_from_disk(self, model_path: str) -> dict[str, Any]: ...
+    def update_weights_from_arrays(self, arrays: dict[str, Any],
+                                   measure_memory: bool = False) -> dict[str, Any]: ...
     def rebalance_experts(self, load: np.ndarray | None) -> dict[str, Any]: ...
     def expert_recorder(self) -> ExpertRecorder: ...  # ValueError when off
 
@@ -163,6 +166,14 @@ class UpdateWeightsReqOutput:
     weight_version: str
     num_parameters: int = 0  # parameters replaced (a stacked expert tensor counts once)
     seconds: float = 0.0  # reading and placing the new weights (not the wait for requests)
+    # Bytes of the update that crossed between host and devices in the scheduler's process:
+    # JAX arrays in single-process mode only the finiteness verdict (1), numpy arrays their
+    # size; -1 from disk (not counted).
+    host_bytes: int = -1
+    # Single-process JAX arrays with measure_memory: the process's live device bytes at the
+    # update's point of maximal residency (the largest new parameter made, its old one not yet
+    # freed); 0 where not measured.
+    peak_device_bytes: int = 0
 
 
 @dataclass
@@ -273,7 +284,7 @@ class UpdateWeightsFromDisk(UpdateWeights):
     def apply(self, target: ControlTarget) -> UpdateWeightsReqOutput | None:
         return target.request_weight_update(self, checkpoint=self.model_path)
 
-    def apply_on_node(self, node: NodeControl) -> tuple[int, float]:
+    def apply_on_node(self, node: NodeControl) -> dict[str, Any]:
         return node.update_weights_from_disk(self.model_path)
 
 
@@ -295,8 +306,33 @@ class UpdateWeightsFromArrays(UpdateWeights):
     def apply(self, target: ControlTarget) -> UpdateWeightsReqOutput | None:
         return target.request_weight_update(self)
 
-    def apply_on_node(self, node: NodeControl) -> tuple[int, float]:
+    def apply_on_node(self, node: NodeControl) -> dict[str, Any]:
         return node.update_weights_from_arrays(self.arrays)
+
+
+@dataclass
+class UpdateWeightsInProcess(UpdateWeights):
+    """Single-process mode: the parameters made of JAX arrays the caller handed over by
+    reference (``array_handoff``, under ``handle``), converted on the devices. Only the token
+    crosses the socket; a scheduler in another process finds no arrays under it (refused).
+    Not in ``node_wire``: single-process mode runs on one node."""
+
+    handle: str
+    weight_version: str | None = None
+    abort_all_requests: bool = False
+    measure_memory: bool = False  # the reply's peak_device_bytes (a scan of the live arrays)
+
+    def apply(self, target: ControlTarget) -> UpdateWeightsReqOutput | None:
+        if not array_handoff.holds(self.handle):
+            return UpdateWeightsReqOutput(
+                success=False, weight_version=target.server_info()["weight_version"],
+                message="arrays handed over by reference reach only an engine in the "
+                        "caller's process (enable_single_process)")
+        return target.request_weight_update(self)
+
+    def apply_on_node(self, node: NodeControl) -> dict[str, Any]:
+        return node.update_weights_from_arrays(array_handoff.take(self.handle),
+                                               self.measure_memory)
 
 
 class _RecorderOp(ControlOp):

@@ -105,13 +105,14 @@ class RunnerControl:
         self.runner = runner
         self.weights = WeightUpdater(runner)
 
-    def update_weights_from_disk(self, model_path: str) -> tuple[int, float]:
+    def update_weights_from_disk(self, model_path: str) -> dict[str, Any]:
         self._check_weights_held()
-        return self.weights.update_from_disk(model_path), self.weights.seconds
+        return self.weights.report(self.weights.update_from_disk(model_path))
 
-    def update_weights_from_arrays(self, arrays: dict[str, Any]) -> tuple[int, float]:
+    def update_weights_from_arrays(self, arrays: dict[str, Any],
+                                   measure_memory: bool = False) -> dict[str, Any]:
         self._check_weights_held()
-        return self.weights.update_from_arrays(arrays), self.weights.seconds
+        return self.weights.report(self.weights.update_from_arrays(arrays, measure_memory))
 
     def rebalance_experts(self, load: np.ndarray | None) -> dict[str, Any]:
         self._check_weights_held()

@@ -502,7 +502,7 @@ class Scheduler:
     def apply_weight_update(self) -> None:
         msg, self.update = self.update, None
         try:
-            count, seconds = self.node.control(msg)
+            result = self.node.control(msg)  # WeightUpdater.report
         except Exception as e:  # noqa: BLE001 - the old weights serve on (see weight_updater)
             # WeightUpdateError (a ValueError, its traceback logged where it was raised if the
             # error was unexpected) is what the updater raises; anything else is a bug.
@@ -519,10 +519,10 @@ class Scheduler:
         self.weight_version = msg.weight_version or str(self.weight_updates)
         self.outputs.weight_version = self.weight_version
         logger.info("weights updated (%d parameters in %.2fs); weight_version %s",
-                    count, seconds, self.weight_version)
+                    result["num_parameters"], result["seconds"], self.weight_version)
         self.answer(msg, UpdateWeightsReqOutput(
             success=True, message="weights updated", weight_version=self.weight_version,
-            num_parameters=count, seconds=seconds))
+            **result))
 
     def server_info(self) -> dict[str, Any]:
         return {

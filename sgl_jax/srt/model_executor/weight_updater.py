@@ -6,7 +6,9 @@ is a checkpoint directory (``update_from_disk``) or tensors by their Hugging Fac
 (``update_from_arrays``); both go through the loader's checks (names, shapes, float dtypes,
 finite values), and every tensor is read, placed and checked before any parameter is swapped:
 the swap is one assignment of ``runner.param_leaves``, so an update that fails at any point
-before it leaves the served weights untouched, whole.
+before it leaves the served weights untouched, whole. JAX arrays in single-process mode take
+another path with the same checks, all done before anything changes, then one parameter
+replaced at a time so that the model is never held twice (``on_device_weights.py``).
 
 Every failure of an update is a ``WeightUpdateError`` (a ValueError) with a bounded message
 that names the source being loaded: the scheduler answers it as a failed update and serves on.
@@ -32,6 +34,7 @@ from jax.experimental import multihost_utils
 
 from sgl_jax.srt.bounded_text import bound_message, name_list, short_repr
 from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.model_executor.on_device_weights import OnDeviceUpdate
 from sgl_jax.srt.model_loader.loader import ArraySource, SafetensorsCheckpoint, read_params
 
 logger = logging.getLogger(__name__)
@@ -118,6 +121,11 @@ class WeightUpdater:
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
+        self.seconds = 0.0
+        # Bytes of the last update that crossed between host and devices: the on-device path's
+        # finiteness verdict; numpy arrays' own bytes; -1 from disk (not counted).
+        self.host_bytes = -1
+        self.peak_device_bytes = 0  # the on-device path's measured peak (0: not measured)
 
     def update_from_disk(self, model_path: str) -> int:
         """Every parameter from the checkpoint at ``model_path``; returns the count."""
@@ -126,14 +134,48 @@ class WeightUpdater:
             return self._read(SafetensorsCheckpoint(model_path), partial=False)
         return self._replace(model_path, read)
 
-    def update_from_arrays(self, arrays: dict[str, Any]) -> int:
+    def update_from_arrays(self, arrays: dict[str, Any], measure_memory: bool = False) -> int:
         """The parameters made of the given tensors (numpy or JAX arrays by Hugging Face name;
-        all experts of a stacked projection together); returns how many were replaced."""
-        def read() -> tuple[list, int]:
-            if not isinstance(arrays, dict) or not arrays:
-                raise WeightUpdateError("no arrays given: pass tensors by Hugging Face name")
-            return self._read(ArraySource(arrays), partial=True)
-        return self._replace(ArraySource.where, read)
+        all experts of a stacked projection together); returns how many were replaced.
+        When every one is a JAX array (they reach the runner by reference in single-process
+        mode), the update runs on the devices, one parameter at a time
+        (``on_device_weights``; ``measure_memory``: sample the live device bytes at its
+        peak); otherwise they are read as a checkpoint is, through the host."""
+        if not isinstance(arrays, dict) or not arrays:
+            raise WeightUpdateError("no arrays given: pass tensors by Hugging Face name")
+        if all(isinstance(a, jax.Array) for a in arrays.values()):
+            return self._update_on_device(arrays, measure_memory)
+        count = self._replace(ArraySource.where,
+                              lambda: self._read(ArraySource(arrays), partial=True))
+        self.host_bytes = sum(a.nbytes for a in arrays.values() if isinstance(a, np.ndarray))
+        return count
+
+    def _update_on_device(self, arrays: dict[str, jax.Array], measure_memory: bool) -> int:
+        """Checks everything, agrees the outcome with the other nodes (one node in practice:
+        single-process mode), then replaces the parameters one by one."""
+        t0 = time.perf_counter()
+        # The last step's outputs (the KV cache) ready: no step reads the parameters any
+        # more. (Not every live array: in the trainer's process those are the trainer's too.)
+        jax.block_until_ready([a for a in self.runner.kv_caches if isinstance(a, jax.Array)])
+        update = OnDeviceUpdate(self.runner, arrays, measure_memory)
+        error = None
+        try:
+            as_update_error(ArraySource.where, update.check)
+        except WeightUpdateError as e:
+            error = e
+        error = agree_across_nodes(error)
+        if error is not None:
+            raise error
+        as_update_error(ArraySource.where, update.apply)
+        self.seconds = time.perf_counter() - t0
+        self.host_bytes = update.host_bytes
+        self.peak_device_bytes = update.peak_device_bytes
+        return update.count
+
+    def report(self, count: int) -> dict[str, Any]:
+        """The last update's figures, as ``UpdateWeightsReqOutput`` fields."""
+        return {"num_parameters": count, "seconds": self.seconds,
+                "host_bytes": self.host_bytes, "peak_device_bytes": self.peak_device_bytes}
 
     def _replace(self, where: str, read: Callable[[], tuple[list, int]]) -> int:
         """Reads with ``read``, agrees the outcome with the other nodes, then swaps: all of
@@ -153,6 +195,7 @@ class WeightUpdater:
             raise error
         self.runner.param_leaves = leaves  # the swap: one assignment, nothing fails after it
         self.seconds = time.perf_counter() - t0
+        self.host_bytes, self.peak_device_bytes = -1, 0
         return count
 
     def _read(self, source: SafetensorsCheckpoint | ArraySource,

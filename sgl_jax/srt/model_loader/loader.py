@@ -186,11 +186,16 @@ class ArraySource:
         return tuple(self._arrays[name].shape)
 
     def is_float(self, name: str) -> tuple[bool, str]:
-        dtype = np.dtype(self._arrays[name].dtype)
-        return bool(jnp.issubdtype(dtype, jnp.floating)), dtype.name
+        return _float_dtype(np.dtype(self._arrays[name].dtype))
 
     def read(self, name: str, index: tuple[slice, ...]) -> Any:
         return self._arrays[name][index]
+
+
+@functools.cache
+def _float_dtype(dtype: np.dtype) -> tuple[bool, str]:
+    # Cached: a model's update can give tens of thousands of tensors of one or two dtypes.
+    return bool(jnp.issubdtype(dtype, jnp.floating)), dtype.name
 
 
 def load_model(
@@ -228,18 +233,20 @@ def location_values(config: ModelConfig, state: nnx.State, mesh: Mesh,
     return out
 
 
-def read_params(
-    config: ModelConfig, state: nnx.State, mesh: Mesh, placement: ExpertPlacement,
-    source: SafetensorsCheckpoint | ArraySource, partial: bool = False,
-) -> dict[Path, jax.Array]:
-    """The parameters of ``state`` (abstract or loaded) read from ``source`` by their Hugging
-    Face names, converted to each parameter's dtype and placed with its sharding.
+# One parameter to read: its path, its (abstract or loaded) variable, the Hugging Face tensors
+# it is made of (stacked experts: in the placement's physical order) and whether they are
+# stored transposed.
+ParamPlan = tuple[Path, nnx.Variable, list[str], bool]
 
-    Every tensor is checked before anything is returned, so a bad source changes nothing.
-    ``partial``: ``source`` may give a subset (whole parameters: all the experts of a stacked
-    one); only those are returned. Otherwise it must give exactly the model's tensors.
-    """
-    plan: list[tuple[Path, nnx.Variable, list[str], bool]] = []
+
+def plan_params(
+    config: ModelConfig, state: nnx.State, placement: ExpertPlacement,
+    source: SafetensorsCheckpoint | ArraySource, partial: bool = False,
+) -> list[ParamPlan]:
+    """The parameters of ``state`` that ``source`` gives, by name, with their tensors' names
+    checked: CheckpointError for a missing (unless ``partial``), unexpected or incomplete
+    (a stacked parameter needs all its experts) set of names."""
+    plan: list[ParamPlan] = []
     expected: set[str] = set()
     present = source.names()
     for path, var in _flat_params(state):
@@ -278,7 +285,22 @@ def read_params(
             f"{where}: {len(unexpected)} unexpected tensor(s) for {config.architecture}: "
             f"{name_list(unexpected)}"
         )
+    return plan
 
+
+def read_params(
+    config: ModelConfig, state: nnx.State, mesh: Mesh, placement: ExpertPlacement,
+    source: SafetensorsCheckpoint | ArraySource, partial: bool = False,
+) -> dict[Path, jax.Array]:
+    """The parameters of ``state`` (abstract or loaded) read from ``source`` by their Hugging
+    Face names, converted to each parameter's dtype and placed with its sharding.
+
+    Every tensor is checked before anything is returned, so a bad source changes nothing.
+    ``partial``: ``source`` may give a subset (whole parameters: all the experts of a stacked
+    one); only those are returned. Otherwise it must give exactly the model's tensors.
+    """
+    plan = plan_params(config, state, placement, source, partial)
+    where = source.where
     pure: dict[Path, jax.Array] = {}
     finite = FiniteCheck(where)
     for path, var, names, transpose in tqdm(plan, desc="Loading weights", unit="tensor",
@@ -312,7 +334,7 @@ class FiniteCheck:
         for shard in value.addressable_shards:
             if shard.replica_id == 0:
                 first_row = (shard.index[0].start or 0) if stacked else 0
-                self.pending.append((names, first_row, _finite_flags(shard.data, stacked)))
+                self.pending.append((names, first_row, finite_flags(shard.data, stacked)))
 
     def finish(self) -> None:
         pending, self.pending = self.pending, []
@@ -326,7 +348,7 @@ class FiniteCheck:
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _finite_flags(x: jax.Array, per_row: bool) -> jax.Array:
+def finite_flags(x: jax.Array, per_row: bool) -> jax.Array:
     """One flag per leading row (``per_row``) or one in all: no NaN and no infinity. x * 0 is 0
     for a finite value and NaN otherwise, so a sum of those is exactly 0 iff all are finite
     (it cannot overflow); it runs faster than isfinite().all() on a CPU."""
@@ -343,19 +365,13 @@ def _layer_index(name: str) -> int:
     return -1
 
 
-def _place(var: nnx.Variable, mesh: Mesh, names: list[str],
-           source: SafetensorsCheckpoint | ArraySource, transpose: bool,
-           architecture: str) -> jax.Array:
-    """One parameter from its tensors: transposed (Hugging Face stores linear weights [out,
-    in]), stacked (one tensor per expert, on a leading axis), cast and placed.
-
-    Each device's block is read on its own (``jax.make_array_from_callback``; blocks that
-    several devices share are read once), so a host of a multi-host job reads from the files
-    only the experts and slices its devices hold. JAX arrays (a weight update from arrays) are
-    converted on their devices instead (no host copy)."""
+def check_tensors(var: nnx.Variable, names: list[str],
+                  source: SafetensorsCheckpoint | ArraySource, transpose: bool,
+                  architecture: str) -> None:
+    """CheckpointError unless each of a parameter's tensors is floating point and of the shape
+    the parameter needs (one expert's, for a stacked parameter; [out, in] if ``transpose``)."""
     target = var.get_value()
-    stacked = ".experts." in names[0]
-    want = tuple(target.shape[1:] if stacked else target.shape)
+    want = tuple(target.shape[1:] if ".experts." in names[0] else target.shape)
     if transpose:
         want = want[::-1]
     for name in names:
@@ -370,6 +386,21 @@ def _place(var: nnx.Variable, mesh: Mesh, names: list[str],
                 f"{short_repr(source.shape(name))}; {architecture} with this config.json "
                 f"expects {want}"
             )
+
+
+def _place(var: nnx.Variable, mesh: Mesh, names: list[str],
+           source: SafetensorsCheckpoint | ArraySource, transpose: bool,
+           architecture: str) -> jax.Array:
+    """One parameter from its tensors: transposed (Hugging Face stores linear weights [out,
+    in]), stacked (one tensor per expert, on a leading axis), cast and placed.
+
+    Each device's block is read on its own (``jax.make_array_from_callback``; blocks that
+    several devices share are read once), so a host of a multi-host job reads from the files
+    only the experts and slices its devices hold. JAX arrays (a weight update from arrays) are
+    converted on their devices instead (no host copy)."""
+    target = var.get_value()
+    stacked = ".experts." in names[0]
+    check_tensors(var, names, source, transpose, architecture)
     sharding = _param_sharding(var, mesh)
     if isinstance(source, ArraySource) and any(
             isinstance(source.get(n), jax.Array) for n in names):

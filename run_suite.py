@@ -70,6 +70,7 @@ E2E = [
     "tests/test_single_process.py",
     "tests/test_score.py",
     "tests/test_weight_api_sglang.py",
+    "tests/test_weight_update_on_device.py",
 ]
 # Optional checks outside every suite (they skip without packages the project does not need).
 # tests/tunix (the tunix extra) has its own CI stage and environment (.ci/run).

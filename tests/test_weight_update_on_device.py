@@ -237,3 +237,15 @@ def test_reshards_on_a_mesh():
                                               "completion_tokens": len(ids)}}
             for ids, rows in zip(report["output_ids"], report["routed_experts"], strict=True)]
     check_against_reference(outs, report["model_path"])
+
+
+def test_colocated_loop_example_runs():
+    """docs/rl_rollouts.md's colocated loop: generate -> score -> train -> sync ->
+    release/resume, in one process, the sync on device (1 host byte: the finiteness verdict)."""
+    script = os.path.join(os.path.dirname(__file__), "..", "docs", "examples",
+                          "colocated_loop.py")
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert out.count("prompt reused by 4 of 4") == 2 and out.count("1 host byte(s)") == 2
+    assert out.rstrip().endswith("done")

@@ -26,7 +26,6 @@ from safetensors.numpy import load_file, save_file
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.utils import free_port
 from sgl_jax.testing import TEST_MODEL_PATH, MultiNodeJob, ServerProcess, server_flags, wait_until
-from sgl_jax.tools.make_random_model import write_random_model
 from tests.engine_utils import decoded_rows, expected_rows, prompt_ids, reference_greedy
 
 CFG = ModelConfig.from_hf(TEST_MODEL_PATH)
@@ -136,13 +135,6 @@ def test_release_and_resume_reach_every_node(two_nodes, two_node_results):
     assert wait_until(lambda: "resumed kv_cache, weights" in two_nodes.follower_log(), timeout=10)
     assert "released kv_cache, weights: live device bytes" in two_nodes.follower_log()
     assert "diverge" not in two_nodes.follower_log()
-
-
-@pytest.fixture(scope="module")
-def second_ckpt(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("second_ckpt"))
-    write_random_model(path, "tiny", seed=1)
-    return path
 
 
 def test_weight_update_reaches_every_node(two_nodes, two_node_results, second_ckpt, tmp_path):

@@ -34,13 +34,6 @@ BASE = TEST_MODEL_PATH  # the checkpoint the server starts on
 
 
 @pytest.fixture(scope="module")
-def second_ckpt(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("second_ckpt"))
-    write_random_model(path, "tiny", seed=1)
-    return path
-
-
-@pytest.fixture(scope="module")
 def server(request):
     yield from server_fixture(request, server_flags(enable_return_routed_experts=True))
 

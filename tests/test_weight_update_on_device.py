@@ -33,7 +33,6 @@ from sgl_jax.srt.managers import array_handoff
 from sgl_jax.srt.managers.control import UpdateWeightsInProcess
 from sgl_jax.srt.model_executor.memory_occupation import live_device_bytes
 from sgl_jax.testing import TEST_MODEL_PATH, engine_args, wait_until
-from sgl_jax.tools.make_random_model import write_random_model
 from tests.engine_utils import decoded_rows, expected_rows, prompt_ids, reference_greedy
 
 CFG = ModelConfig.from_hf(TEST_MODEL_PATH)
@@ -41,13 +40,6 @@ L, K = CFG.num_hidden_layers, CFG.num_experts_per_tok
 PROMPTS = [prompt_ids(700 + i, 5 + 11 * i) for i in range(3)]
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 REPO = Path(__file__).absolute().parents[1]
-
-
-@pytest.fixture(scope="module")
-def second_ckpt(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("second_ckpt"))
-    write_random_model(path, "tiny", seed=1)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -315,8 +315,9 @@ class UpdateWeightsInProcess(UpdateWeights):
     """Single-process mode: the parameters made of JAX arrays the caller handed over by
     reference (``array_handoff``, under ``handle``), converted on the devices. Only the token
     crosses the socket; a scheduler in another process finds no arrays under it (refused).
-    Not in ``node_wire``: single-process mode runs on one node."""
+    Not mirrored, not in ``node_wire``: single-process mode runs on one node."""
 
+    mirrored = False
     handle: str
     weight_version: str | None = None
     abort_all_requests: bool = False

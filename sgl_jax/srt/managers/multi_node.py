@@ -163,9 +163,9 @@ class LeaderRunner:
     def control(self, op: ControlOp) -> Any:
         """``op.apply_on_node`` on every node; an error here (ValueError, OSError) is raised
         after the followers learn it, so they can check theirs."""
-        assert op.mirrored, f"{type(op).__name__} is not applied on every node"
-        if self.channel is None:
+        if self.channel is None:  # one node: every operation that changes it applies here
             return op.apply_on_node(self.node_control)
+        assert op.mirrored, f"{type(op).__name__} is not applied on every node"
         self.channel.publish("control", op)
         try:
             result = op.apply_on_node(self.node_control)

@@ -38,7 +38,7 @@ from sgl_jax.srt.managers.control import (
 )
 from sgl_jax.srt.managers.finish_checker import FinishChecker
 from sgl_jax.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
-from sgl_jax.srt.managers.multi_node import LeaderRunner, open_leader_channel
+from sgl_jax.srt.managers.multi_node import LeaderRunner, exit_on_fatal, open_leader_channel
 from sgl_jax.srt.managers.output_sender import OutputSender
 from sgl_jax.srt.managers.req_memory import ReqMemory
 from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch, finish_abort, finish_length
@@ -581,11 +581,12 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, pipe: An
     except BaseException:
         logger.error("scheduler crashed:\n%s", traceback.format_exc())
         if server_args.nnodes > 1:
-            # JAX's atexit hook shuts the distributed runtime down, which waits for every
-            # node, and a lost node never answers: leave at once (the parent sees the exit).
-            scheduler.close()
-            logging.shutdown()
-            os._exit(1)
+            # A step fails when a node is lost, and the step channel's watcher then names it
+            # (exit_on_fatal) within a heartbeat or two: give it that long. Never fall through
+            # to a normal exit: JAX's atexit hook shuts the distributed runtime down, which
+            # waits for every node, and a lost node never answers.
+            time.sleep(min(server_args.dist_timeout, 5.0))
+            exit_on_fatal("the scheduler crashed (see above)")
         raise
     finally:
         scheduler.close()

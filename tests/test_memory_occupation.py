@@ -275,3 +275,34 @@ def test_http_routes_need_the_admin_key(server, path):
     res = call(server, path, USER)
     assert res.status_code == 403 and res.json()["error"]["code"] == "admin_key_required"
     assert server.get("/get_server_info").json()["released_memory"] == []
+
+
+def test_a_failed_resume_keeps_the_host_copy(monkeypatch):
+    """Resume out of device memory (simulated by JAX's device_put failing on the second
+    array) leaves the weights released with their host copy, and a retry restores them."""
+    import jax
+    import jax.numpy as jnp
+
+    from sgl_jax.srt.model_executor import memory_occupation
+
+    occupation = memory_occupation.MemoryOccupation()
+    arrays = [jnp.arange(8.0), jnp.ones((2, 3), jnp.int32)]
+    want = [np.asarray(a) for a in arrays]
+    occupation.release("weights", arrays, keep=True)
+    real_put, calls = jax.device_put, []
+
+    def failing_put(x: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        return real_put(x, *args, **kwargs)
+
+    monkeypatch.setattr(memory_occupation.jax, "device_put", failing_put)
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):
+        occupation.resume("weights")
+    assert occupation.released() == {"weights"}
+    monkeypatch.setattr(memory_occupation.jax, "device_put", real_put)
+    back = occupation.resume("weights")
+    assert occupation.released() == frozenset()
+    for got, expected in zip(back, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), expected)

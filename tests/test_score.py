@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from sgl_jax import Engine
-from sgl_jax.testing import engine_args, server_flags
+from sgl_jax.testing import engine_args, server_flags, wait_until
 from tests.engine_utils import assert_no_leak, expected_rows, prompt_ids, reference
 from tests.server_utils import server_fixture
 from tests.test_logprobs import RTOL, TOL, ref_logprobs
@@ -83,6 +83,33 @@ def test_async_score(engine):
         return await engine.async_score(PROMPT, COMPLETIONS[:2])
 
     check_logprobs(asyncio.run(run()), [PROMPT] * 2, COMPLETIONS[:2], 1.0)
+
+
+def test_an_aborted_score_raises(engine):
+    """A score whose requests are aborted (here by a weight update that aborts everything,
+    while generation is paused) raises instead of returning short logprobs."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def score() -> None:
+        try:
+            engine.score([5, 6, 7], [[8, 9, 10]])
+        except BaseException as e:  # noqa: BLE001 - what the caller sees
+            errors.append(e)
+
+    engine.pause_generation()
+    thread = threading.Thread(target=score)
+    try:
+        thread.start()
+        assert wait_until(lambda: engine.get_server_info()["num_waiting_reqs"] > 0, timeout=30)
+        engine.update_weights_from_disk(engine.server_args.model_path, abort_all_requests=True)
+    finally:
+        engine.continue_generation()
+        thread.join(60)
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError), errors
+    assert "ended with 0 logprobs" in str(errors[0])
+    assert_no_leak(engine)
 
 
 @pytest.mark.parametrize("prompts,completions,needle", [

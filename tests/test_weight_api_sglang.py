@@ -226,3 +226,29 @@ def test_other_sglang_rl_calls_as_docs_say(server):
     assert server.post("/continue_generation", headers=ADMIN_HEADERS).status_code == 200
     assert server.post("/get_weights_by_name", headers=ADMIN_HEADERS,
                        json={"name": "lm_head.weight"}).status_code == 404
+
+
+def test_a_second_upload_is_refused_while_one_arrives(server):
+    """While one upload's body is still arriving, a second upload is refused (409) before its
+    body is read; the first, once complete, is answered as usual."""
+    import socket
+
+    body = save({"lm_head.weight": np.zeros((4, 4), np.float32)})  # a wrong shape: a 400
+    head = (f"POST /update_weights_from_tensor HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Authorization: Bearer {ADMIN}\r\nContent-Type: application/octet-stream\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as first:
+        first.sendall(head + body[:10])  # the rest comes later
+        for _ in range(50):  # until the server has taken the first upload's lock
+            second = requests.post(server.url + "/update_weights_from_tensor", data=body,
+                                   headers=OCTET, timeout=30)
+            if second.status_code == 409:
+                break
+        assert second.status_code == 409, second.text
+        assert second.json()["error"]["code"] == "update_in_progress"
+        first.sendall(body[10:])
+        reply = first.makefile("rb").read().decode()
+    assert reply.startswith("HTTP/1.1 400") and "lm_head.weight" in reply
+    after = requests.post(server.url + "/update_weights_from_tensor", data=body,
+                          headers=OCTET, timeout=30)
+    assert after.status_code == 400  # the lock was released

@@ -17,10 +17,11 @@ What tunix gets, per ``BaseRollout``:
   samplers do), the sampled tokens (a stop token included, as vLLM's rollout keeps it), their
   text and the engine's per-token logprobs at the rollout temperature (what tunix recomputes:
   ``log_softmax(logits / T)``).
-- ``get_per_token_logps``: the engine's logprobs of given completions (a ``/generate`` with
-  ``max_new_tokens=0`` and ``logprob_start_len`` at the prompt's end), at the temperature of
-  the rollout config the rollout was built with; pad positions hold 0, and pad tokens are left
-  out of the sequence, as tunix's masks leave them out.
+- ``get_per_token_logps``: the engine's logprobs of given completions (``Engine.score``: a
+  shared prompt computed once; an aborted score raises), at the temperature of
+  the rollout config the rollout was built with; the padding (a prompt's leading pads, a
+  completion's trailing ones) is left out of the sequence, as tunix's masks leave it out, and
+  its positions hold 0.
 - ``update_params``: tunix's Qwen3(-MoE) parameters, renamed to Hugging Face names on device
   (``tunix_qwen3.hf_arrays_from_tunix_qwen3``), into ``Engine.update_weights_from_arrays``.
 
@@ -116,21 +117,20 @@ class SglJaxRollout(base_rollout.BaseRollout):
             raise ValueError(f"prompt_tokens {prompts.shape} and completion_tokens "
                              f"{completions.shape} must be [batch, length] of one batch")
         pad = self.pad_id()
-        kept = completions != pad
+        # Only the padding goes: prompts are left-padded, completions right-padded, and a pad
+        # id inside either is a token of the sequence.
+        kept = np.arange(completions.shape[1])[None, :] < _unpadded_length(completions, pad)
         rows = [i for i in range(len(completions)) if kept[i].any()]
-        seqs = [(prompts[i][prompts[i] != pad].tolist(), completions[i][kept[i]].tolist())
+        seqs = [(_strip_left_padding(prompts[i], pad), completions[i][kept[i]].tolist())
                 for i in rows]
         if any(not prompt for prompt, _ in seqs):
             raise ValueError("a prompt holds only pad tokens: nothing to condition on")
         out = np.zeros(completions.shape, np.float32)
         if rows:
-            scored = self._engine.generate(
-                input_ids=[p + c for p, c in seqs],
-                sampling_params={"max_new_tokens": 0, "temperature": self._temperature},
-                return_logprob=True, logprob_start_len=[len(p) for p, _ in seqs],
-                return_routed_experts=False)
-            for i, res in zip(rows, scored, strict=True):
-                out[i, kept[i]] = [lp for lp, _, _ in res["meta_info"]["input_token_logprobs"]]
+            scored = self._engine.score([p for p, _ in seqs], [c for _, c in seqs],
+                                        temperature=self._temperature)
+            for i, record in zip(rows, scored, strict=True):
+                out[i, kept[i]] = record["logprobs"]
         return jnp.asarray(out)
 
     def update_params(self, params: Any, filter_types: tuple[Any, ...] | None = None) -> None:
@@ -186,6 +186,18 @@ class SglJaxRollout(base_rollout.BaseRollout):
         for row, seq in zip(out, ids, strict=True):
             row[width - len(seq):] = seq
         return out
+
+
+def _unpadded_length(right_padded: np.ndarray, pad: int) -> np.ndarray:
+    """``[batch, 1]``: each row's length without its trailing run of ``pad``."""
+    real = right_padded != pad
+    last = right_padded.shape[1] - np.argmax(real[:, ::-1], axis=1)
+    return np.where(real.any(axis=1), last, 0)[:, None]
+
+
+def _strip_left_padding(row: np.ndarray, pad: int) -> list[int]:
+    real = np.flatnonzero(row != pad)
+    return row[real[0]:].tolist() if real.size else []
 
 
 def _sampling_params(config: base_rollout.RolloutConfig, n: int) -> list[dict[str, Any]]:

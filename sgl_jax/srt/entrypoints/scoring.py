@@ -114,10 +114,16 @@ async def score(
                  # int32 whatever the server's default: -1 marks a layer without a router.
                  **({"routed_experts_dtype": "int32"} if want else {})})))
     records = []
-    for out in outs:
+    for out, completion in zip(outs, completion_ids, strict=True):
         meta = out["meta_info"]
+        logprobs = [entry[0] for entry in meta["input_token_logprobs"]]
+        if len(logprobs) != len(completion):  # aborted (by a caller, an update, a release)
+            reason = (meta.get("finish_reason") or {}).get("message") or "no reason given"
+            raise RuntimeError(
+                f"scoring a completion of {len(completion)} tokens ended with "
+                f"{len(logprobs)} logprobs: {reason}; score it again")
         record: dict[str, Any] = {
-            "logprobs": [entry[0] for entry in meta["input_token_logprobs"]],
+            "logprobs": logprobs,
             "cached_tokens": meta["cached_tokens"],
             "weight_version": meta["weight_version"],
         }

@@ -82,6 +82,10 @@ def _decode(body: bytes, content_type: str,
 
 
 def add_weight_tensor_routes(app: FastAPI, tm: TokenizerManager, max_bytes: int) -> None:
+    # One upload at a time: a body (up to max_bytes) and its decoded tensors are held until
+    # the update is applied, so a second one is refused before its body is read.
+    uploading = asyncio.Lock()
+
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request) -> Response:
         content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -89,8 +93,16 @@ def add_weight_tensor_routes(app: FastAPI, tm: TokenizerManager, max_bytes: int)
                  "weight_version": request.query_params.get("weight_version"),
                  "abort_all_requests": _query_bool(request, "abort_all_requests", False)}
         _query_bool(request, "flush_cache", True)  # checked; the cache is always flushed
+        if uploading.locked():
+            raise OpenAIError(409, "another weight update is being uploaded; retry when it "
+                                   "has finished", code="update_in_progress")
+        async with uploading:
+            return await _update(request, content_type, query)
+
+    async def _update(request: Request, content_type: str, query: dict[str, Any]) -> Response:
         body = await read_body(request, max_bytes)
         arrays, options = await asyncio.to_thread(_decode, body, content_type, query)
+        del body
         if not arrays:
             raise InvalidRequestError("the payload holds no tensor", "serialized_named_tensors")
         out = await tm.control(control.UpdateWeightsFromArrays(arrays=arrays, **options))

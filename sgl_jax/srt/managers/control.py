@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
+from sgl_jax.srt.bounded_text import bound_message
 from sgl_jax.srt.managers import array_handoff
 from sgl_jax.srt.managers.request_options import InvalidRequestError
 
@@ -447,8 +448,11 @@ class _MemoryOccupationOp(ControlOp):
         try:
             tags = self.chosen(target.released_memory())
             result = self.change(target, tags) if tags else {}
-        except ValueError as e:
-            return MemoryOccupationReqOutput(success=False, message=str(e),
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: a reply, never a crash
+            message = str(e) if isinstance(e, ValueError) else (
+                f"{self.verb} failed ({type(e).__name__}: {bound_message(str(e), 500)}); "
+                "what was released stays released and can be resumed again")
+            return MemoryOccupationReqOutput(success=False, message=message,
                                              released=_ordered(target.released_memory()))
         done = f"{self.verb}d {', '.join(tags)}" if tags else f"nothing to {self.verb}"
         return MemoryOccupationReqOutput(success=True, message=done,

@@ -161,15 +161,15 @@ class LeaderRunner:
         return runner.launch_step(plan, rids)[1]
 
     def control(self, op: ControlOp) -> Any:
-        """``op.apply_on_node`` on every node; an error here (ValueError, OSError) is raised
-        after the followers learn it, so they can check theirs."""
+        """``op.apply_on_node`` on every node; an error here is raised after the followers
+        learn it, so they can check theirs."""
         if self.channel is None:  # one node: every operation that changes it applies here
             return op.apply_on_node(self.node_control)
         assert op.mirrored, f"{type(op).__name__} is not applied on every node"
         self.channel.publish("control", op)
         try:
             result = op.apply_on_node(self.node_control)
-        except (ValueError, OSError) as e:
+        except Exception as e:
             self.channel.publish("outcome", str(e))
             raise
         self.channel.publish("outcome", None)
@@ -234,7 +234,7 @@ class Follower:
                 try:
                     payload.apply_on_node(self.node_control)
                     outcome = None
-                except (ValueError, OSError) as e:
+                except Exception as e:  # noqa: BLE001 - compared with rank 0's outcome
                     outcome = str(e)
             else:
                 exit_on_fatal(f"rank 0 sent {op!r} with a {type(payload).__name__}, which "

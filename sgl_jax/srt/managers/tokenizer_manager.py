@@ -381,12 +381,15 @@ class TokenizerManager:
         returns its reply (an ``op.reply_type``). Raises InvalidRequestError for an operation
         the caller got wrong, TimeoutError after ``op.timeout`` seconds."""
         self._check_alive()
-        # A copy: the id is this call's, whatever the caller does with its object.
-        op = dataclasses.replace(op.checked())
+        # Checking and pickling an operation can be heavy (a weight update's arrays): both
+        # run in a worker thread, off the event loop. A copy: the id is this call's,
+        # whatever the caller does with its object.
+        given = op
+        op = await asyncio.to_thread(lambda: dataclasses.replace(given.checked()))
         op.call_id = next(self._call_ids)
         fut: Future = Future()
         self._control[op.call_id] = fut
-        self._send_obj(op)
+        await asyncio.to_thread(self._send_obj, op)
         reply = await asyncio.wait_for(asyncio.wrap_future(fut), op.timeout)
         if not isinstance(reply, op.reply_type):
             raise TypeError(f"{type(op).__name__} got a {type(reply).__name__} reply")

@@ -109,13 +109,26 @@ class MemoryOccupation:
 
     def resume(self, tag: str) -> list[jax.Array]:
         """New arrays for the placeholders of ``tag``: its kept contents, or zeros."""
-        released = self._released.pop(tag, None)
+        released = self._released.get(tag)
         if released is None:
             raise ValueError(f"{tag} is not released")
-        if released.host is not None:
-            return [_to_device(h, s) for h, s in zip(released.host, released.specs, strict=True)]
-        if tag not in self._zeros:
-            specs = released.specs
-            self._zeros[tag] = jax.jit(lambda: [jnp.zeros(s.shape, s.dtype) for s in specs],
-                                       out_shardings=[s.sharding for s in specs])
-        return self._zeros[tag]()
+        # The tag stays released (its host copy kept) until every array exists: a resume that
+        # fails, say out of device memory while the trainer still holds its own, can be retried.
+        made: list[jax.Array] = []
+        try:
+            if released.host is not None:
+                for host, spec in zip(released.host, released.specs, strict=True):
+                    made.append(_to_device(host, spec))
+            else:
+                if tag not in self._zeros:
+                    specs = released.specs
+                    self._zeros[tag] = jax.jit(
+                        lambda: [jnp.zeros(s.shape, s.dtype) for s in specs],
+                        out_shardings=[s.sharding for s in specs])
+                made = self._zeros[tag]()
+        except BaseException:
+            for a in made:
+                a.delete()
+            raise
+        del self._released[tag]
+        return made

@@ -146,7 +146,8 @@ class TokenizerManager:
                 f"characters never does)", param)
 
     async def in_tokenizer_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Runs tokenizer work (encoding, a chat template) off the event loop."""
+        """Runs tokenizer work (encoding, a chat template) and the checking and sending of
+        control operations off the event loop, in the manager's pool (joined at close)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_pool, functools.partial(fn, *args))
 
@@ -382,14 +383,14 @@ class TokenizerManager:
         the caller got wrong, TimeoutError after ``op.timeout`` seconds."""
         self._check_alive()
         # Checking and pickling an operation can be heavy (a weight update's arrays): both
-        # run in a worker thread, off the event loop. A copy: the id is this call's,
-        # whatever the caller does with its object.
+        # run in the manager's worker threads (joined at close), off the event loop. A copy:
+        # the id is this call's, whatever the caller does with its object.
         given = op
-        op = await asyncio.to_thread(lambda: dataclasses.replace(given.checked()))
+        op = await self.in_tokenizer_thread(lambda: dataclasses.replace(given.checked()))
         op.call_id = next(self._call_ids)
         fut: Future = Future()
         self._control[op.call_id] = fut
-        await asyncio.to_thread(self._send_obj, op)
+        await self.in_tokenizer_thread(self._send_obj, op)
         reply = await asyncio.wait_for(asyncio.wrap_future(fut), op.timeout)
         if not isinstance(reply, op.reply_type):
             raise TypeError(f"{type(op).__name__} got a {type(reply).__name__} reply")

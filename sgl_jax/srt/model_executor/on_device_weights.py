@@ -41,6 +41,7 @@ from sgl_jax.srt.model_loader.loader import (
     CheckpointError,
     check_tensors,
     finite_flags,
+    is_stacked_experts,
     plan_params,
 )
 
@@ -50,6 +51,7 @@ class _Param:
     var: nnx.Variable  # the served parameter's variable (in the runner's state)
     names: list[str]  # its Hugging Face tensors (stacked: in physical order)
     transpose: bool
+    stacked: bool  # one tensor per expert, stacked in physical order
     sources: list[jax.Array]  # the given arrays
     on_mesh: bool  # all on the engine's devices, in its order (else moved there first)
 
@@ -91,11 +93,12 @@ class OnDeviceUpdate:
         cfg = runner.model_config
         plan = plan_params(cfg, self.state, runner.expert_placement, self.source, partial=True)
         with no_host_transfers():
-            for _path, var, names, transpose in plan:
+            for path, var, names, transpose in plan:
                 check_tensors(var, names, self.source, transpose, cfg.architecture)
                 sources = [self.source.get(n) for n in names]
                 on_mesh = all(_on_mesh(s, runner.mesh) for s in {a.sharding for a in sources})
-                self.params.append(_Param(var, names, transpose, sources, on_mesh))
+                self.params.append(_Param(var, names, transpose, is_stacked_experts(path),
+                                          sources, on_mesh))
             flags = [_finite_flags(p, runner.mesh) for p in self.params]
             verdict = _all_true(flags) if flags else None
         if verdict is None:
@@ -125,11 +128,10 @@ class OnDeviceUpdate:
             with no_host_transfers():
                 for param in self.params:
                     old = param.var.get_value()
-                    stacked = ".experts." in param.names[0]  # as the loader: one per expert
                     sources = param.sources if param.on_mesh else [
-                        _onto_mesh(a, old.sharding, param.transpose, stacked)
+                        _onto_mesh(a, old.sharding, param.transpose, param.stacked)
                         for a in param.sources]
-                    new = _converter(param.transpose, stacked, jnp.dtype(old.dtype),
+                    new = _converter(param.transpose, param.stacked, jnp.dtype(old.dtype),
                                      old.sharding)(sources)
                     del sources
                     if (new.shape, new.dtype, new.sharding) != (old.shape, old.dtype,

@@ -37,6 +37,11 @@ Path = tuple[str | int, ...]
 _STACKED_EXPERTS = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
 
 
+def is_stacked_experts(path: Path) -> bool:
+    """Whether the parameter at ``path`` stacks one Hugging Face tensor per expert."""
+    return path[-1] in _STACKED_EXPERTS
+
+
 class CheckpointError(ValueError):
     pass
 
@@ -252,7 +257,7 @@ def plan_params(
     for path, var in _flat_params(state):
         if not isinstance(var, nnx.Param):  # EPLB placement arrays: not in a checkpoint
             continue
-        stacked = path[-1] in _STACKED_EXPERTS
+        stacked = is_stacked_experts(path)
         order = placement.physical_order(layer_of(path)) if stacked else None
         names, transpose = hf_sources(path, var, config.num_experts, order)
         expected.update(names)

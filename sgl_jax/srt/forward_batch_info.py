@@ -180,6 +180,9 @@ class ModelWorkerBatch:
     # Per request, whether it asked (bool [B]) when only some did; None when all or none did.
     routed_reqs: np.ndarray | None = None
     logprobs: LogprobRequest | None = None  # some request asks for logprobs
+    # Data-parallel attention: the attention rank of each row (int32 [B], any order; a row's
+    # KV slots are its rank's). None when dp_size == 1.
+    dp_ranks: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 ROUTED_EXPERTS_DTYPES = ("int32", "int16", "uint16", "uint8")  # routed_experts_codec's names
 EXPERT_DISTRIBUTION_MODES = ("stat", "per_pass", "per_token")  # layers/moe/expert_distribution
 EPLB_ALGORITHMS = ("greedy", "hierarchical")  # layers/moe/eplb
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens")  # DP attention
 
 
 def _arg(default: Any, help: str, **kw: Any) -> Any:
@@ -123,6 +124,21 @@ class ServerArgs:
     # Parallelism
     tp_size: int = _arg(1, "Tensor-parallel size (devices along the 'tensor' mesh axis).")
     ep_size: int = _arg(1, "Expert-parallel size (devices along the 'expert' mesh axis).")
+    enable_dp_attention: bool = _arg(
+        False, "Data-parallel attention: split the devices into --dp-size attention ranks, each "
+               "with its own requests and KV pages (nothing of attention, the dense layers or "
+               "the LM head is replicated over them), while the routed experts stay spread over "
+               "every device; tokens go to their experts' owners and back in each MoE layer "
+               "(docs/parallelism.md). The ranks are the rows of the 'expert' axis: dp_size = "
+               "ep_size.")
+    dp_size: int = _arg(
+        1, "Attention ranks with --enable-dp-attention (each has tp_size devices; equal to "
+           "ep_size). 1: attention runs on every device for every token.")
+    load_balance_method: str = _arg(
+        "round_robin", "How the scheduler gives a new request to a DP attention rank: "
+        "round_robin, shortest_queue (fewest requests), minimum_tokens (fewest tokens held "
+        "or queued). A request whose prompt prefix is cached on a rank goes there.",
+        choices=LOAD_BALANCE_METHODS)
     device_indexes: list[int] | None = _arg(
         None, "Run on these devices (positions in jax.devices()), e.g. '0 1' next to a trainer "
               "on the other devices of the host; tp_size x ep_size of them form the mesh. "
@@ -256,7 +272,7 @@ class ServerArgs:
         for name in ("max_running_requests", "chunked_prefill_size", "stream_interval",
                      "tp_size", "ep_size", "attention_block_size", "nnodes",
                      "max_prompts_per_request", "http_max_connections",
-                     "max_weight_update_bytes"):
+                     "max_weight_update_bytes", "dp_size"):
             if getattr(self, name) < 1:
                 fail(f"{name}={getattr(self, name)} must be >= 1")
         if not 0 <= self.node_rank < self.nnodes:
@@ -326,6 +342,17 @@ class ServerArgs:
             if self.ep_expert_mapping:
                 fail("enable_eplb and ep_expert_mapping are exclusive (EPLB places the experts; "
                      "give an initial placement with init_expert_location)")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            fail(f"load_balance_method={self.load_balance_method!r}; use one of "
+                 f"{', '.join(LOAD_BALANCE_METHODS)}")
+        if self.dp_size > 1 and not self.enable_dp_attention:
+            fail(f"dp_size={self.dp_size} needs enable_dp_attention (data-parallel attention "
+                 "ranks); add --enable-dp-attention")
+        if self.dp_size > 1 and self.dp_size != self.ep_size:
+            fail(f"enable_dp_attention with dp_size={self.dp_size} and ep_size={self.ep_size}: "
+                 "the attention ranks are the rows of the 'expert' mesh axis, so dp_size must "
+                 f"equal ep_size (e.g. --ep-size {self.dp_size} --dp-size {self.dp_size}, each "
+                 "rank tp_size devices)")
         if self.moe_backend not in MOE_BACKENDS:
             fail(f"moe_backend={self.moe_backend!r}; use one of {', '.join(MOE_BACKENDS)}")
         if self.enable_deterministic_inference:

@@ -63,18 +63,31 @@ class TokenToKVPoolAllocator:
     give a request's slots in position order, so the slots of one page are adjacent; what they
     free is whole pages plus at most one partial tail page per request (its positions
     ``[aligned_len, kv_len)``), and every page exactly once. Freeing a free page raises.
+
+    Data-parallel attention gives each rank an allocator of its own over a contiguous range
+    of the device's pages (``first_page``: the rank's reserved padding page, then its usable
+    pages ``first_page + 1 .. first_page + size // P``), so a rank's requests only ever hold
+    pages of the rank's shard of the KV cache.
     """
 
-    def __init__(self, size: int, page_size: int = 1) -> None:
+    def __init__(self, size: int, page_size: int = 1, first_page: int = 0) -> None:
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size={page_size} must be a power of two >= 1")
         if size < 0 or size % page_size:
             raise ValueError(f"size={size} must be a multiple of page_size={page_size}")
+        if first_page < 0:
+            raise ValueError(f"first_page={first_page} must be >= 0")
         self.page_size = page_size
+        self.first_page = first_page  # the padding page; usable pages follow it
         self.size = size  # usable tokens
         self.num_pages = size // page_size  # usable pages, 1 .. num_pages
         self._offsets = np.arange(page_size, dtype=np.int32)
         self.clear()
+
+    @property
+    def padding_slot(self) -> int:
+        """The slot padded tokens of this allocator's rank write (never handed out)."""
+        return self.first_page * self.page_size
 
     @property
     def num_slots(self) -> int:
@@ -104,7 +117,7 @@ class TokenToKVPoolAllocator:
         start = self._num_free - k
         pages = self._free[start : self._num_free].copy()
         self._num_free = start
-        self._is_free[pages] = False
+        self._is_free[pages - self.first_page] = False
         return pages
 
     def alloc(self, n: int) -> np.ndarray | None:
@@ -174,14 +187,19 @@ class TokenToKVPoolAllocator:
         k = len(pages)
         if self._num_free + k > self.num_pages:
             raise RuntimeError("more KV pages freed than were allocated")
-        if self._is_free[pages].any():
+        local = pages - self.first_page
+        if local.min() < 0 or local.max() > self.num_pages:
+            raise RuntimeError(f"KV pages outside this allocator's range were freed: {pages}")
+        if self._is_free[local].any():
             raise RuntimeError("a KV page was freed twice, or was never handed out")
-        self._is_free[pages] = True
+        self._is_free[local] = True
         self._free[self._num_free : self._num_free + k] = pages
         self._num_free += k
 
     def clear(self) -> None:
-        self._free = np.arange(1, self.num_pages + 1, dtype=np.int32)  # a stack: top at the end
+        self._free = np.arange(  # a stack: top at the end
+            self.first_page + 1, self.first_page + self.num_pages + 1, dtype=np.int32)
         self._num_free = self.num_pages
-        # Page 0 (padding) counts as free, so that freeing it raises; it is never handed out.
+        # The padding page counts as free, so that freeing it raises; it is never handed out.
+        # Indexed by page - first_page.
         self._is_free = np.ones(self.num_pages + 1, dtype=bool)

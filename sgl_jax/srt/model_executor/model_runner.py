@@ -105,8 +105,17 @@ class MemoryPools:
     rows of those slots (None when capture is off)."""
 
     req_to_token: ReqToTokenPool
-    kv_allocator: TokenToKVPoolAllocator
+    # One per data-parallel attention rank (one in all without DP attention): rank r's hands
+    # out pages of rank r's shard of the KV cache only.
+    kv_allocators: tuple[TokenToKVPoolAllocator, ...]
     routed_rows: RoutedExpertsHostCache | None
+
+    @property
+    def kv_allocator(self) -> TokenToKVPoolAllocator:
+        """The allocator of a runner without DP attention."""
+        if len(self.kv_allocators) != 1:
+            raise ValueError("DP attention has one KV allocator per rank: use kv_allocators")
+        return self.kv_allocators[0]
 
 
 @dataclass
@@ -247,10 +256,18 @@ class ModelRunner:
 
         self.max_total_tokens = self._resolve_max_total_tokens()
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.page_width)
-        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(
-            self.max_total_tokens, page_size=self.page_size
+        # DP attention: the KV cache's pages are split over the ranks ("data" = "expert"
+        # axis), each rank with its own allocator over its own contiguous range of pages.
+        self.dp_size = server_args.dp_size
+        rank_tokens = round_up(-(-self.max_total_tokens // self.dp_size), self.page_size)
+        rank_pages = rank_tokens // self.page_size + 1  # + the rank's padding page
+        self.kv_allocators = tuple(
+            TokenToKVPoolAllocator(rank_tokens, page_size=self.page_size,
+                                   first_page=r * rank_pages)
+            for r in range(self.dp_size)
         )
-        num_slots = self.token_to_kv_pool_allocator.num_slots
+        self.token_to_kv_pool_allocator = self.kv_allocators[0]
+        num_slots = self.dp_size * rank_pages * self.page_size
         replicated = NamedSharding(self.mesh, PartitionSpec())
         cfg = model_config
         head_axis = "tensor" if cfg.kv_cache_sharded else None
@@ -367,8 +384,7 @@ class ModelRunner:
     # -- the scheduler's side ---------------------------------------------------------------------
     def memory_pools(self) -> MemoryPools:
         """The host memory the scheduler hands out (the runner's steps read what it records)."""
-        return MemoryPools(self.req_to_token_pool, self.token_to_kv_pool_allocator,
-                           self.capturer.host_cache)
+        return MemoryPools(self.req_to_token_pool, self.kv_allocators, self.capturer.host_cache)
 
     def collect_routing(self, out: StepOutput, out_cache_loc: np.ndarray, copy: bool) -> None:
         """The host side of a processed step's routing, for both consumers: its routed-experts

@@ -36,7 +36,9 @@ def run_scenario(runner: Any) -> dict[str, np.ndarray]:
     out["logits_0"], (out["rows_0_a"],) = driver.step(
         ForwardMode.EXTEND, [a], [a_ids[:FIRST_CHUNK]]
     )
-    b, c = driver.new_seq(), driver.new_seq()
+    # With DP attention: b on a's rank (its prefix is there), c on the last rank, which
+    # is idle in the first step (and the middle ranks in every step, with dp > 2).
+    b, c = driver.new_seq(rank=a.rank), driver.new_seq(rank=-1)
     driver.share_prefix(b, a, SHARED)
     logits, rows = driver.step(
         ForwardMode.EXTEND, [a, b, c], [a_ids[FIRST_CHUNK:], b_new, c_ids]

@@ -21,27 +21,34 @@ class Seq:
     length: int = 0  # tokens already in the KV cache
     slots: list[int] = field(default_factory=list)
     shared: int = 0  # leading slots borrowed from another Seq (a cached prefix): not freed
+    rank: int = 0  # DP attention: the rank whose KV pages it holds
 
 
 class ModelDriver:
     """With ``page_size > 1`` the driver hands out KV pages itself (in random order, never
-    through the allocator): positions [i*P, (i+1)*P) of a sequence share one page."""
+    through the allocator): positions [i*P, (i+1)*P) of a sequence share one page. With DP
+    attention each sequence lives on one rank and takes that rank's pages only."""
 
     def __init__(self, runner: ModelRunner, rng_seed: int = 0) -> None:
         self.runner = runner
         self.rng = np.random.default_rng(rng_seed)
         self.page_size = runner.page_size
-        num_pages = runner.token_to_kv_pool_allocator.num_slots // self.page_size
-        self.free_pages = self.rng.permutation(np.arange(1, num_pages)).tolist()
+        self.dp_size = runner.dp_size
+        self.free_pages = [
+            self.rng.permutation(np.arange(a.first_page + 1, a.first_page + 1 + a.num_pages))
+            .tolist() for a in runner.kv_allocators
+        ]
 
-    def new_seq(self) -> Seq:
+    def new_seq(self, rank: int = 0) -> Seq:
+        """A new sequence on DP rank ``rank`` (-1: the last rank; all one rank without DP)."""
         idx = self.runner.req_to_token_pool.alloc()
         assert idx is not None
-        return Seq(idx)
+        return Seq(idx, rank=rank % self.dp_size)
 
     def share_prefix(self, seq: Seq, source: Seq, n: int) -> None:
         """``seq`` starts on ``source``'s first ``n`` tokens (a prefix-cache hit)."""
         assert n % self.page_size == 0, "a cached prefix is whole pages"
+        assert seq.rank == source.rank, "a cached prefix is on its own rank's pages"
         self.runner.req_to_token_pool.write(seq.pool_idx, 0, np.asarray(source.slots[:n], np.int32))
         seq.slots = list(source.slots[:n])
         seq.length = seq.shared = n
@@ -51,16 +58,16 @@ class ModelDriver:
         out = []
         for pos in range(seq.length, seq.length + n):
             if pos % size == 0:
-                page = self.free_pages.pop()
+                page = self.free_pages[seq.rank].pop()
             else:
                 page = (out[-1] if out else seq.slots[-1]) // size
             out.append(page * size + pos % size)
         return np.asarray(out, np.int32)
 
-    def _alloc(self, n: int, scatter: bool) -> np.ndarray:
+    def _alloc(self, seq: Seq, n: int, scatter: bool) -> np.ndarray:
         # Allocate more than needed and keep a random subset, so a request's slots are not
         # contiguous; the spare slots go back to the pool.
-        pool = self.runner.token_to_kv_pool_allocator
+        pool = self.runner.kv_allocators[seq.rank]
         extra = min(n, pool.available_size() - n) if scatter else 0
         got = pool.alloc(n + extra)
         assert got is not None
@@ -79,7 +86,7 @@ class ModelDriver:
             if self.page_size > 1:
                 loc = self._alloc_pages(seq, len(toks))
             else:
-                loc = self._alloc(len(toks), scatter)
+                loc = self._alloc(seq, len(toks), scatter)
             pool.write(seq.pool_idx, seq.length, loc)
             locs.append(loc)
         mwb = ModelWorkerBatch(
@@ -93,6 +100,8 @@ class ModelDriver:
             seeds=[0] * len(seqs),
             steps=[0] * len(seqs),
             return_routed_experts=True,
+            dp_ranks=(np.array([s.rank for s in seqs], np.int32) if self.dp_size > 1
+                      else None),
         )
         batch, out = self.runner.run_worker_batch(mwb)
         self.runner.capturer.on_forward_end(
@@ -111,7 +120,7 @@ class ModelDriver:
     def release(self, seq: Seq) -> None:
         own = np.asarray(seq.slots[seq.shared :], np.int32)
         if self.page_size > 1:
-            self.free_pages.extend(sorted({int(s) // self.page_size for s in own}))
+            self.free_pages[seq.rank].extend(sorted({int(s) // self.page_size for s in own}))
         else:
-            self.runner.token_to_kv_pool_allocator.free(own)
+            self.runner.kv_allocators[seq.rank].free(own)
         self.runner.req_to_token_pool.free(seq.pool_idx)

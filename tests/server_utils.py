@@ -17,15 +17,17 @@ from sgl_jax.testing import ServerProcess
 CPU_ENV = {"JAX_PLATFORMS": "cpu"}
 
 
-def start_server(args: list[str], api_key: str | None = None) -> ServerProcess:
-    return ServerProcess(args, api_key=api_key, env=CPU_ENV)
+def start_server(args: list[str], api_key: str | None = None,
+                 env: dict[str, str] | None = None) -> ServerProcess:
+    return ServerProcess(args, api_key=api_key, env={**CPU_ENV, **(env or {})})
 
 
 def server_fixture(request: pytest.FixtureRequest, args: list[str],
-                   api_key: str | None = None) -> Iterator[ServerProcess]:
+                   api_key: str | None = None,
+                   env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
     """Body of a module-scoped fixture: one server for the module, its log shown on failure."""
     failed_before = request.session.testsfailed
-    server = start_server(args, api_key=api_key)
+    server = start_server(args, api_key=api_key, env=env)
     try:
         yield server
     finally:

@@ -40,6 +40,7 @@ WIDE = "wide"  # a random checkpoint with 8 KV heads, so that tp can reach 4
 HEAD128 = "head128"  # head_dim 128: the Pallas attention kernel's minimum
 
 RAGGED = {"moe_backend": "ragged"}
+DP2 = {"enable_dp_attention": True, "dp_size": 2}
 # name -> (devices of the worker process that runs it, model, tp, ep, mapping, other server
 # args). A worker runs its configurations one after the other; the single-device references
 # use a 1-device mesh (devices[:1]) of a multi-device process, the same single-device program.
@@ -66,6 +67,16 @@ CONFIGS: dict[str, tuple[int, str, int, int, str | None, dict[str, Any]]] = {
     # The M11 families on tp2 x ep2 (tests/test_families.py has them on one device).
     **{f"{family}_tp2_ep2_ragged": (4, family, 2, 2, None, RAGGED)
        for family in ("qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe")},
+    # Data-parallel attention (M19): each rank its own rows and KV pages, experts over all.
+    "tp2_ep2_dp2": (4, TEST_MODEL_PATH, 2, 2, None, DP2),
+    "ep4_dp4": (4, TEST_MODEL_PATH, 1, 4, None, {"enable_dp_attention": True, "dp_size": 4}),
+    "tp2_ep2_dp2_ragged_p16": (4, TEST_MODEL_PATH, 2, 2, None,
+                               {**DP2, **RAGGED, "page_size": 16}),
+    "deepseek_v3_tp2_ep2_dp2": (4, "deepseek_v3", 2, 2, None, DP2),
+    # EPLB's dynamic placement (4 redundant rows) under DP attention.
+    "ep4_dp4_eplb": (4, TEST_MODEL_PATH, 1, 4, None, {
+        "enable_dp_attention": True, "dp_size": 4, "enable_eplb": True,
+        "ep_num_redundant_experts": 4}),
     "deepseek_v3_tp2_ep2_mapped": (4, "deepseek_v3", 2, 2, json.dumps(
         {"default": [[0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]]}), {}),
 }
@@ -91,6 +102,7 @@ def _layout(runner: Any, mapping_spec: str | None) -> dict[str, Any]:
     ep, tp = mesh.shape["expert"], mesh.shape["tensor"]
     mapping = (
         ExpertPlacement.parse(mapping_spec) if mapping_spec
+        else runner.expert_placement if runner.eplb is not None  # EPLB's initial placement
         else ExpertPlacement.contiguous(cfg.num_experts, ep)
     )
     position = {dev: idx for idx, dev in np.ndenumerate(mesh.devices)}
@@ -113,7 +125,8 @@ def _layout(runner: Any, mapping_spec: str | None) -> dict[str, Any]:
                 inter = logical.shape[2] // tp
                 want = logical[table[d]][:, :, t * inter:(t + 1) * inter]
                 placement_ok &= np.array_equal(np.asarray(shard.data), want)
-            placement_ok &= block.expert_order == tuple(table.reshape(-1).tolist())
+            if runner.eplb is None:  # a static placement is the block's compile-time order
+                placement_ok &= block.expert_order == tuple(table.reshape(-1).tolist())
     info["expert_placement_ok"] = bool(placement_ok)
     if cfg.architecture != "Qwen3MoeForCausalLM":  # the shapes below are the tiny Qwen3's
         return info
@@ -240,13 +253,17 @@ def test_parameters_really_sharded(results, name):
     # What each device really holds (hidden 64, 16 experts of width 32):
     assert lay["q_proj"]["shard_shape"] == [64, heads * head_dim // tp]
     assert lay["o_proj"]["shard_shape"] == [heads * head_dim // tp, 64]
-    assert lay["w_gate"]["shard_shape"] == [16 // ep, 64, 32 // tp]
-    assert lay["w_down"]["shard_shape"] == [16 // ep, 32 // tp, 64]
+    rows = 16 + CONFIGS[name][5].get("ep_num_redundant_experts", 0)  # EPLB: + redundant
+    assert lay["w_gate"]["shard_shape"] == [rows // ep, 64, 32 // tp]
+    assert lay["w_down"]["shard_shape"] == [rows // ep, 32 // tp, 64]
     assert lay["w_gate"]["num_shards"] == tp * ep
     # the KV cache [pages, page_size, 2 * kv_heads, head_dim], after the steps that donated
     # and returned it: split by KV head (each device holds the K and V of its heads)
     assert lay["kv_cache"]["shard_shape"][2:] == [2 * kv_heads // tp, head_dim]
-    assert lay["kv_cache"]["num_shards"] == tp
+    # ... and, with DP attention, by page over the ranks ("expert"): nothing replicated
+    dp = CONFIGS[name][5].get("dp_size", 1)
+    assert (lay["kv_cache"]["spec"] + [None])[0] == ("expert" if dp > 1 else None)
+    assert lay["kv_cache"]["num_shards"] == tp * dp
     # two shapes (one extend bucket, one decode bucket): sharding never forced a recompile
     assert lay["num_compiles"] == 2
 

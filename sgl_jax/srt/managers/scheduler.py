@@ -382,9 +382,9 @@ class Scheduler:
             self.drain()  # finishes may free memory; retraction needs settled requests
             return self.decode()
         while short is not None:
-            mine = [r for r in self.running if r.dp_rank == short]
-            if len(mine) == 1:
-                self._abort_unfittable(mine[0])
+            holders = self._holders(short)
+            if len(holders) == 1:
+                self._abort_unfittable(holders[0])
             else:
                 self.retract_one(short)
             reqs = self._growing()
@@ -414,11 +414,20 @@ class Scheduler:
         self.finish(req)
         self.outputs.send([req])
 
+    def _holders(self, rank: int) -> list[Req]:
+        """The requests holding KV of ``rank``: its running ones and its part-way prompt."""
+        chunked = self.chunked.get(rank)
+        return [r for r in self.running if r.dp_rank == rank] + ([chunked] if chunked else [])
+
     def retract_one(self, rank: int = 0) -> None:
-        """Frees the memory of the newest running request of ``rank`` and queues it to resume
-        from the front (on the same rank)."""
-        req = max((r for r in self.running if r.dp_rank == rank), key=lambda r: r.arrival_time)
-        self.running.remove(req)
+        """Frees the memory of the newest request holding KV of ``rank`` (a running one, or
+        its part-way prefilled prompt) and queues it to resume from the front (on the same
+        rank). Every step that computed part of it has been processed."""
+        req = max(self._holders(rank), key=lambda r: r.arrival_time)
+        if self.chunked.get(rank) is req:
+            del self.chunked[rank]
+        else:
+            self.running.remove(req)
         if req.options.return_routed_experts:
             # Kept in case it is aborted before it resumes; replaced when it ends.
             self._gather_routed(req)

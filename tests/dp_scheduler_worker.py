@@ -6,7 +6,8 @@ request's outputs, rank and cached tokens, and what every launched step held (pe
 and tokens; any KV slot outside its request's rank range). The test compares the outputs with
 the float64 reference.
 
-``python -m tests.dp_scheduler_worker OUT.pkl``
+``python -m tests.dp_scheduler_worker OUT.pkl``; with ``engine`` first, an Engine (its scheduler in
+a child process) with the same parallel layout serves a batch of concurrent requests instead.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ MAX_TOTAL_TOKENS = 96
 DP_ARGS = {
     "tp_size": 2, "ep_size": 2, "enable_dp_attention": True, "dp_size": 2,
     "page_size": PAGE, "max_total_tokens": MAX_TOTAL_TOKENS, "schedule_conservativeness": 0.0,
+    "chunked_prefill_size": CHUNK,
     "precompile_token_paddings": [CHUNK, 2 * CHUNK], "precompile_bs_paddings": [1, 2, 4],
     "disable_precompile": True,
 }
@@ -194,7 +196,33 @@ def scenarios(d: Driver) -> dict[str, Any]:
     return out
 
 
-def main(path: str) -> None:
+def engine_run() -> dict[str, Any]:
+    """Concurrent requests through a whole Engine (tokenizer, scheduler process, detokenizer)."""
+    from sgl_jax import Engine
+    from sgl_jax.testing import engine_args
+
+    eng = Engine(**engine_args(**{**DP_ARGS, "max_total_tokens": 512,
+                                  "enable_return_routed_experts": True,
+                                  "schedule_conservativeness": 1.0}))
+    try:
+        prompts = [prompt_ids(900 + i, 6 + 5 * i) for i in range(6)]
+        params = [{"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 4 + i}
+                  for i in range(6)]
+        outs = eng.generate(input_ids=prompts, sampling_params=params,
+                            return_routed_experts=True)
+        again = eng.generate(input_ids=prompts[5], sampling_params=params[5],
+                             return_routed_experts=True)
+        return {"prompts": prompts, "outs": outs, "again": again,
+                "server_info": eng.get_server_info()}
+    finally:
+        eng.shutdown()
+
+
+def main(path: str, mode: str = "scheduler") -> None:
+    if mode == "engine":
+        with open(path, "wb") as f:
+            pickle.dump(engine_run(), f)
+        return
     d = Driver()
     try:
         result = scenarios(d)
@@ -205,4 +233,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[-1], "engine" if sys.argv[1] == "engine" else "scheduler")

@@ -54,6 +54,17 @@ class Driver:
             return launch(batch)
 
         self.sched.launch_batch = observed_launch
+        self.retracted: list[tuple[str, int, bool]] = []  # (rid, rank, a part-way prompt)
+        retract = self.sched.retract_one
+
+        def observed_retract(rank: int = 0) -> None:
+            chunked = self.sched.chunked.get(rank)
+            holders = [*self.sched.running, *self.sched.chunked.values()]
+            newest = max((r for r in holders if r.dp_rank == rank), key=lambda r: r.arrival_time)
+            self.retracted.append((newest.rid, rank, newest is chunked))
+            retract(rank)
+
+        self.sched.retract_one = observed_retract
 
     def _rank_range(self, rank: int) -> tuple[int, int]:
         alloc = self.sched.memory[rank].allocator
@@ -187,7 +198,16 @@ def scenarios(d: Driver) -> dict[str, Any]:
         submit(f"q{i}", prompt_ids(800 + i, 6), 2)
     d.run([f"q{i}" for i in range(3)])
 
+    # 9. minimum_tokens: a long prompt's rank holds more tokens, so the short ones go elsewhere.
+    mark("minimum_tokens")
+    d.sched.balancer = DPBalancer("minimum_tokens", 2)
+    submit("m0", prompt_ids(900, 30), 2)
+    submit("m1", prompt_ids(901, 6), 2)
+    submit("m2", prompt_ids(902, 6), 2)
+    d.run(["m0", "m1", "m2"])
+
     mark("end")
+    out["retracted"] = d.retracted
     out["leak_free"] = d.leak_free()
     out["records"] = d.records
     out["steps"] = d.steps

@@ -131,6 +131,12 @@ def test_prefix_hit_on_the_rank_that_caches_it(run):
 
 def test_retraction_within_each_rank(run):
     assert run["retractions"] >= 2
+    retracted = run["retracted"]
+    assert {rank for _, rank, _ in retracted} == {0, 1}
+    assert all(run["ranks"][rid] == rank for rid, rank, _ in retracted)
+    # A resumed request re-prefilled in chunks holds KV too: it is retracted (the newest)
+    # rather than the older request of its rank being aborted as if it were alone.
+    assert any(part_way for _, _, part_way in retracted)
     assert sorted(run["ranks"][f"r{i}"] for i in range(4)) == [0, 0, 1, 1]
     for i in range(4):
         assert len(assert_exact(run, f"r{i}")) == 30
@@ -149,6 +155,12 @@ def test_shortest_queue(run):
     assert [run["ranks"][f"q{i}"] for i in range(3)] == [0, 1, 0]
     for i in range(3):
         assert_exact(run, f"q{i}")
+
+
+def test_minimum_tokens(run):
+    assert [run["ranks"][f"m{i}"] for i in range(3)] == [0, 1, 1]
+    for i in range(3):
+        assert_exact(run, f"m{i}")
 
 
 def test_server_info_per_rank_and_no_leak(run):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sgl_jax.srt.managers.dp_balancer import DPBalancer, RankLoad
+from sgl_jax.srt.managers.dp_balancer import DPBalancer, RankCounts, RankLoad
 from sgl_jax.srt.managers.req_memory import RankedMemory, ReqMemory
 from sgl_jax.srt.managers.schedule_batch import Req
 from sgl_jax.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
@@ -51,6 +51,15 @@ def test_a_tie_of_cached_prefixes_is_broken_by_the_method():
     assert rr.choose(NO_CACHE) == 0  # the turn moves to rank 1
     assert rr.choose([8, 0, 8]) == 2  # the first tied rank from rank 1 on
     assert rr.choose(NO_CACHE) == 0  # and the turn moved past it
+
+
+def test_rank_counts_and_loads():
+    running = [_req("a", [1] * 5, 1), _req("b", [1] * 7, 1)]
+    waiting = [_req("c", [1] * 9, 0), _req("d", [1] * 4, 1)]
+    waiting[0].kv_len = 0
+    counts = RankCounts.of(2, running, waiting)
+    assert (counts.running, counts.waiting, counts.waiting_tokens) == ([0, 2], [1, 1], [9, 4])
+    assert counts.loads([3, 20]) == [RankLoad(1, 12), RankLoad(3, 24)]
 
 
 def test_bad_arguments_are_refused():

@@ -16,9 +16,10 @@ Ties of the two load-based methods go to the lowest rank. Pure host logic: no JA
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from sgl_jax.srt.managers.schedule_batch import Req
 from sgl_jax.srt.server_args import LOAD_BALANCE_METHODS
 
 
@@ -28,6 +29,31 @@ class RankLoad:
 
     num_reqs: int  # waiting + running (a part-way prefilled prompt counts as running)
     num_tokens: int  # KV slots its requests hold + tokens of its waiting requests to prefill
+
+
+@dataclass(frozen=True)
+class RankCounts:
+    """Requests per rank: started (running or part-way prefilled) and waiting, and the tokens
+    the waiting ones still have to prefill."""
+
+    running: list[int]
+    waiting: list[int]
+    waiting_tokens: list[int]
+
+    @classmethod
+    def of(cls, dp_size: int, started: Iterable[Req], waiting: Iterable[Req]) -> RankCounts:
+        out = cls([0] * dp_size, [0] * dp_size, [0] * dp_size)
+        for req in started:
+            out.running[req.dp_rank] += 1
+        for req in waiting:
+            out.waiting[req.dp_rank] += 1
+            out.waiting_tokens[req.dp_rank] += req.seq_len - req.kv_len
+        return out
+
+    def loads(self, held_kv: Sequence[int]) -> list[RankLoad]:
+        """``held_kv[r]``: KV slots rank r's requests hold now."""
+        return [RankLoad(self.running[r] + self.waiting[r], held_kv[r] + self.waiting_tokens[r])
+                for r in range(len(self.running))]
 
 
 class DPBalancer:

@@ -44,7 +44,7 @@ from sgl_jax.srt.managers.control import (
     UpdateWeightsReqOutput,
     memory_released_message,
 )
-from sgl_jax.srt.managers.dp_balancer import DPBalancer, RankLoad
+from sgl_jax.srt.managers.dp_balancer import DPBalancer, RankCounts
 from sgl_jax.srt.managers.finish_checker import FinishChecker
 from sgl_jax.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
 from sgl_jax.srt.managers.multi_node import LeaderRunner, exit_on_fatal, open_leader_channel
@@ -259,18 +259,13 @@ class Scheduler:
         by ``--load-balance-method`` (dp_balancer)."""
         usable = req.origin_input_ids[:-1]  # admission computes the last token at least
         cached = [m.tree.cached_prefix_len(usable) for m in self.memory.ranks]
-        loads = self._rank_loads() if self.balancer.needs_loads else None
+        loads = None
+        if self.balancer.needs_loads:
+            loads = self._rank_counts().loads([m.held_kv() for m in self.memory.ranks])
         return self.balancer.choose(cached, loads)
 
-    def _rank_loads(self) -> list[RankLoad]:
-        reqs = [0] * self.dp_size
-        tokens = [m.held_kv() for m in self.memory.ranks]
-        for req in [*self.running, *self.chunked.values()]:
-            reqs[req.dp_rank] += 1
-        for req in self.waiting:
-            reqs[req.dp_rank] += 1
-            tokens[req.dp_rank] += req.seq_len - req.kv_len
-        return [RankLoad(n, t) for n, t in zip(reqs, tokens, strict=True)]
+    def _rank_counts(self) -> RankCounts:
+        return RankCounts.of(self.dp_size, [*self.running, *self.chunked.values()], self.waiting)
 
     # -- scheduling -----------------------------------------------------------------------------
     def _future_kv(self, req: Req, kv_len: int) -> int:
@@ -658,13 +653,10 @@ class Scheduler:
 
     def rank_info(self) -> list[dict[str, int]]:
         """Per DP attention rank: its requests and its KV slots (``server_info``)."""
-        running, waiting = [0] * self.dp_size, [0] * self.dp_size
-        for req in [*self.running, *self.chunked.values()]:
-            running[req.dp_rank] += 1
-        for req in self.waiting:
-            waiting[req.dp_rank] += 1
-        return [{"dp_rank": r, "num_running_reqs": running[r], "num_waiting_reqs": waiting[r],
-                 **self.memory.rank_stats(r)} for r in range(self.dp_size)]
+        counts = self._rank_counts()
+        return [{"dp_rank": r, "num_running_reqs": counts.running[r],
+                 "num_waiting_reqs": counts.waiting[r], **self.memory.rank_stats(r)}
+                for r in range(self.dp_size)]
 
 
 def start_scheduler(server_args: ServerArgs, port_args: PortArgs, pipe: Any,

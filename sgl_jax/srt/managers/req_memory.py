@@ -21,6 +21,8 @@ reading them), so the next request that asks finds the prefix cached with its ro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from sgl_jax.srt.managers.schedule_batch import Req
@@ -116,6 +118,16 @@ class ReqMemory:
             table[idx, kv_lens] = slots
         return slots
 
+    def decode_fits(self, reqs: list[Req]) -> bool:
+        """Whether ``alloc_decode_kv(reqs)`` succeeds (evicting what it must): it takes
+        nothing, so every rank of a decode step can be checked before any allocates."""
+        kv_lens = np.fromiter((r.kv_len for r in reqs), dtype=np.int64, count=len(reqs))
+        return self.allocator.decode_tokens_needed(kv_lens) <= self.available_kv()
+
+    def held_kv(self) -> int:
+        """Slots its requests hold now: neither free nor evictable from the tree."""
+        return self.allocator.size - self.available_kv()
+
     def assign_kv(self, req: Req, slots: np.ndarray) -> None:
         """Records the slots of ``req``'s next ``len(slots)`` positions (not yet computed)."""
         self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots)
@@ -189,3 +201,62 @@ class ReqMemory:
         """Drops the whole prefix cache (only valid while no request holds memory)."""
         self.tree.evict(self.tree.total_size())
         self.tree.reset()
+
+
+class RankedMemory:
+    """The memory of every data-parallel attention rank: rank r's ``ReqMemory`` has its own KV
+    allocator (pages of rank r's shard of the KV cache only) and its own radix tree over it;
+    all ranks share the request slots (``req_to_token``, indexed by a global request slot)
+    and the routed-experts host table (keyed by global KV slot). A request uses the memory of
+    its rank (``req.dp_rank``) for its whole life, so all its KV slots are its rank's.
+
+    Without DP attention it holds one rank, and every call is that rank's ``ReqMemory``'s.
+    """
+
+    def __init__(self, ranks: Sequence[ReqMemory]) -> None:
+        if not ranks:
+            raise ValueError("no rank memory")
+        pools = {id(m.req_to_token_pool) for m in ranks}
+        if len(pools) != 1:
+            raise ValueError("the ranks must share one request-slot pool")
+        self.ranks = tuple(ranks)
+        self.req_to_token_pool = ranks[0].req_to_token_pool
+        self.routed_rows = ranks[0].routed_rows
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def __getitem__(self, rank: int) -> ReqMemory:
+        return self.ranks[rank]
+
+    def of(self, req: Req) -> ReqMemory:
+        return self.ranks[req.dp_rank]
+
+    def total_kv(self) -> int:
+        """Slots of one rank's KV cache (what one request could hold at most)."""
+        return self.ranks[0].total_kv()
+
+    def routed_rows_of(
+        self, req: Req, start: int | None = None, weights: bool = False, raw: bool = False
+    ) -> np.ndarray:
+        return self.of(req).routed_rows_of(req, start, weights=weights, raw=raw)
+
+    def release(self, req: Req, cache: bool = True) -> None:
+        self.of(req).release(req, cache=cache)
+
+    def stats(self) -> dict[str, int]:
+        """``ReqMemory.stats`` summed over the ranks (the shared request slots once)."""
+        per_rank = [m.stats() for m in self.ranks]
+        out = {k: sum(s[k] for s in per_rank) for k in per_rank[0]}
+        out["total_req_slots"] = per_rank[0]["total_req_slots"]
+        out["free_req_slots"] = per_rank[0]["free_req_slots"]
+        return out
+
+    def rank_stats(self, rank: int) -> dict[str, int]:
+        """Rank ``rank``'s KV slots (without the shared request slots)."""
+        s = self.ranks[rank].stats()
+        return {k: v for k, v in s.items() if k.endswith("_kv_slots")}
+
+    def flush(self) -> None:
+        for m in self.ranks:
+            m.flush()

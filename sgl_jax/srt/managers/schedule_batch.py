@@ -53,6 +53,9 @@ class Req:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     inflight: int = 0  # launched steps whose sampled token the host has not processed yet
     admitted: bool = False
+    # Its data-parallel attention rank (0 without DP attention), chosen when it arrives and
+    # kept for its life: every KV slot it holds is of that rank's allocator.
+    dp_rank: int = 0
     # Its rows [start_len, n) once it ends (n: tokens whose routing was computed); set
     # earlier when it is retracted, in case it is aborted while it waits to resume.
     routed_experts: np.ndarray | None = None
@@ -105,6 +108,8 @@ class ScheduleBatch:
     # sampled rows have no prompt token (None: an output), the input-logprob rows a negative
     # row -1 - j, j-th after the padded sampled rows. Set by to_model_worker_batch.
     logprob_rows: list[tuple[Req, int, int | None]] = field(default_factory=list)
+    # DP attention: the rank of each request (row), int32 [B]; None without DP attention.
+    dp_ranks: np.ndarray | None = None
 
     def to_model_worker_batch(self) -> ModelWorkerBatch:
         reqs = self.reqs
@@ -132,6 +137,7 @@ class ScheduleBatch:
             return_routed_experts=bool(asks.any()),
             routed_reqs=None if asks.all() else asks,  # only some ask: copy only theirs
             logprobs=self._plan_logprobs(),
+            dp_ranks=self.dp_ranks,
         )
 
     def _plan_logprobs(self) -> LogprobRequest | None:

@@ -6,6 +6,14 @@ Prefill batches come first: waiting requests are admitted FIFO within a token bu
 request reuses the longest cached prefix of its tokens. When a decode step cannot get KV
 slots, the newest requests are retracted (their memory freed, their progress kept) and
 later resumed by a prefill of everything they have so far.
+
+Data-parallel attention (``--enable-dp-attention --dp-size D``): this one scheduler gives each
+new request a rank (``DPBalancer``) that it keeps for its life, and everything above holds
+per rank: each rank has its own KV allocator and radix tree (``RankedMemory``), its own token
+budget, KV reservation, part-way prefilled prompt and retractions. One step holds every rank's
+rows in one mode: an extend step when some rank has prefill work (ranks without are idle in
+it), else a decode step of every rank's running requests. With D == 1 this is the scheduler it
+always was.
 """
 
 from __future__ import annotations
@@ -36,11 +44,12 @@ from sgl_jax.srt.managers.control import (
     UpdateWeightsReqOutput,
     memory_released_message,
 )
+from sgl_jax.srt.managers.dp_balancer import DPBalancer, RankCounts
 from sgl_jax.srt.managers.finish_checker import FinishChecker
 from sgl_jax.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
 from sgl_jax.srt.managers.multi_node import LeaderRunner, exit_on_fatal, open_leader_channel
 from sgl_jax.srt.managers.output_sender import OutputSender
-from sgl_jax.srt.managers.req_memory import ReqMemory
+from sgl_jax.srt.managers.req_memory import RankedMemory, ReqMemory
 from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch, finish_abort, finish_length
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, StepOutput
@@ -96,11 +105,20 @@ class Scheduler:
         # get_global_experts_capturer() in this scheduler's thread.
         set_global_experts_capturer(self.runner.capturer)
         pools = self.runner.memory_pools()
-        tree = RadixCache(pools.kv_allocator, disable=server_args.disable_radix_cache,
-                          page_size=server_args.page_size)
-        self.memory = ReqMemory(pools.req_to_token, pools.kv_allocator, tree, pools.routed_rows)
-        self.chunk_budget = server_args.chunked_prefill_size
-        self.max_running = self.runner.max_running_requests
+        # One ReqMemory per DP attention rank (one without DP attention), over the rank's KV
+        # allocator with a radix tree of its own.
+        self.memory = RankedMemory([
+            ReqMemory(pools.req_to_token, allocator,
+                      RadixCache(allocator, disable=server_args.disable_radix_cache,
+                                 page_size=server_args.page_size),
+                      pools.routed_rows)
+            for allocator in pools.kv_allocators
+        ])
+        self.dp_size = len(self.memory)
+        self.balancer = DPBalancer(server_args.load_balance_method, self.dp_size)
+        self.chunk_budget = server_args.chunked_prefill_size  # tokens per rank per step
+        self.max_running = self.runner.max_running_requests  # request slots of all ranks
+        self.rank_max_running = -(-self.max_running // self.dp_size)
         self.context_len = self.model_config.context_len
         self.finish_checker = FinishChecker(
             set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids),
@@ -110,7 +128,9 @@ class Scheduler:
 
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        self.chunked: Req | None = None  # the one request whose prompt is part-way prefilled
+        # Rank -> the request of that rank whose prompt is part-way prefilled (one at most:
+        # a prompt is cut where its rank's token budget ends).
+        self.chunked: dict[int, Req] = {}
         self.num_retractions = 0
         self.num_generated_tokens = 0
         self.step_stats = StepStats()
@@ -215,111 +235,194 @@ class Scheduler:
             seed=seed, stream=msg.stream, options=msg.options,
         )
         # The prompt plus the first generated token, in whole pages.
-        need = self.memory.kv_needed(0, len(req.origin_input_ids) + 1)
+        need = self.memory[0].kv_needed(0, len(req.origin_input_ids) + 1)  # ranks alike
         released = self.runner.released_memory()  # the tokenizer manager refuses these first
         if released or need > self.memory.total_kv():
             req.finished_reason = finish_abort(
                 memory_released_message(sorted(released)) if released else
                 f"the prompt needs {need} KV slots but the KV cache holds "
-                f"{self.memory.total_kv()}; raise --max-total-tokens"
+                f"{self.memory.total_kv()}{self._per_rank}; raise --max-total-tokens"
             )
             self.finish(req)
             self.outputs.send([req])
             return
+        if self.dp_size > 1:
+            req.dp_rank = self._choose_rank(req)
         self.waiting.append(req)
+
+    @property
+    def _per_rank(self) -> str:
+        return " per DP attention rank" if self.dp_size > 1 else ""
+
+    def _choose_rank(self, req: Req) -> int:
+        """The DP attention rank of a new request: where its prompt's prefix is cached, else
+        by ``--load-balance-method`` (dp_balancer)."""
+        usable = req.origin_input_ids[:-1]  # admission computes the last token at least
+        cached = [m.tree.cached_prefix_len(usable) for m in self.memory.ranks]
+        loads = None
+        if self.balancer.needs_loads:
+            loads = self._rank_counts().loads([m.held_kv() for m in self.memory.ranks])
+        return self.balancer.choose(cached, loads)
+
+    def _rank_counts(self) -> RankCounts:
+        return RankCounts.of(self.dp_size, [*self.running, *self.chunked.values()], self.waiting)
 
     # -- scheduling -----------------------------------------------------------------------------
     def _future_kv(self, req: Req, kv_len: int) -> int:
         """KV (whole pages, in tokens) for ``req``'s future tokens once it holds ``kv_len``."""
-        return self.memory.kv_needed(kv_len, min(req.remaining_new_tokens(), RESERVE_CLIP))
+        future = min(req.remaining_new_tokens(), RESERVE_CLIP)
+        return self.memory.of(req).kv_needed(kv_len, future)
 
     def prefill(self) -> ScheduleBatch | None:
-        if not self.waiting and self.chunked is None:
+        """An extend step: admits waiting requests FIFO within each rank (a rank that cannot
+        take its next one takes no later one this step; other ranks go on)."""
+        if not self.waiting and not self.chunked:
             return None
-        budget = self.chunk_budget
+        dp = self.dp_size
+        budget = [self.chunk_budget] * dp  # tokens per rank
+        on_rank = [0] * dp  # running requests + those of this batch, per rank
+        # Reserved for the future tokens of the running requests and of those whose whole
+        # prompt this batch computes, per rank.
+        future = [0] * dp
+        for r in self.running:
+            on_rank[r.dp_rank] += 1
+            future[r.dp_rank] += self._future_kv(r, r.kv_len)
+        blocked: set[int] = set()
         reqs: list[Req] = []
         lens: list[int] = []
         locs: list[np.ndarray] = []
-        candidates = ([self.chunked] if self.chunked else []) + list(self.waiting)
+        candidates = [self.chunked[r] for r in sorted(self.chunked)] + list(self.waiting)
         if self.update is not None:  # new requests wait for the new weights
             candidates = [r for r in candidates if r.admitted]
-        # Reserved for the future tokens of the running requests and of those whose whole
-        # prompt this batch computes.
-        future = sum(self._future_kv(r, r.kv_len) for r in self.running)
         for req in candidates:
-            if budget == 0 or len(self.running) + len(reqs) >= self.max_running:
+            rank = req.dp_rank
+            if len(blocked) == dp or len(self.running) + len(reqs) >= self.max_running:
                 break
+            if rank in blocked:
+                continue
+            if budget[rank] == 0 or on_rank[rank] >= self.rank_max_running:
+                blocked.add(rank)
+                continue
+            memory = self.memory[rank]
+            alone = on_rank[rank] == 0  # nothing else of its rank holds or reserves KV
             fresh = req.req_pool_idx is None
-            if fresh and not self.memory.admit(req):
-                break
+            if fresh and not memory.admit(req):
+                break  # no request slot left (shared by all ranks)
             todo = req.seq_len - req.kv_len
-            n = min(todo, budget)
+            n = min(todo, budget[rank])
             mine = self._future_kv(req, req.seq_len) if n == todo else 0
-            reserve = int((future + mine) * self.server_args.schedule_conservativeness)
+            reserve = int((future[rank] + mine) * self.server_args.schedule_conservativeness)
             slots = None
-            need = self.memory.kv_needed(req.kv_len, n)
-            if self.memory.available_kv() - reserve >= need or not (self.running or reqs):
-                slots = self.memory.alloc_kv(req, n)
+            need = memory.kv_needed(req.kv_len, n)
+            if memory.available_kv() - reserve >= need or alone:
+                slots = memory.alloc_kv(req, n)
             if slots is None:
                 if fresh:
-                    self.memory.release(req, cache=False)
-                if not (self.running or reqs):
+                    memory.release(req, cache=False)
+                if alone:
                     # Alone, with every evictable slot evicted, it still does not fit.
                     self._abort_unfittable(req)
                     continue
-                break
-            self.memory.assign_kv(req, slots)
+                blocked.add(rank)
+                continue
+            memory.assign_kv(req, slots)
             if fresh:
                 self.waiting.remove(req)
-            future += mine
+            future[rank] += mine
+            on_rank[rank] += 1
             reqs.append(req)
             lens.append(n)
             locs.append(slots)
-            budget -= n
+            budget[rank] -= n
         if not reqs:
             return None
         samples = [r.kv_len + n == r.seq_len for r, n in zip(reqs, lens, strict=True)]
-        self.chunked = next((r for r, done in zip(reqs, samples, strict=True) if not done), None)
-        return ScheduleBatch(ForwardMode.EXTEND, reqs, lens, np.concatenate(locs), samples)
+        for req, done in zip(reqs, samples, strict=True):
+            # A rank's part-way prompt comes first among its candidates: if it is not in this
+            # batch, no other request of its rank is, and it stays.
+            if not done:
+                self.chunked[req.dp_rank] = req
+            elif self.chunked.get(req.dp_rank) is req:
+                del self.chunked[req.dp_rank]
+        return ScheduleBatch(ForwardMode.EXTEND, reqs, lens, np.concatenate(locs), samples,
+                             dp_ranks=self._dp_ranks(reqs))
+
+    def _dp_ranks(self, reqs: list[Req]) -> np.ndarray | None:
+        if self.dp_size == 1:
+            return None
+        return np.fromiter((r.dp_rank for r in reqs), dtype=np.int32, count=len(reqs))
+
+    def _growing(self) -> list[Req]:
+        """The running requests that decode next, grouped by rank (in running order within).
+
+        A request whose in-flight tokens already reach its limit waits for them instead.
+        """
+        reqs = [r for r in self.running if r.can_grow(self.context_len)]
+        return sorted(reqs, key=lambda r: r.dp_rank) if self.dp_size > 1 else reqs
+
+    def _short_rank(self, reqs: list[Req]) -> int | None:
+        """The first rank whose requests of ``reqs`` cannot all get a decode slot, if any."""
+        for rank in sorted({r.dp_rank for r in reqs}):
+            if not self.memory[rank].decode_fits([r for r in reqs if r.dp_rank == rank]):
+                return rank
+        return None
 
     def decode(self) -> ScheduleBatch | None:
-        # A request whose in-flight tokens already reach its limit waits for them instead.
-        reqs = [r for r in self.running if r.can_grow(self.context_len)]
+        reqs = self._growing()
         if not reqs:
             return None
-        slots = self.memory.alloc_decode_kv(reqs)  # recorded in req_to_token too
-        if slots is None and self.pending is not None:
+        # Every rank must fit before any allocates (a decode slot is recorded when taken).
+        short = self._short_rank(reqs)
+        if short is not None and self.pending is not None:
             self.drain()  # finishes may free memory; retraction needs settled requests
             return self.decode()
-        while slots is None:
-            if len(self.running) == 1:
-                self._abort_unfittable(self.running[0])
-                return None
-            self.retract_one()
-            reqs = [r for r in self.running if r.can_grow(self.context_len)]
+        while short is not None:
+            holders = self._holders(short)
+            if len(holders) == 1:
+                self._abort_unfittable(holders[0])
+            else:
+                self.retract_one(short)
+            reqs = self._growing()
             if not reqs:
                 return None
-            slots = self.memory.alloc_decode_kv(reqs)
-        return ScheduleBatch(ForwardMode.DECODE, reqs, [1] * len(reqs), slots, [True] * len(reqs))
+            short = self._short_rank(reqs)
+        slots = []
+        for rank in sorted({r.dp_rank for r in reqs}):
+            got = self.memory[rank].alloc_decode_kv([r for r in reqs if r.dp_rank == rank])
+            assert got is not None, "decode_fits promised these slots"
+            slots.append(got)
+        return ScheduleBatch(ForwardMode.DECODE, reqs, [1] * len(reqs), np.concatenate(slots),
+                             [True] * len(reqs), dp_ranks=self._dp_ranks(reqs))
 
     def _abort_unfittable(self, req: Req) -> None:
-        """A request that cannot grow even with the whole KV cache to itself ends here."""
+        """A request that cannot grow even with its rank's whole KV cache to itself ends here."""
         if req in self.waiting:
             self.waiting.remove(req)
         self.settle(req)  # a chunked prompt's previous chunk may still be in flight
         if req.finished:
             return
+        total = self.runner.max_total_tokens if self.dp_size == 1 else self.memory.total_kv()
         req.finished_reason = finish_abort(
             f"out of KV cache: the request reached {req.seq_len} tokens and the KV cache holds "
-            f"{self.runner.max_total_tokens}; raise --max-total-tokens"
+            f"{total}{self._per_rank}; raise --max-total-tokens"
         )
         self.finish(req)
         self.outputs.send([req])
 
-    def retract_one(self) -> None:
-        """Frees the newest running request's memory and queues it to resume from the front."""
-        req = max(self.running, key=lambda r: r.arrival_time)
-        self.running.remove(req)
+    def _holders(self, rank: int) -> list[Req]:
+        """The requests holding KV of ``rank``: its running ones and its part-way prompt."""
+        chunked = self.chunked.get(rank)
+        return [r for r in self.running if r.dp_rank == rank] + ([chunked] if chunked else [])
+
+    def retract_one(self, rank: int = 0) -> None:
+        """Frees the memory of the newest request holding KV of ``rank`` (a running one, or
+        its part-way prefilled prompt) and queues it to resume from the front (on the same
+        rank). Every step that computed part of it has been processed."""
+        req = max(self._holders(rank), key=lambda r: r.arrival_time)
+        if self.chunked.get(rank) is req:
+            del self.chunked[rank]
+        else:
+            self.running.remove(req)
         if req.options.return_routed_experts:
             # Kept in case it is aborted before it resumes; replaced when it ends.
             self._gather_routed(req)
@@ -395,8 +498,8 @@ class Scheduler:
         """
         if req in self.running:
             self.running.remove(req)
-        if self.chunked is req:
-            self.chunked = None
+        if self.chunked.get(req.dp_rank) is req:
+            del self.chunked[req.dp_rank]
         # A request that holds no memory has none to gather: a retracted one keeps the rows
         # taken at retraction, one that never started has none (an empty array).
         holds = req.req_pool_idx is not None
@@ -418,7 +521,8 @@ class Scheduler:
         if req is not None:
             self.waiting.remove(req)
         else:
-            req = next((r for r in self.running + [self.chunked] if r and r.rid == rid), None)
+            started = [*self.running, *self.chunked.values()]
+            req = next((r for r in started if r.rid == rid), None)
             if req is None:
                 return  # unknown, or ended already
             self.settle(req)
@@ -444,6 +548,7 @@ class Scheduler:
         logger.info("generation %s", "paused" if paused else "continued")
 
     def flush_cache(self) -> None:
+        """Drops every rank's prefix cache."""
         if self.waiting or self.running or self.chunked:
             raise ValueError("requests are still running")
         self.memory.flush()
@@ -452,7 +557,7 @@ class Scheduler:
         return self.runner.released_memory()
 
     def quiesce(self) -> None:
-        started = len(self.waiting) + len(self.running) + (self.chunked is not None)
+        started = len(self.waiting) + len(self.running) + len(self.chunked)
         if started or self.update is not None:
             raise ValueError(
                 f"the engine is not idle ({started} request(s) running or waiting"
@@ -463,7 +568,7 @@ class Scheduler:
     # -- weight updates -------------------------------------------------------------------------
     def _started_requests(self) -> list[Req]:
         """Requests computed in part on the current weights (running, chunked, retracted)."""
-        return [r for r in [*self.running, self.chunked, *self.waiting] if r and r.admitted]
+        return [r for r in [*self.running, *self.chunked.values(), *self.waiting] if r.admitted]
 
     def request_weight_update(self, msg: UpdateWeights,
                               checkpoint: str | None = None) -> UpdateWeightsReqOutput | None:
@@ -486,8 +591,8 @@ class Scheduler:
                 logger.exception("checking the weight update from %r failed", checkpoint)
             return refuse(bound_message(str(e) or type(e).__name__))
         if msg.abort_all_requests:
-            for req in [*self.waiting, *self.running, self.chunked]:
-                if req is not None and not req.finished:
+            for req in [*self.waiting, *self.running, *self.chunked.values()]:
+                if not req.finished:
                     self.abort(req.rid, "aborted for a weight update")
         elif self.paused and self._started_requests():
             return refuse(
@@ -525,12 +630,12 @@ class Scheduler:
             **result))
 
     def server_info(self) -> dict[str, Any]:
-        return {
+        info = {
             "weight_version": self.weight_version,
             "paused": self.paused,
             "released_memory": sorted(self.runner.released_memory()),
-            **self.memory.stats(),
-            "num_running_reqs": len(self.running) + (1 if self.chunked else 0),
+            **self.memory.stats(),  # summed over the DP attention ranks
+            "num_running_reqs": len(self.running) + len(self.chunked),
             "num_waiting_reqs": len(self.waiting),
             "num_retractions": self.num_retractions,
             "num_generated_tokens": self.num_generated_tokens,
@@ -541,6 +646,17 @@ class Scheduler:
             "context_length": self.context_len,
             "memory_bytes": self.runner.memory_report(),
         }
+        if self.dp_size > 1:
+            info["dp_size"] = self.dp_size
+            info["dp_ranks"] = self.rank_info()
+        return info
+
+    def rank_info(self) -> list[dict[str, int]]:
+        """Per DP attention rank: its requests and its KV slots (``server_info``)."""
+        counts = self._rank_counts()
+        return [{"dp_rank": r, "num_running_reqs": counts.running[r],
+                 "num_waiting_reqs": counts.waiting[r], **self.memory.rank_stats(r)}
+                for r in range(self.dp_size)]
 
 
 def start_scheduler(server_args: ServerArgs, port_args: PortArgs, pipe: Any,

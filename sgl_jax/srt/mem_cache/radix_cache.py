@@ -159,6 +159,30 @@ class RadixCache:
         slots = np.concatenate(values) if values else _EMPTY.copy()
         return slots, node
 
+    def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
+        """Length of the longest cached prefix of ``token_ids`` (whole pages), read-only: no
+        split, no access-time update, so looking without using changes no eviction order
+        (the DP balancer asks every rank's tree where a new request's prefix is cached)."""
+        if self.disable or len(token_ids) < self.page_size:
+            return 0
+        page = self.page_size
+        key = np.asarray(token_ids, dtype=np.int32)
+        if page > 1:
+            key = key[: len(key) - len(key) % page]
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(self.child_key(key, pos))
+            if child is None:
+                break
+            n = _common_prefix_len(child.key, key[pos:])
+            if page > 1:
+                n -= n % page
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return pos
+
     def insert(self, token_ids: Sequence[int], kv_slots: np.ndarray) -> int:
         """Cache the page-aligned part of ``token_ids`` with their ``kv_slots``; return the
         prefix length already cached (a multiple of the page size).

@@ -273,16 +273,19 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     @app.get("/get_load")
     async def get_load() -> Response:
-        # SGLang's shape, one entry per data-parallel rank (we are one): sglang-router's
+        # SGLang's shape, one entry per data-parallel attention rank: sglang-router's
         # /get_loads and load-aware policies read num_tokens.
         info = await tm.get_server_info()
-        waiting = info["num_waiting_reqs"]
-        in_use = (info["total_kv_slots"] - info["available_kv_slots"]
-                  - info["evictable_kv_slots"])
-        return JSONResponse([{
-            "dp_rank": 0, "num_reqs": info["num_running_reqs"] + waiting,
-            "num_waiting_reqs": waiting, "num_tokens": in_use,
-        }])
+        ranks = info.get("dp_ranks") or [{"dp_rank": 0, **info}]
+
+        def load(rank: dict) -> dict:
+            waiting = rank["num_waiting_reqs"]
+            in_use = (rank["total_kv_slots"] - rank["available_kv_slots"]
+                      - rank["evictable_kv_slots"])
+            return {"dp_rank": rank["dp_rank"], "num_reqs": rank["num_running_reqs"] + waiting,
+                    "num_waiting_reqs": waiting, "num_tokens": in_use}
+
+        return JSONResponse([load(rank) for rank in ranks])
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])  # SGLang's clients use both
     async def flush_cache() -> Response:

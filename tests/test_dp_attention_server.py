@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from sgl_jax.testing import server_flags
 from tests.engine_utils import (
     decoded_rows,
     expected_rows,
@@ -20,12 +21,11 @@ from tests.engine_utils import (
 from tests.server_utils import server_fixture, sse_events
 from tests.test_logprobs import check_positions, ref_logprobs
 
-DP_ARGS = [
-    "--tp-size", "2", "--ep-size", "2", "--enable-dp-attention", "--dp-size", "2",
-    "--enable-return-routed-experts", "--max-running-requests", "8",
-    "--chunked-prefill-size", "64", "--precompile-token-paddings", "64",
-    "--precompile-bs-paddings", "4", "--max-total-tokens", "1024",
-]
+DP_ARGS = server_flags(
+    tp_size=2, ep_size=2, enable_dp_attention=True, dp_size=2,
+    enable_return_routed_experts=True, max_running_requests=8, chunked_prefill_size=64,
+    precompile_token_paddings=[64], precompile_bs_paddings=[4], max_total_tokens=1024,
+)
 NEW_TOKENS = 8
 
 

@@ -264,7 +264,7 @@ class ServerArgs:
 
         if self.max_running_requests is None:
             pads = self.precompile_bs_paddings
-            self.max_running_requests = max(pads) if pads else 64
+            self.max_running_requests = (max(pads) if pads else 64) * max(self.dp_size, 1)
         if self.dtype not in DTYPES:
             fail(f"dtype={self.dtype!r}; use one of {', '.join(DTYPES)}")
         if self.log_level not in LOG_LEVELS:
@@ -371,11 +371,14 @@ class ServerArgs:
             pads = self.precompile_bs_paddings
             if not pads or min(pads) < 1:
                 fail(f"precompile_bs_paddings={pads} must be a non-empty list of sizes >= 1")
-            if max(pads) < self.max_running_requests:
+            # With DP attention the buckets are per rank, and so are the running requests.
+            per_rank = -(-self.max_running_requests // max(self.dp_size, 1))
+            if max(pads) < per_rank:
+                ranks = f" / dp_size={self.dp_size}" if self.dp_size > 1 else ""
                 fail(
                     f"precompile_bs_paddings={pads} cannot hold max_running_requests="
-                    f"{self.max_running_requests}; add a bucket >= {self.max_running_requests}"
-                    f" or lower max_running_requests to {max(pads)}"
+                    f"{self.max_running_requests}{ranks}; add a bucket >= {per_rank}"
+                    f" or lower max_running_requests to {max(pads) * max(self.dp_size, 1)}"
                 )
         if self.precompile_token_paddings is not None:
             pads = self.precompile_token_paddings

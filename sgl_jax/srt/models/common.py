@@ -24,7 +24,11 @@ from jax.sharding import PartitionSpec as P
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch_info import ForwardBatch
 from sgl_jax.srt.layers.attention import AttentionMetadata, write_kv
-from sgl_jax.srt.layers.attention.data_parallel import DATA_AXIS, rank_local_attention
+from sgl_jax.srt.layers.attention.data_parallel import (
+    DATA_AXIS,
+    rank_local_attention,
+    take_rank_rows,
+)
 from sgl_jax.srt.layers.moe.ep_moe import (
     W_DOWN_SPEC,
     W_GATE_UP_SPEC,
@@ -241,9 +245,12 @@ class MoeModel(nnx.Module):
         backends: ModelBackends,
     ) -> tuple[jax.Array, KVCache, list[LayerRouting]]:
         """Hidden states, new caches, and each layer's router choice (None: dense)."""
-        h = jnp.take(self.embed_tokens[...], batch.input_ids, axis=0)
         if backends.dp_attention:  # each attention rank holds its own tokens' hidden states
-            h = jax.lax.with_sharding_constraint(h, P(DATA_AXIS, None))
+            ids = jax.lax.with_sharding_constraint(batch.input_ids, P(DATA_AXIS))
+            h = jax.lax.with_sharding_constraint(
+                jnp.take(self.embed_tokens[...], ids, axis=0), P(DATA_AXIS, None))
+        else:
+            h = jnp.take(self.embed_tokens[...], batch.input_ids, axis=0)
         new_caches, layer_routing = [], []
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             h, kv, routing = layer(h, batch, meta, kv, backends)
@@ -276,7 +283,13 @@ class MoeForCausalLM(nnx.Module):
         head = self.model.embed_tokens[...].T if self.config.tie_word_embeddings else self.lm_head[...]
         indices = batch.logits_indices
         rows = batch.batch_size
-        if backends.batch_invariant and indices.shape[0] > rows:
+        if backends.dp_attention:
+            # Each rank its own sampled rows (then any input-logprob rows, gathered whole).
+            picked = [take_rank_rows(h, indices[:rows], batch.dp_size)]
+            if indices.shape[0] > rows:
+                picked.append(jnp.take(h, indices[rows:], axis=0))
+            logits = jnp.concatenate([self.model.norm(x) @ head for x in picked])
+        elif backends.batch_invariant and indices.shape[0] > rows:
             # The sampled rows keep their shapes (norm and LM head) whether or not a batch-mate
             # asked for input logprobs (the extra rows): kernels depend on the row count.
             parts = [self.model.norm(jnp.take(h, ix, axis=0)) @ head

@@ -85,3 +85,16 @@ def rank_local_attention(
         check_vma=False,
     )
     return run(q, new_rows, kv_cache, slots, meta)
+
+
+def take_rank_rows(h: jax.Array, indices: jax.Array, dp_size: int) -> jax.Array:
+    """``h[indices]`` for a DP batch whose row i's index lies in row i's rank's tokens (each
+    row's last token: ``ForwardBatch.logits_indices``): a gather per rank, so every rank
+    picks its own rows and the LM head runs on them alone, not on the whole batch's rows
+    replicated over the ranks. h ``[T, H]``, indices ``[B]`` -> ``[B, H]``."""
+    tokens, rows = h.shape[0] // dp_size, indices.shape[0] // dp_size
+    first = jnp.arange(dp_size, dtype=indices.dtype)[:, None] * tokens
+    # A rank whose rows are all padding points at the previous rank's last token: clamp.
+    local = jnp.clip(indices.reshape(dp_size, rows) - first, 0, tokens - 1)
+    picked = jnp.take_along_axis(h.reshape(dp_size, tokens, -1), local[:, :, None], axis=1)
+    return picked.reshape(dp_size * rows, -1)

@@ -73,6 +73,8 @@ CONFIGS: dict[str, tuple[int, str, int, int, str | None, dict[str, Any]]] = {
     "tp2_ep2_dp2_ragged_p16": (4, TEST_MODEL_PATH, 2, 2, None,
                                {**DP2, **RAGGED, "page_size": 16}),
     "deepseek_v3_tp2_ep2_dp2": (4, "deepseek_v3", 2, 2, None, DP2),
+    "head128_tp2_ep2_dp2_pallas_p16": (
+        4, HEAD128, 2, 2, None, {**DP2, "attention_backend": "pallas", "page_size": 16}),
     # EPLB's dynamic placement (4 redundant rows) under DP attention.
     "ep4_dp4_eplb": (4, TEST_MODEL_PATH, 1, 4, None, {
         "enable_dp_attention": True, "dp_size": 4, "enable_eplb": True,

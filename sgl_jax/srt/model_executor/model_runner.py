@@ -635,8 +635,9 @@ class ModelRunner:
                 np.zeros(self.req_to_page.shape[1], np.int32),
             )
         logger.info(
-            "Precompiled %d shapes in %.1fs (decode bs %s; extend tokens %s)",
+            "Precompiled %d shapes in %.1fs (decode bs %s; extend tokens %s%s)",
             len(shapes), time.perf_counter() - t0, self.bs_paddings, self.token_paddings,
+            f"; per DP attention rank, {self.dp_size} ranks" if self.dp_size > 1 else "",
         )
 
 

@@ -41,6 +41,7 @@ UNIT = [
     "tests/test_eplb.py",
     "tests/test_eplb_parallel.py",
     "tests/test_integrations.py",
+    "tests/test_dp_balancer.py",
 ]
 E2E = [
     "tests/test_engine.py",
@@ -71,6 +72,8 @@ E2E = [
     "tests/test_score.py",
     "tests/test_weight_api_sglang.py",
     "tests/test_weight_update_on_device.py",
+    "tests/test_dp_scheduler.py",
+    "tests/test_dp_attention_server.py",
 ]
 # Optional checks outside every suite (they skip without packages the project does not need).
 # tests/tunix (the tunix extra) has its own CI stage and environment (.ci/run).

@@ -60,7 +60,10 @@ class PallasAttention(AttentionBackend):
         kernel = partial(ragged_paged_attention, sm_scale=scale, **self._block_sizes(meta))
 
         mesh = jax.sharding.get_abstract_mesh()
-        if not mesh.empty and mesh.shape.get(TENSOR_AXIS, 1) > 1:
+        # Inside DP attention's per-rank shard_map the axes are already manual: the kernel
+        # then sees the rank's heads as they are.
+        if (not mesh.empty and mesh.shape.get(TENSOR_AXIS, 1) > 1
+                and TENSOR_AXIS not in mesh.manual_axes):
             kernel = jax.shard_map(
                 kernel,
                 mesh=mesh,

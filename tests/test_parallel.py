@@ -41,6 +41,7 @@ HEAD128 = "head128"  # head_dim 128: the Pallas attention kernel's minimum
 
 RAGGED = {"moe_backend": "ragged"}
 DP2 = {"enable_dp_attention": True, "dp_size": 2}
+A2A = {"moe_dispatch": "ragged_all_to_all"}
 # name -> (devices of the worker process that runs it, model, tp, ep, mapping, other server
 # args). A worker runs its configurations one after the other; the single-device references
 # use a 1-device mesh (devices[:1]) of a multi-device process, the same single-device program.
@@ -73,12 +74,21 @@ CONFIGS: dict[str, tuple[int, str, int, int, str | None, dict[str, Any]]] = {
     "tp2_ep2_dp2_ragged_p16": (4, TEST_MODEL_PATH, 2, 2, None,
                                {**DP2, **RAGGED, "page_size": 16}),
     "deepseek_v3_tp2_ep2_dp2": (4, "deepseek_v3", 2, 2, None, DP2),
+    # The all-to-all dispatch (each device receives only its experts' assignments).
+    "tp2_ep2_dp2_a2a": (4, TEST_MODEL_PATH, 2, 2, None, {**DP2, **A2A}),
+    "ep4_dp4_a2a_ragged": (4, TEST_MODEL_PATH, 1, 4, None, {
+        "enable_dp_attention": True, "dp_size": 4, **A2A, **RAGGED}),
+    "deepseek_v3_tp2_ep2_dp2_a2a_ragged": (4, "deepseek_v3", 2, 2, None,
+                                           {**DP2, **A2A, **RAGGED}),
     "head128_tp2_ep2_dp2_pallas_p16": (
         4, HEAD128, 2, 2, None, {**DP2, "attention_backend": "pallas", "page_size": 16}),
     # EPLB's dynamic placement (4 redundant rows) under DP attention.
     "ep4_dp4_eplb": (4, TEST_MODEL_PATH, 1, 4, None, {
         "enable_dp_attention": True, "dp_size": 4, "enable_eplb": True,
         "ep_num_redundant_experts": 4}),
+    "ep4_dp4_eplb_a2a": (4, TEST_MODEL_PATH, 1, 4, None, {
+        "enable_dp_attention": True, "dp_size": 4, "enable_eplb": True,
+        "ep_num_redundant_experts": 4, **A2A}),
     "deepseek_v3_tp2_ep2_mapped": (4, "deepseek_v3", 2, 2, json.dumps(
         {"default": [[0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]]}), {}),
 }

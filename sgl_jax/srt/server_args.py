@@ -22,6 +22,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 ROUTED_EXPERTS_DTYPES = ("int32", "int16", "uint16", "uint8")  # routed_experts_codec's names
 EXPERT_DISTRIBUTION_MODES = ("stat", "per_pass", "per_token")  # layers/moe/expert_distribution
 EPLB_ALGORITHMS = ("greedy", "hierarchical")  # layers/moe/eplb
+MOE_DISPATCHES = ("all_gather", "ragged_all_to_all")  # layers/moe/dispatch.py
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens")  # DP attention
 
 
@@ -139,6 +140,12 @@ class ServerArgs:
         "round_robin, shortest_queue (fewest requests), minimum_tokens (fewest tokens held "
         "or queued). A request whose prompt prefix is cached on a rank goes there.",
         choices=LOAD_BALANCE_METHODS)
+    moe_dispatch: str = _arg(
+        "all_gather", "With --enable-dp-attention, how a MoE layer moves tokens to their "
+        "experts' devices and back: all_gather (every rank's tokens to every device, "
+        "reduce-scatter back; T rows each way) or ragged_all_to_all (each assignment to its "
+        "expert's device and back; k*T/ep rows each way, less when top-k < ep). "
+        "docs/parallelism.md.", choices=MOE_DISPATCHES)
     device_indexes: list[int] | None = _arg(
         None, "Run on these devices (positions in jax.devices()), e.g. '0 1' next to a trainer "
               "on the other devices of the host; tp_size x ep_size of them form the mesh. "
@@ -353,6 +360,11 @@ class ServerArgs:
                  "the attention ranks are the rows of the 'expert' mesh axis, so dp_size must "
                  f"equal ep_size (e.g. --ep-size {self.dp_size} --dp-size {self.dp_size}, each "
                  "rank tp_size devices)")
+        if self.moe_dispatch not in MOE_DISPATCHES:
+            fail(f"moe_dispatch={self.moe_dispatch!r}; use one of {', '.join(MOE_DISPATCHES)}")
+        if self.moe_dispatch != "all_gather" and self.dp_size == 1:
+            fail(f"moe_dispatch={self.moe_dispatch} moves tokens between DP attention ranks; "
+                 "it needs --enable-dp-attention --dp-size > 1")
         if self.moe_backend not in MOE_BACKENDS:
             fail(f"moe_backend={self.moe_backend!r}; use one of {', '.join(MOE_BACKENDS)}")
         if self.enable_deterministic_inference:

@@ -69,6 +69,7 @@ from sgl_jax.srt.layers.attention import (
     update_page_table,
 )
 from sgl_jax.srt.layers.logprobs import LogprobOutput, logprob_outputs
+from sgl_jax.srt.layers.moe.dispatch import ragged_collective
 from sgl_jax.srt.layers.moe.ep_moe import EXPERT_AXIS
 from sgl_jax.srt.layers.moe.expert_distribution import ExpertDistributionRecorder, create_recorder
 from sgl_jax.srt.layers.moe.experts import create_moe_backend
@@ -318,7 +319,11 @@ class ModelRunner:
             routing = routing | self.expert_recorder.routing_spec
         self.backends = ModelBackends(attention=attention, moe=moe_backend, routing=routing,
                                       batch_invariant=self.deterministic,
-                                      dp_attention=self.dp_size > 1)
+                                      dp_attention=self.dp_size > 1,
+                                      moe_all_to_all=(
+                                          ragged_collective(self.platform)
+                                          if server_args.moe_dispatch == "ragged_all_to_all"
+                                          else None))
 
         self.num_compiles = 0
         self.last_step_host_bytes = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sgl_jax.srt.layers.attention import AttentionBackend
+from sgl_jax.srt.layers.moe.dispatch import RaggedAllToAll
 from sgl_jax.srt.layers.moe.experts import MoEBackend
 from sgl_jax.srt.layers.moe.routing import RoutingSpec
 
@@ -23,3 +24,6 @@ class ModelBackends:
     # (the attention ranks); attention runs per rank on its shard of the KV cache and the
     # MoE gathers the tokens to the experts' owners and scatters the results back.
     dp_attention: bool = False
+    # --moe-dispatch ragged_all_to_all (with DP attention): the collective that sends each
+    # assignment to its expert's device (layers/moe/dispatch.py); None: all-gather dispatch.
+    moe_all_to_all: RaggedAllToAll | None = None

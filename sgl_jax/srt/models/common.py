@@ -187,7 +187,7 @@ class SparseMoeBlock(nnx.Module):
             x, topk_ids, topk_weights, self.w_gate[...], self.w_up[...], self.w_down[...],
             self.expert_order, backend=backends.moe,
             location=(self.replicas[...], self.num_replicas[...]) if self.eplb else None,
-            tokens_split=backends.dp_attention,
+            tokens_split=backends.dp_attention, all_to_all=backends.moe_all_to_all,
         )
         if self.shared_name is not None:
             shared = getattr(self, self.shared_name)(x)

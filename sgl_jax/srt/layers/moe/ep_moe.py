@@ -26,6 +26,7 @@ communication is that all-reduce of a ``[T, H]`` array (``docs/moe_backends.md``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -34,6 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from sgl_jax.srt.layers.moe.dispatch import RaggedAllToAll, all_to_all_experts
 from sgl_jax.srt.layers.moe.experts import MoEBackend
 from sgl_jax.srt.layers.moe.placement import ExpertPlacement
 
@@ -98,6 +100,7 @@ def ep_moe_forward(
     backend: MoEBackend,
     location: tuple[jax.Array, jax.Array] | None = None,
     tokens_split: bool = False,
+    all_to_all: RaggedAllToAll | None = None,
 ) -> jax.Array:
     """x [T, H] (replicated); topk_ids / topk_weights [T, k] LOGICAL ids and their weights;
     stacked weights ``[P, ...]`` in physical order; ``backend`` the expert compute chosen at
@@ -115,7 +118,9 @@ def ep_moe_forward(
     attention rank holds its own tokens). Each device all-gathers the tokens of the other
     ranks, runs its experts on all of them, and a reduce-scatter over "expert" hands every
     rank the sums for its own tokens (then the "tensor" partial sums are added). Dropless and
-    exact: the same assignments reach the same experts as without DP.
+    exact: the same assignments reach the same experts as without DP. With ``all_to_all``
+    (the ragged all-to-all collective to use) each device receives only the assignments to
+    its own experts instead (``dispatch.all_to_all_experts``).
     """
     if location is None:
         rows = static_physical_ids(topk_ids, expert_order)
@@ -150,8 +155,14 @@ def ep_moe_forward(
         return jax.lax.psum(mine, TENSOR_AXIS).astype(x.dtype)
 
     tokens = P(EXPERT_AXIS) if tokens_split else P()
+    if not tokens_split:
+        per_device = local_experts
+    elif all_to_all is None:
+        per_device = dispatched_experts
+    else:
+        per_device = functools.partial(all_to_all_experts, backend, all_to_all)
     moe = jax.shard_map(
-        dispatched_experts if tokens_split else local_experts, mesh=mesh,
+        per_device, mesh=mesh,
         in_specs=(tokens, tokens, tokens, P(*W_GATE_UP_SPEC), P(*W_GATE_UP_SPEC),
                   P(*W_DOWN_SPEC)),
         out_specs=tokens,

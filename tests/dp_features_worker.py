@@ -1,0 +1,136 @@
+"""Worker of tests/test_dp_features.py: engines with data-parallel attention (dp2 on a tp2 x ep2
+layout of 4 fake CPU devices; ``XLA_FLAGS`` is set by the test before JAX starts) driven
+through the features that must keep working with DP; what they returned is pickled to
+``argv[-1]`` and the test compares it with the float64 reference.
+
+``python -m tests.dp_features_worker MODE SECOND_CKPT OUT.pkl`` with MODE:
+
+- ``multi``: a multi-process Engine with deterministic inference, routed experts and their
+  weights and the expert distribution recorder (stat): requests on both ranks at once, a
+  target request alone and inside batches, a recording window, then
+  ``update_weights_from_disk`` to SECOND_CKPT and the same requests again;
+- ``single``: a single-process Engine on a caller's ("expert", "tensor") mesh of the 4
+  devices: requests on both ranks, then ``update_weights_from_arrays`` with SECOND_CKPT's
+  tensors as JAX arrays and the same requests again.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from typing import Any
+
+import numpy as np
+
+from tests.engine_utils import prompt_ids
+
+DP_ARGS: dict[str, Any] = {
+    "tp_size": 2, "ep_size": 2, "enable_dp_attention": True, "dp_size": 2,
+    "enable_return_routed_experts": True, "disable_precompile": True,
+    "precompile_bs_paddings": [1, 2, 4], "precompile_token_paddings": [32, 64],
+    "chunked_prefill_size": 64,
+}
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+# Four prompts: round robin puts them on ranks 0, 1, 0, 1 (one of them chunked).
+PROMPTS = [prompt_ids(1100 + i, n) for i, n in enumerate([9, 23, 80, 14])]
+MAX_NEW = [6, 4, 5, 7]
+TARGET = prompt_ids(1200, 31)
+TARGET_NEW = 10
+
+
+def params(max_new: list[int]) -> list[dict]:
+    return [{**GREEDY, "max_new_tokens": n} for n in max_new]
+
+
+def generate(engine, prompts: list[list[int]], max_new: list[int], **kw) -> list[dict]:
+    return engine.generate(input_ids=prompts, sampling_params=params(max_new),
+                           return_routed_experts=True, **kw)
+
+
+def target_batches() -> list[tuple[list[list[int]], list[int], int]]:
+    """(prompts, max_new_tokens, index of TARGET): TARGET with mates of various lengths, so
+    its rank, its rank's padding and the other rank's load differ between runs."""
+    rng = np.random.default_rng(5)
+
+    def mate(n: int) -> list[int]:
+        return rng.integers(3, 500, n).tolist()
+
+    return [
+        ([mate(30), TARGET], [20, TARGET_NEW], 1),
+        ([TARGET, mate(12), mate(70), mate(5)], [TARGET_NEW, 3, 12, 25], 0),
+        ([mate(50), mate(9), TARGET], [4, 16, TARGET_NEW], 2),
+    ]
+
+
+def multi_run(second: str) -> dict[str, Any]:
+    import tempfile
+
+    from sgl_jax import Engine
+    from sgl_jax.testing import engine_args
+
+    out: dict[str, Any] = {}
+    with Engine(**engine_args(**DP_ARGS, enable_deterministic_inference=True,
+                              enable_return_routed_expert_weights=True,
+                              expert_distribution_recorder_mode="stat",
+                              expert_distribution_recorder_dir=tempfile.mkdtemp())) as eng:
+        eng.start_expert_distribution_record()
+        out["outs"] = generate(eng, PROMPTS, MAX_NEW, return_logprob=True,
+                               return_routed_expert_weights=True)
+        eng.stop_expert_distribution_record()
+        out["load"] = eng.get_expert_load()
+        out["info_after_batch"] = eng.get_server_info()
+        # Deterministic mode: TARGET alone (cache flushed: no prefix hit) and in batches.
+        out["alone_ranks"] = []
+        for key in ("alone", "alone_other_rank"):  # round robin: one on each rank
+            eng.flush_cache()
+            out[key] = generate(eng, [TARGET], [TARGET_NEW], return_logprob=True)[0]
+            ranks = eng.get_server_info()["dp_ranks"]
+            out["alone_ranks"].append([r["dp_rank"] for r in ranks if r["evictable_kv_slots"]])
+        out["batched"] = []
+        for prompts, max_new, where in target_batches():
+            eng.flush_cache()
+            res = generate(eng, prompts, max_new, return_logprob=True)
+            out["batched"].append(res[where])
+        out["update"] = eng.update_weights_from_disk(second)
+        out["after_update"] = generate(eng, PROMPTS, MAX_NEW)
+        out["server_info"] = eng.get_server_info()
+    return out
+
+
+def single_run(second: str) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+    from safetensors.numpy import load_file
+
+    from sgl_jax import Engine
+    from sgl_jax.testing import engine_args
+
+    devices = jax.devices()
+    assert len(devices) == 4, devices
+    # Not the order the engine would pick: rank 0 is devices 3, 2.
+    mesh = Mesh(np.array(devices[::-1]).reshape(2, 2), ("expert", "tensor"))
+    args = {k: v for k, v in DP_ARGS.items() if k not in ("tp_size", "ep_size")}
+    out: dict[str, Any] = {}
+    with Engine(**engine_args(**args, enable_single_process=True, mesh=mesh)) as eng:
+        out["child_pids"] = eng.child_pids()
+        out["outs"] = generate(eng, PROMPTS, MAX_NEW)
+        compiles = eng.get_server_info()["num_compiles"]
+        tensors = {k: jnp.asarray(v) for k, v in load_file(f"{second}/model.safetensors").items()}
+        res = eng.update_weights_from_arrays(tensors, weight_version="second")
+        out["update"] = {k: v for k, v in res.items() if k in ("success", "host_bytes",
+                                                             "weight_version")}
+        out["after_update"] = generate(eng, PROMPTS, MAX_NEW)
+        out["compiles"] = (compiles, eng.get_server_info()["num_compiles"])
+        out["server_info"] = eng.get_server_info()
+    return out
+
+
+def main(mode: str, second: str, path: str) -> None:
+    result = {"multi": multi_run, "single": single_run}[mode](second)
+    with open(path, "wb") as f:
+        pickle.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,197 @@
+"""The other features with data-parallel attention (M19 item 3): dp2 on a tp2 x ep2 layout of
+4 fake CPU devices, requests on both ranks at once, every output against the float64
+reference.
+
+tests/dp_features_worker.py runs two engines in a subprocess (the mesh must be fixed before JAX
+starts): a multi-process one with deterministic inference, routed experts and their weights,
+logprobs and the expert distribution recorder (stat), then ``update_weights_from_disk`` to the
+second checkpoint; and a single-process one on a caller's mesh, then
+``update_weights_from_arrays`` with JAX arrays. A multi-node job (two processes on loopback,
+ep across them: one DP rank per node) serves concurrent requests here directly.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.routed_experts_codec import (
+    extract_routed_expert_weights_from_meta_info,
+    extract_routed_experts_from_meta_info,
+)
+from sgl_jax.testing import TEST_MODEL_PATH, MultiNodeJob, server_flags
+from tests.dp_features_worker import MAX_NEW, PROMPTS, TARGET, TARGET_NEW
+from tests.engine_utils import (
+    decoded_rows,
+    expected_rows,
+    prompt_ids,
+    reference,
+    reference_greedy,
+)
+
+CFG = ModelConfig.from_hf(TEST_MODEL_PATH)
+L, K = CFG.num_hidden_layers, CFG.num_experts_per_tok
+REPO = Path(__file__).absolute().parents[1]
+# Float32 engine against the float64 reference (tests/test_logprobs.py's tolerance).
+LOGPROB_TOL, LOGPROB_RTOL = 1e-5, 4e-6
+
+
+def _worker(mode: str, second: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "out.pkl")
+        env = {**os.environ, "JAX_PLATFORMS": "cpu",
+               "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.dp_features_worker", mode, second, path],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        with open(path, "rb") as f:
+            return pickle.load(f)
+
+
+@pytest.fixture(scope="module")
+def multi(second_ckpt) -> dict[str, Any]:
+    return _worker("multi", second_ckpt)
+
+
+@pytest.fixture(scope="module")
+def single(second_ckpt) -> dict[str, Any]:
+    return _worker("single", second_ckpt)
+
+
+def check_against_reference(prompts: list[list[int]], max_new: list[int], outs: list[dict],
+                            path: str = TEST_MODEL_PATH) -> None:
+    for ids, n, out in zip(prompts, max_new, outs, strict=True):
+        assert out["output_ids"] == reference_greedy(ids, n, path)
+        np.testing.assert_array_equal(decoded_rows(out, L, K),
+                                      expected_rows(ids, out["output_ids"], path))
+
+
+def both_ranks_served(info: dict) -> bool:
+    """Each rank's radix tree caches what its requests computed (nothing was flushed since)."""
+    return len(info["dp_ranks"]) == 2 and all(r["evictable_kv_slots"] > 0
+                                              for r in info["dp_ranks"])
+
+
+def no_leak(info: dict) -> bool:
+    return (info["num_running_reqs"] == info["num_waiting_reqs"] == 0
+            and info["locked_kv_slots"] == 0
+            and info["available_kv_slots"] + info["evictable_kv_slots"] == info["total_kv_slots"])
+
+
+# -- single-process mode --------------------------------------------------------------------------
+def test_single_process_on_a_callers_mesh(single):
+    assert single["child_pids"] == {}  # the scheduler is a thread of the worker
+    check_against_reference(PROMPTS, MAX_NEW, single["outs"])
+    assert both_ranks_served(single["server_info"]) and no_leak(single["server_info"])
+
+
+def test_single_process_update_from_jax_arrays(single, second_ckpt):
+    assert single["update"] == {"success": True, "host_bytes": 1, "weight_version": "second"}
+    assert all(o["meta_info"]["weight_version"] == "second" for o in single["after_update"])
+    check_against_reference(PROMPTS, MAX_NEW, single["after_update"], second_ckpt)
+    before, after = single["compiles"]
+    assert after == before  # the same shapes: nothing recompiled
+
+
+# -- multi-process: routing weights, logprobs, recorder, determinism, weight update --------------
+def test_tokens_rows_and_logprobs_equal_the_reference(multi):
+    check_against_reference(PROMPTS, MAX_NEW, multi["outs"])
+    assert both_ranks_served(multi["info_after_batch"])
+    for ids, out in zip(PROMPTS, multi["outs"], strict=True):
+        seq = ids + out["output_ids"]
+        logits = reference().forward(seq[:-1]).logits[len(ids) - 1:]
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        lp = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        got = out["meta_info"]["output_token_logprobs"]
+        assert [t for _, t, _ in got] == out["output_ids"]
+        want = lp[np.arange(len(got)), out["output_ids"]]
+        np.testing.assert_allclose([v for v, _, _ in got], want, atol=LOGPROB_TOL,
+                                   rtol=LOGPROB_RTOL)
+
+
+def test_routing_weights_equal_the_reference(multi):
+    for ids, out in zip(PROMPTS, multi["outs"], strict=True):
+        weights = extract_routed_expert_weights_from_meta_info(out)
+        assert weights.dtype == np.float32
+        ref = reference().forward(ids + out["output_ids"][:-1])
+        assert weights.shape == ref.topk_weights.shape
+        np.testing.assert_allclose(weights, ref.topk_weights, rtol=1e-5, atol=1e-6)
+
+
+def test_recorder_counts_equal_the_reference_rows(multi):
+    load = multi["load"]
+    rows = np.concatenate([expected_rows(ids, out["output_ids"])
+                           for ids, out in zip(PROMPTS, multi["outs"], strict=True)])
+    assert load["moe_layers"] == list(CFG.moe_layer_ids)
+    # Every forwarded token once: no rank's padding, no token counted on both ranks.
+    assert load["num_tokens"] == len(rows) == sum(len(p) + n - 1
+                                                   for p, n in zip(PROMPTS, MAX_NEW, strict=True))
+    want = np.stack([np.bincount(rows[:, layer].ravel(), minlength=CFG.num_experts)
+                     for layer in load["moe_layers"]])
+    np.testing.assert_array_equal(np.array(load["counts"]), want)
+
+
+def _key(out: dict) -> tuple:
+    lps = np.array([e[0] for e in out["meta_info"]["output_token_logprobs"]], np.float64)
+    return (tuple(out["output_ids"]), lps.tobytes(),
+            extract_routed_experts_from_meta_info(out).tobytes())
+
+
+def test_deterministic_alone_and_in_batches_on_either_rank(multi):
+    """The target alone on one rank, alone on the other, and inside batches whose mates load
+    its rank and the other one differently: bitwise the same ids, logprobs and rows."""
+    alone = multi["alone"]
+    assert alone["output_ids"] == reference_greedy(TARGET, TARGET_NEW)
+    np.testing.assert_array_equal(decoded_rows(alone, L, K),
+                                  expected_rows(TARGET, alone["output_ids"]))
+    # Round robin: the two lone runs went to different ranks (each rank's tree shows it).
+    assert multi["alone_ranks"][0] != multi["alone_ranks"][1], multi["alone_ranks"]
+    want = _key(alone)
+    assert _key(multi["alone_other_rank"]) == want
+    for i, out in enumerate(multi["batched"]):
+        assert _key(out) == want, f"batch {i}"
+
+
+def test_update_weights_from_disk(multi, second_ckpt):
+    update = multi["update"]
+    assert update["success"] and update["weight_version"] == "1"
+    assert all(o["meta_info"]["weight_version"] == "1" for o in multi["after_update"])
+    check_against_reference(PROMPTS, MAX_NEW, multi["after_update"], second_ckpt)
+    assert no_leak(multi["server_info"])
+
+
+# -- multi-node: one DP rank per node ---------------------------------------------------------------
+MN_PROMPTS = [prompt_ids(1300 + i, n) for i, n in enumerate([9, 40, 17, 5])]
+MN_NEW = 6
+
+
+def test_multi_node_one_rank_per_node():
+    """Two nodes of 2 devices (tp 2 within a node, ep 2 across): each node is a DP rank."""
+    flags = server_flags(tp_size=2, ep_size=2, enable_dp_attention=True, dp_size=2,
+                         enable_return_routed_experts=True, chunked_prefill_size=32,
+                         precompile_token_paddings=[32], precompile_bs_paddings=[1, 2, 4],
+                         page_size=4, disable_precompile=True)
+    job = MultiNodeJob(flags)
+    try:
+        res = job.leader.post("/generate", json={
+            "input_ids": MN_PROMPTS, "return_routed_experts": True,
+            "sampling_params": {"temperature": 0.0, "ignore_eos": True,
+                                "max_new_tokens": MN_NEW}})
+        assert res.status_code == 200, res.text
+        check_against_reference(MN_PROMPTS, [MN_NEW] * len(MN_PROMPTS), res.json())
+        info = job.leader.get("/get_server_info").json()
+        assert both_ranks_served(info) and no_leak(info)
+        code, follower_codes = job.stop()
+        assert code == 0 and follower_codes == [0], job.follower_log()
+    finally:
+        job.kill()

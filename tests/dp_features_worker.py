@@ -79,6 +79,10 @@ def multi_run(second: str) -> dict[str, Any]:
         eng.stop_expert_distribution_record()
         out["load"] = eng.get_expert_load()
         out["info_after_batch"] = eng.get_server_info()
+        # Input logprobs (extra logits rows beyond the sampled ones) of two requests, one per
+        # rank, with top-3 alternatives.
+        out["input_lp"] = generate(eng, PROMPTS[:2], [2, 3], return_logprob=True,
+                                   logprob_start_len=0, top_logprobs_num=3)
         # Deterministic mode: TARGET alone (cache flushed: no prefix hit) and in batches.
         out["alone_ranks"] = []
         for key in ("alone", "alone_other_rank"):  # round robin: one on each rank
@@ -121,6 +125,10 @@ def single_run(second: str) -> dict[str, Any]:
         out["update"] = {k: v for k, v in res.items() if k in ("success", "host_bytes",
                                                              "weight_version")}
         out["after_update"] = generate(eng, PROMPTS, MAX_NEW)
+        # Released (each rank's KV shard and the weights) and resumed: the same outputs.
+        out["release"] = eng.release_memory_occupation()
+        out["resume"] = eng.resume_memory_occupation()
+        out["after_resume"] = generate(eng, PROMPTS, MAX_NEW)
         out["compiles"] = (compiles, eng.get_server_info()["num_compiles"])
         out["server_info"] = eng.get_server_info()
     return out

@@ -103,6 +103,17 @@ def test_single_process_update_from_jax_arrays(single, second_ckpt):
     assert after == before  # the same shapes: nothing recompiled
 
 
+def test_release_and_resume_memory(single):
+    """Each rank's KV shard and the weights freed and put back: the outputs are what they
+    were (the caches were emptied: computed again), with no step recompiled."""
+    assert single["release"]["released"] == ["kv_cache", "weights"]
+    assert single["release"]["device_bytes_after"] < single["release"]["device_bytes_before"]
+    assert single["resume"]["released"] == []
+    for out, before in zip(single["after_resume"], single["after_update"], strict=True):
+        assert out["output_ids"] == before["output_ids"]
+        assert out["meta_info"]["routed_experts"] == before["meta_info"]["routed_experts"]
+
+
 # -- multi-process: routing weights, logprobs, recorder, determinism, weight update --------------
 def test_tokens_rows_and_logprobs_equal_the_reference(multi):
     check_against_reference(PROMPTS, MAX_NEW, multi["outs"])
@@ -117,6 +128,32 @@ def test_tokens_rows_and_logprobs_equal_the_reference(multi):
         want = lp[np.arange(len(got)), out["output_ids"]]
         np.testing.assert_allclose([v for v, _, _ in got], want, atol=LOGPROB_TOL,
                                    rtol=LOGPROB_RTOL)
+
+
+def ref_logprobs(ids: list[int]) -> np.ndarray:
+    """[len(ids), V] float64: row p is the distribution of the token after position p."""
+    logits = reference().forward(ids).logits
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+
+
+def test_input_logprobs_and_top_logprobs_on_both_ranks(multi):
+    for ids, out in zip(PROMPTS[:2], multi["input_lp"], strict=True):
+        meta = out["meta_info"]
+        seq = ids + out["output_ids"]
+        lp = ref_logprobs(seq[:-1])
+        # Prompt position p > 0: the logprob of token p given tokens < p (row p - 1); then
+        # the generated tokens.
+        got = meta["input_token_logprobs"][1:] + meta["output_token_logprobs"]
+        tops = meta["input_top_logprobs"][1:] + meta["output_top_logprobs"]
+        assert [t for _, t, _ in got] == seq[1:]
+        np.testing.assert_allclose([v for v, _, _ in got], lp[np.arange(len(got)), seq[1:]],
+                                   atol=LOGPROB_TOL, rtol=LOGPROB_RTOL)
+        for row, top in enumerate(tops):
+            want = np.argsort(-lp[row], kind="stable")[:3]
+            assert [t for _, t, _ in top] == want.tolist()
+            np.testing.assert_allclose([v for v, _, _ in top], lp[row, want],
+                                       atol=LOGPROB_TOL, rtol=LOGPROB_RTOL)
 
 
 def test_routing_weights_equal_the_reference(multi):

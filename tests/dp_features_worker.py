@@ -36,6 +36,8 @@ PROMPTS = [prompt_ids(1100 + i, n) for i, n in enumerate([9, 23, 80, 14])]
 MAX_NEW = [6, 4, 5, 7]
 TARGET = prompt_ids(1200, 31)
 TARGET_NEW = 10
+SCORE_PROMPT = prompt_ids(1400, 13)
+SCORE_COMPLETIONS = [prompt_ids(1401 + i, 3 + 2 * i) for i in range(4)]
 
 
 def params(max_new: list[int]) -> list[dict]:
@@ -95,6 +97,11 @@ def multi_run(second: str) -> dict[str, Any]:
             eng.flush_cache()
             res = generate(eng, prompts, max_new, return_logprob=True)
             out["batched"].append(res[where])
+        # Scoring: a shared prompt (prefilled once) and completions spread over the ranks.
+        eng.flush_cache()
+        out["score"] = eng.score(SCORE_PROMPT, SCORE_COMPLETIONS, temperature=0.7,
+                                 return_routed_experts=True)
+        out["score_info"] = eng.get_server_info()
         out["update"] = eng.update_weights_from_disk(second)
         out["after_update"] = generate(eng, PROMPTS, MAX_NEW)
         out["server_info"] = eng.get_server_info()

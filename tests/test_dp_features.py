@@ -29,7 +29,14 @@ from sgl_jax.srt.routed_experts_codec import (
     extract_routed_experts_from_meta_info,
 )
 from sgl_jax.testing import TEST_MODEL_PATH, MultiNodeJob, server_flags
-from tests.dp_features_worker import MAX_NEW, PROMPTS, TARGET, TARGET_NEW
+from tests.dp_features_worker import (
+    MAX_NEW,
+    PROMPTS,
+    SCORE_COMPLETIONS,
+    SCORE_PROMPT,
+    TARGET,
+    TARGET_NEW,
+)
 from tests.engine_utils import (
     decoded_rows,
     expected_rows,
@@ -154,6 +161,26 @@ def test_input_logprobs_and_top_logprobs_on_both_ranks(multi):
             assert [t for _, t, _ in top] == want.tolist()
             np.testing.assert_allclose([v for v, _, _ in top], lp[row, want],
                                        atol=LOGPROB_TOL, rtol=LOGPROB_RTOL)
+
+
+def test_score_a_shared_prompt(multi):
+    """Engine.score: the completions' logprobs (temperature 0.7) and routed-experts rows."""
+    records = multi["score"]
+    assert len(records) == len(SCORE_COMPLETIONS)
+    for rec, completion in zip(records, SCORE_COMPLETIONS, strict=True):
+        seq = SCORE_PROMPT + completion
+        logits = reference().forward(seq[:-1]).logits[len(SCORE_PROMPT) - 1:] / 0.7
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        lp = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        np.testing.assert_allclose(rec["logprobs"], lp[np.arange(len(completion)), completion],
+                                   atol=LOGPROB_TOL, rtol=LOGPROB_RTOL)
+        np.testing.assert_array_equal(rec["routed_experts"],
+                                      expected_rows(SCORE_PROMPT, completion))
+    # The prompt was prefilled once and every completion went to the rank caching it
+    # (prefix affinity): each took it from that rank's cache up to its first scored position.
+    assert [r["cached_tokens"] for r in records] == [len(SCORE_PROMPT) - 1] * len(records)
+    assert [r["evictable_kv_slots"] > 0 for r in multi["score_info"]["dp_ranks"]].count(True) == 1
+    assert no_leak(multi["score_info"])
 
 
 def test_routing_weights_equal_the_reference(multi):

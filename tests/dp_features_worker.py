@@ -11,7 +11,9 @@ through the features that must keep working with DP; what they returned is pickl
   ``update_weights_from_disk`` to SECOND_CKPT and the same requests again;
 - ``single``: a single-process Engine on a caller's ("expert", "tensor") mesh of the 4
   devices: requests on both ranks, then ``update_weights_from_arrays`` with SECOND_CKPT's
-  tensors as JAX arrays and the same requests again.
+  tensors as JAX arrays and the same requests again;
+- ``eplb``: a multi-process Engine with EPLB: requests before and after a rebalance, and two
+  requests streamed at once.
 """
 
 from __future__ import annotations
@@ -141,8 +143,41 @@ def single_run(second: str) -> dict[str, Any]:
     return out
 
 
+def stream_both_ranks(eng, prompts: list[list[int]], max_new: list[int]) -> list[list[dict]]:
+    """Streams the prompts at once (one caller thread each, so they share steps): the chunks
+    of each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> list[dict]:
+        return list(eng.generate(input_ids=prompts[i], sampling_params=params([max_new[i]])[0],
+                                 return_routed_experts=True, stream=True))
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, range(len(prompts))))
+
+
+def eplb_run(second: str) -> dict[str, Any]:
+    """EPLB (2 redundant experts: 9 physical per rank) with DP: outputs before and after a
+    rebalance, and streamed routed experts."""
+    from sgl_jax import Engine
+    from sgl_jax.testing import engine_args
+
+    out: dict[str, Any] = {}
+    with Engine(**engine_args(**DP_ARGS, enable_eplb=True, ep_num_redundant_experts=2)) as eng:
+        out["before"] = generate(eng, PROMPTS, MAX_NEW)
+        compiles = eng.get_server_info()["num_compiles"]
+        out["rebalance"] = eng.rebalance_experts()
+        eng.flush_cache()
+        out["after"] = generate(eng, PROMPTS, MAX_NEW)
+        out["compiles"] = (compiles, eng.get_server_info()["num_compiles"])
+        eng.flush_cache()  # then each rank's tree holds only what the streamed ones computed
+        out["streamed"] = stream_both_ranks(eng, PROMPTS[:2], MAX_NEW[:2])
+        out["server_info"] = eng.get_server_info()
+    return out
+
+
 def main(mode: str, second: str, path: str) -> None:
-    result = {"multi": multi_run, "single": single_run}[mode](second)
+    result = {"multi": multi_run, "single": single_run, "eplb": eplb_run}[mode](second)
     with open(path, "wb") as f:
         pickle.dump(result, f)
 

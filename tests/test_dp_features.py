@@ -234,6 +234,36 @@ def test_update_weights_from_disk(multi, second_ckpt):
     assert no_leak(multi["server_info"])
 
 
+# -- EPLB and streaming ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def eplb(second_ckpt) -> dict[str, Any]:
+    return _worker("eplb", second_ckpt)
+
+
+def test_eplb_rebalance_keeps_outputs_exact(eplb):
+    check_against_reference(PROMPTS, MAX_NEW, eplb["before"])
+    table = eplb["rebalance"]["physical_to_logical"]
+    assert len(table) == len(CFG.moe_layer_ids)
+    assert all(len(row) == CFG.num_experts + 2 for row in table)
+    assert all(a <= b for a, b in zip(eplb["rebalance"]["imbalance_after"],
+                                      eplb["rebalance"]["imbalance_before"], strict=True))
+    check_against_reference(PROMPTS, MAX_NEW, eplb["after"])
+    before, after = eplb["compiles"]
+    assert after == before
+
+
+def test_streamed_routed_experts_on_both_ranks(eplb):
+    for ids, n, chunks in zip(PROMPTS[:2], MAX_NEW[:2], eplb["streamed"], strict=True):
+        assert len(chunks) == n  # one chunk per generated token
+        out = sum((c["output_ids"] for c in chunks), [])
+        assert out == reference_greedy(ids, n)
+        starts = [c["meta_info"]["routed_experts_start"] for c in chunks]
+        parts = [extract_routed_experts_from_meta_info(c).reshape(-1, L, K) for c in chunks]
+        assert starts == np.cumsum([0] + [len(p) for p in parts[:-1]]).tolist()
+        np.testing.assert_array_equal(np.concatenate(parts), expected_rows(ids, out))
+    assert both_ranks_served(eplb["server_info"]) and no_leak(eplb["server_info"])
+
+
 # -- multi-node: one DP rank per node ---------------------------------------------------------------
 MN_PROMPTS = [prompt_ids(1300 + i, n) for i, n in enumerate([9, 40, 17, 5])]
 MN_NEW = 6

@@ -36,6 +36,7 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 # Four prompts: round robin puts them on ranks 0, 1, 0, 1 (one of them chunked).
 PROMPTS = [prompt_ids(1100 + i, n) for i, n in enumerate([9, 23, 80, 14])]
 MAX_NEW = [6, 4, 5, 7]
+RIDS = [f"p{i}" for i in range(len(PROMPTS))]
 TARGET = prompt_ids(1200, 31)
 TARGET_NEW = 10
 SCORE_PROMPT = prompt_ids(1400, 13)
@@ -111,6 +112,8 @@ def multi_run(second: str) -> dict[str, Any]:
 
 
 def single_run(second: str) -> dict[str, Any]:
+    import tempfile
+
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh
@@ -125,9 +128,15 @@ def single_run(second: str) -> dict[str, Any]:
     mesh = Mesh(np.array(devices[::-1]).reshape(2, 2), ("expert", "tensor"))
     args = {k: v for k, v in DP_ARGS.items() if k not in ("tp_size", "ep_size")}
     out: dict[str, Any] = {}
-    with Engine(**engine_args(**args, enable_single_process=True, mesh=mesh)) as eng:
+    with Engine(**engine_args(**args, enable_single_process=True, mesh=mesh,
+                              expert_distribution_recorder_mode="per_token",
+                              expert_distribution_recorder_dir=tempfile.mkdtemp())) as eng:
         out["child_pids"] = eng.child_pids()
-        out["outs"] = generate(eng, PROMPTS, MAX_NEW)
+        eng.start_expert_distribution_record()
+        out["outs"] = generate(eng, PROMPTS, MAX_NEW, rid=RIDS)
+        eng.stop_expert_distribution_record()
+        with np.load(eng.dump_expert_distribution_record()) as f:
+            out["per_token"] = {k: f[k] for k in ("topk_ids", "rid", "position")}
         compiles = eng.get_server_info()["num_compiles"]
         tensors = {k: jnp.asarray(v) for k, v in load_file(f"{second}/model.safetensors").items()}
         res = eng.update_weights_from_arrays(tensors, weight_version="second")

@@ -32,6 +32,7 @@ from sgl_jax.testing import TEST_MODEL_PATH, MultiNodeJob, server_flags
 from tests.dp_features_worker import (
     MAX_NEW,
     PROMPTS,
+    RIDS,
     SCORE_COMPLETIONS,
     SCORE_PROMPT,
     TARGET,
@@ -100,6 +101,19 @@ def test_single_process_on_a_callers_mesh(single):
     assert single["child_pids"] == {}  # the scheduler is a thread of the worker
     check_against_reference(PROMPTS, MAX_NEW, single["outs"])
     assert both_ranks_served(single["server_info"]) and no_leak(single["server_info"])
+
+
+def test_per_token_recorder_rows_rids_and_positions(single):
+    """The per_token recorder with DP: every real token once (no rank's padding), under its
+    request's id and position, with the reference's routed ids."""
+    rec = single["per_token"]
+    assert len(rec["rid"]) == sum(len(p) + n - 1 for p, n in zip(PROMPTS, MAX_NEW, strict=True))
+    for rid, ids, out in zip(RIDS, PROMPTS, single["outs"], strict=True):
+        mine = rec["rid"] == rid
+        order = np.argsort(rec["position"][mine], kind="stable")
+        want = expected_rows(ids, out["output_ids"])
+        assert rec["position"][mine][order].tolist() == list(range(len(want)))
+        np.testing.assert_array_equal(rec["topk_ids"][mine][order], want)
 
 
 def test_single_process_update_from_jax_arrays(single, second_ckpt):

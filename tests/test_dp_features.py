@@ -283,22 +283,40 @@ MN_PROMPTS = [prompt_ids(1300 + i, n) for i, n in enumerate([9, 40, 17, 5])]
 MN_NEW = 6
 
 
-def test_multi_node_one_rank_per_node():
-    """Two nodes of 2 devices (tp 2 within a node, ep 2 across): each node is a DP rank."""
+def test_multi_node_one_rank_per_node(second_ckpt):
+    """Two nodes of 2 devices (tp 2 within a node, ep 2 across): each node is a DP rank.
+    Concurrent requests, a release and resume, and a weight update reach both."""
     flags = server_flags(tp_size=2, ep_size=2, enable_dp_attention=True, dp_size=2,
                          enable_return_routed_experts=True, chunked_prefill_size=32,
                          precompile_token_paddings=[32], precompile_bs_paddings=[1, 2, 4],
                          page_size=4, disable_precompile=True)
     job = MultiNodeJob(flags)
     try:
-        res = job.leader.post("/generate", json={
-            "input_ids": MN_PROMPTS, "return_routed_experts": True,
-            "sampling_params": {"temperature": 0.0, "ignore_eos": True,
-                                "max_new_tokens": MN_NEW}})
-        assert res.status_code == 200, res.text
-        check_against_reference(MN_PROMPTS, [MN_NEW] * len(MN_PROMPTS), res.json())
+        def generate() -> list[dict]:
+            res = job.leader.post("/generate", json={
+                "input_ids": MN_PROMPTS, "return_routed_experts": True,
+                "sampling_params": {"temperature": 0.0, "ignore_eos": True,
+                                    "max_new_tokens": MN_NEW}})
+            assert res.status_code == 200, res.text
+            return res.json()
+
+        first = generate()
+        check_against_reference(MN_PROMPTS, [MN_NEW] * len(MN_PROMPTS), first)
         info = job.leader.get("/get_server_info").json()
         assert both_ranks_served(info) and no_leak(info)
+        # Released and resumed on both nodes (each its rank's KV shard): the same outputs.
+        res = job.leader.post("/release_memory_occupation", json={})
+        assert res.status_code == 200 and res.json()["released"] == ["kv_cache", "weights"]
+        res = job.leader.post("/resume_memory_occupation", json={})
+        assert res.status_code == 200 and res.json()["released"] == [], res.text
+        assert [o["output_ids"] for o in generate()] == [o["output_ids"] for o in first]
+        # New weights on both nodes: the second checkpoint's reference on both ranks.
+        res = job.leader.post("/update_weights_from_disk", json={"model_path": second_ckpt})
+        assert res.status_code == 200 and res.json()["success"], res.text
+        check_against_reference(MN_PROMPTS, [MN_NEW] * len(MN_PROMPTS), generate(),
+                                second_ckpt)
+        assert no_leak(job.leader.get("/get_server_info").json())
+        assert "diverge" not in job.follower_log()
         code, follower_codes = job.stop()
         assert code == 0 and follower_codes == [0], job.follower_log()
     finally:

@@ -70,8 +70,10 @@ def target_batches() -> list[tuple[list[list[int]], list[int], int]]:
 def multi_run(second: str) -> dict[str, Any]:
     import tempfile
 
+    from safetensors.numpy import load_file
+
     from sgl_jax import Engine
-    from sgl_jax.testing import engine_args
+    from sgl_jax.testing import TEST_MODEL_PATH, engine_args
 
     out: dict[str, Any] = {}
     with Engine(**engine_args(**DP_ARGS, enable_deterministic_inference=True,
@@ -107,6 +109,11 @@ def multi_run(second: str) -> dict[str, Any]:
         out["score_info"] = eng.get_server_info()
         out["update"] = eng.update_weights_from_disk(second)
         out["after_update"] = generate(eng, PROMPTS, MAX_NEW)
+        # Back to the test checkpoint, its tensors sent as host arrays (SGLang's call).
+        tensors = load_file(f"{TEST_MODEL_PATH}/model.safetensors")
+        out["update_back"] = eng.update_weights_from_tensor(list(tensors.items()),
+                                                            weight_version="back")
+        out["after_update_back"] = generate(eng, PROMPTS, MAX_NEW)
         out["server_info"] = eng.get_server_info()
     return out
 

@@ -240,11 +240,15 @@ def test_deterministic_alone_and_in_batches_on_either_rank(multi):
         assert _key(out) == want, f"batch {i}"
 
 
-def test_update_weights_from_disk(multi, second_ckpt):
+def test_update_weights_from_disk_then_from_tensor(multi, second_ckpt):
     update = multi["update"]
     assert update["success"] and update["weight_version"] == "1"
     assert all(o["meta_info"]["weight_version"] == "1" for o in multi["after_update"])
     check_against_reference(PROMPTS, MAX_NEW, multi["after_update"], second_ckpt)
+    # update_weights_from_tensor (host arrays to a scheduler process) back to the first.
+    assert multi["update_back"]["success"]
+    assert all(o["meta_info"]["weight_version"] == "back" for o in multi["after_update_back"])
+    check_against_reference(PROMPTS, MAX_NEW, multi["after_update_back"])
     assert no_leak(multi["server_info"])
 
 

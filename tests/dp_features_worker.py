@@ -13,7 +13,9 @@ through the features that must keep working with DP; what they returned is pickl
   devices: requests on both ranks, then ``update_weights_from_arrays`` with SECOND_CKPT's
   tensors as JAX arrays and the same requests again;
 - ``eplb``: a multi-process Engine with EPLB: requests before and after a rebalance, and two
-  requests streamed at once.
+  requests streamed at once;
+- ``mla``: DeepSeek-V3's tiny preset (the checkpoint given instead of SECOND_CKPT) with
+  routed experts, their weights, logprobs and the stat recorder.
 """
 
 from __future__ import annotations
@@ -192,8 +194,32 @@ def eplb_run(second: str) -> dict[str, Any]:
     return out
 
 
+def mla_run(model_path: str) -> dict[str, Any]:
+    """DeepSeek-V3's MLA (latent cache split over the ranks, dense first layer, shared
+    expert): routed experts, their weights, logprobs and the stat recorder."""
+    import tempfile
+
+    from sgl_jax import Engine
+    from sgl_jax.testing import engine_args
+
+    out: dict[str, Any] = {}
+    with Engine(**engine_args(**DP_ARGS, model_path=model_path,
+                              enable_return_routed_expert_weights=True,
+                              expert_distribution_recorder_mode="stat",
+                              expert_distribution_recorder_dir=tempfile.mkdtemp())) as eng:
+        eng.start_expert_distribution_record()
+        out["outs"] = generate(eng, PROMPTS, MAX_NEW, return_logprob=True,
+                               return_routed_expert_weights=True)
+        eng.stop_expert_distribution_record()
+        out["load"] = eng.get_expert_load()
+        out["server_info"] = eng.get_server_info()
+    return out
+
+
 def main(mode: str, second: str, path: str) -> None:
-    result = {"multi": multi_run, "single": single_run, "eplb": eplb_run}[mode](second)
+    """``second``: the second checkpoint (``mla``: the DeepSeek-V3 checkpoint to serve)."""
+    modes = {"multi": multi_run, "single": single_run, "eplb": eplb_run, "mla": mla_run}
+    result = modes[mode](second)
     with open(path, "wb") as f:
         pickle.dump(result, f)
 

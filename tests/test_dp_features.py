@@ -29,6 +29,7 @@ from sgl_jax.srt.routed_experts_codec import (
     extract_routed_experts_from_meta_info,
 )
 from sgl_jax.testing import TEST_MODEL_PATH, MultiNodeJob, server_flags
+from sgl_jax.tools.make_random_model import write_random_model
 from tests.dp_features_worker import (
     MAX_NEW,
     PROMPTS,
@@ -78,10 +79,12 @@ def single(second_ckpt) -> dict[str, Any]:
 
 def check_against_reference(prompts: list[list[int]], max_new: list[int], outs: list[dict],
                             path: str = TEST_MODEL_PATH) -> None:
+    cfg = ModelConfig.from_hf(path)
     for ids, n, out in zip(prompts, max_new, outs, strict=True):
         assert out["output_ids"] == reference_greedy(ids, n, path)
-        np.testing.assert_array_equal(decoded_rows(out, L, K),
-                                      expected_rows(ids, out["output_ids"], path))
+        np.testing.assert_array_equal(
+            decoded_rows(out, cfg.num_hidden_layers, cfg.num_experts_per_tok),
+            expected_rows(ids, out["output_ids"], path))
 
 
 def both_ranks_served(info: dict) -> bool:
@@ -136,14 +139,10 @@ def test_release_and_resume_memory(single):
 
 
 # -- multi-process: routing weights, logprobs, recorder, determinism, weight update --------------
-def test_tokens_rows_and_logprobs_equal_the_reference(multi):
-    check_against_reference(PROMPTS, MAX_NEW, multi["outs"])
-    assert both_ranks_served(multi["info_after_batch"])
-    for ids, out in zip(PROMPTS, multi["outs"], strict=True):
+def check_output_logprobs(outs: list[dict], path: str = TEST_MODEL_PATH) -> None:
+    for ids, out in zip(PROMPTS, outs, strict=True):
         seq = ids + out["output_ids"]
-        logits = reference().forward(seq[:-1]).logits[len(ids) - 1:]
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        lp = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        lp = ref_logprobs(seq[:-1], path)[len(ids) - 1:]
         got = out["meta_info"]["output_token_logprobs"]
         assert [t for _, t, _ in got] == out["output_ids"]
         want = lp[np.arange(len(got)), out["output_ids"]]
@@ -151,9 +150,39 @@ def test_tokens_rows_and_logprobs_equal_the_reference(multi):
                                    rtol=LOGPROB_RTOL)
 
 
-def ref_logprobs(ids: list[int]) -> np.ndarray:
+def check_routing_weights(outs: list[dict], path: str = TEST_MODEL_PATH) -> None:
+    """The router's top-k weights of every row (0 on dense layers) within float32 rounding
+    (tests/test_routed_experts.py's tolerance)."""
+    for ids, out in zip(PROMPTS, outs, strict=True):
+        weights = extract_routed_expert_weights_from_meta_info(out)
+        assert weights.dtype == np.float32
+        ref = reference(path).forward(ids + out["output_ids"][:-1])
+        assert weights.shape == ref.topk_weights.shape
+        np.testing.assert_allclose(weights, ref.topk_weights, rtol=1e-5, atol=1e-6)
+
+
+def check_recorder_counts(load: dict, outs: list[dict], path: str = TEST_MODEL_PATH) -> None:
+    cfg = ModelConfig.from_hf(path)
+    rows = np.concatenate([expected_rows(ids, out["output_ids"], path)
+                           for ids, out in zip(PROMPTS, outs, strict=True)])
+    assert load["moe_layers"] == list(cfg.moe_layer_ids)
+    # Every forwarded token once: no rank's padding, no token counted on both ranks.
+    assert load["num_tokens"] == len(rows) == sum(len(p) + n - 1
+                                                   for p, n in zip(PROMPTS, MAX_NEW, strict=True))
+    want = np.stack([np.bincount(rows[:, layer].ravel(), minlength=cfg.num_experts)
+                     for layer in load["moe_layers"]])
+    np.testing.assert_array_equal(np.array(load["counts"]), want)
+
+
+def test_tokens_rows_and_logprobs_equal_the_reference(multi):
+    check_against_reference(PROMPTS, MAX_NEW, multi["outs"])
+    assert both_ranks_served(multi["info_after_batch"])
+    check_output_logprobs(multi["outs"])
+
+
+def ref_logprobs(ids: list[int], path: str = TEST_MODEL_PATH) -> np.ndarray:
     """[len(ids), V] float64: row p is the distribution of the token after position p."""
-    logits = reference().forward(ids).logits
+    logits = reference(path).forward(ids).logits
     shifted = logits - logits.max(axis=1, keepdims=True)
     return shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
 
@@ -198,25 +227,11 @@ def test_score_a_shared_prompt(multi):
 
 
 def test_routing_weights_equal_the_reference(multi):
-    for ids, out in zip(PROMPTS, multi["outs"], strict=True):
-        weights = extract_routed_expert_weights_from_meta_info(out)
-        assert weights.dtype == np.float32
-        ref = reference().forward(ids + out["output_ids"][:-1])
-        assert weights.shape == ref.topk_weights.shape
-        np.testing.assert_allclose(weights, ref.topk_weights, rtol=1e-5, atol=1e-6)
+    check_routing_weights(multi["outs"])
 
 
 def test_recorder_counts_equal_the_reference_rows(multi):
-    load = multi["load"]
-    rows = np.concatenate([expected_rows(ids, out["output_ids"])
-                           for ids, out in zip(PROMPTS, multi["outs"], strict=True)])
-    assert load["moe_layers"] == list(CFG.moe_layer_ids)
-    # Every forwarded token once: no rank's padding, no token counted on both ranks.
-    assert load["num_tokens"] == len(rows) == sum(len(p) + n - 1
-                                                   for p, n in zip(PROMPTS, MAX_NEW, strict=True))
-    want = np.stack([np.bincount(rows[:, layer].ravel(), minlength=CFG.num_experts)
-                     for layer in load["moe_layers"]])
-    np.testing.assert_array_equal(np.array(load["counts"]), want)
+    check_recorder_counts(multi["load"], multi["outs"])
 
 
 def _key(out: dict) -> tuple:
@@ -280,6 +295,25 @@ def test_streamed_routed_experts_on_both_ranks(eplb):
         assert starts == np.cumsum([0] + [len(p) for p in parts[:-1]]).tolist()
         np.testing.assert_array_equal(np.concatenate(parts), expected_rows(ids, out))
     assert both_ranks_served(eplb["server_info"]) and no_leak(eplb["server_info"])
+
+
+# -- DeepSeek-V3's MLA -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def deepseek_path(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("ds") / "tiny-deepseek-v3"
+    write_random_model(str(path), "tiny-deepseek-v3", seed=3)
+    return str(path)
+
+
+def test_mla_rows_weights_logprobs_and_recorder(deepseek_path):
+    """The latent cache split over the ranks, a dense first layer (rows -1, weights 0)."""
+    mla = _worker("mla", deepseek_path)
+    assert not all(ModelConfig.from_hf(deepseek_path).moe_layers)
+    check_against_reference(PROMPTS, MAX_NEW, mla["outs"], deepseek_path)
+    check_output_logprobs(mla["outs"], deepseek_path)
+    check_routing_weights(mla["outs"], deepseek_path)
+    check_recorder_counts(mla["load"], mla["outs"], deepseek_path)
+    assert both_ranks_served(mla["server_info"]) and no_leak(mla["server_info"])
 
 
 # -- multi-node: one DP rank per node ---------------------------------------------------------------

@@ -8,7 +8,8 @@ through the features that must keep working with DP; what they returned is pickl
 - ``multi``: a multi-process Engine with deterministic inference, routed experts and their
   weights and the expert distribution recorder (stat): requests on both ranks at once, a
   target request alone and inside batches, a recording window, then
-  ``update_weights_from_disk`` to SECOND_CKPT and the same requests again;
+  ``update_weights_from_disk`` to SECOND_CKPT and the same requests again, then updates while
+  a request runs on each rank;
 - ``single``: a single-process Engine on a caller's ("expert", "tensor") mesh of the 4
   devices: requests on both ranks, then ``update_weights_from_arrays`` with SECOND_CKPT's
   tensors as JAX arrays and the same requests again;
@@ -39,6 +40,7 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 PROMPTS = [prompt_ids(1100 + i, n) for i, n in enumerate([9, 23, 80, 14])]
 MAX_NEW = [6, 4, 5, 7]
 RIDS = [f"p{i}" for i in range(len(PROMPTS))]
+RUNNING_NEW = 40  # the requests running while weights are updated
 TARGET = prompt_ids(1200, 31)
 TARGET_NEW = 10
 SCORE_PROMPT = prompt_ids(1400, 13)
@@ -116,7 +118,42 @@ def multi_run(second: str) -> dict[str, Any]:
         out["update_back"] = eng.update_weights_from_tensor(list(tensors.items()),
                                                             weight_version="back")
         out["after_update_back"] = generate(eng, PROMPTS, MAX_NEW)
+        out.update(updates_while_running(eng, second))
         out["server_info"] = eng.get_server_info()
+    return out
+
+
+def updates_while_running(eng, second: str) -> dict[str, Any]:
+    """Weight updates while a request runs on each rank: without abort_all_requests they
+    finish on the old weights first; with it they are aborted."""
+    import threading
+    import time
+
+    from sgl_jax.testing import TEST_MODEL_PATH, wait_until
+
+    out: dict[str, Any] = {}
+
+    def run_in_background(max_new: int) -> tuple[threading.Thread, dict]:
+        box: dict[str, Any] = {}
+        thread = threading.Thread(target=lambda: box.setdefault(
+            "outs", generate(eng, PROMPTS[:2], [max_new, max_new])))
+        thread.start()
+        assert wait_until(lambda: eng.get_server_info()["num_running_reqs"] == 2, timeout=120)
+        out.setdefault("running_per_rank", []).append(
+            [r["num_running_reqs"] for r in eng.get_server_info()["dp_ranks"]])
+        return thread, box
+
+    thread, box = run_in_background(RUNNING_NEW)
+    out["update_running"] = eng.update_weights_from_disk(second, weight_version="second")
+    thread.join()
+    out["running"] = box["outs"]
+    out["after_running"] = generate(eng, PROMPTS[:2], MAX_NEW[:2])
+    thread, box = run_in_background(300)
+    time.sleep(0.5)
+    out["update_abort"] = eng.update_weights_from_disk(TEST_MODEL_PATH, abort_all_requests=True)
+    thread.join()
+    out["aborted"] = box["outs"]
+    out["after_abort"] = generate(eng, PROMPTS[:2], MAX_NEW[:2])
     return out
 
 

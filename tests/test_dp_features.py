@@ -34,6 +34,7 @@ from tests.dp_features_worker import (
     MAX_NEW,
     PROMPTS,
     RIDS,
+    RUNNING_NEW,
     SCORE_COMPLETIONS,
     SCORE_PROMPT,
     TARGET,
@@ -265,6 +266,23 @@ def test_update_weights_from_disk_then_from_tensor(multi, second_ckpt):
     assert all(o["meta_info"]["weight_version"] == "back" for o in multi["after_update_back"])
     check_against_reference(PROMPTS, MAX_NEW, multi["after_update_back"])
     assert no_leak(multi["server_info"])
+
+
+def test_weight_updates_while_a_request_runs_on_each_rank(multi, second_ckpt):
+    """Without abort_all_requests the running requests finish on the old weights (all their
+    tokens the first checkpoint's), then the update applies; with it they are aborted, their
+    tokens so far the second checkpoint's, and the first serves again."""
+    assert multi["running_per_rank"] == [[1, 1], [1, 1]]
+    assert multi["update_running"]["success"]
+    check_against_reference(PROMPTS[:2], [RUNNING_NEW] * 2, multi["running"])
+    assert all(o["meta_info"]["weight_version"] == "back" for o in multi["running"])
+    check_against_reference(PROMPTS[:2], MAX_NEW[:2], multi["after_running"], second_ckpt)
+    assert multi["update_abort"]["success"]
+    for ids, out in zip(PROMPTS[:2], multi["aborted"], strict=True):
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        n = len(out["output_ids"])
+        assert 0 < n < 300 and out["output_ids"] == reference_greedy(ids, n, second_ckpt)
+    check_against_reference(PROMPTS[:2], MAX_NEW[:2], multi["after_abort"])
 
 
 # -- EPLB and streaming ----------------------------------------------------------------------------

@@ -36,6 +36,7 @@ DP_ARGS: dict[str, Any] = {
     "chunked_prefill_size": 64,
 }
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
+SEEDED = {"temperature": 0.8, "top_p": 0.9, "seed": 1234, "ignore_eos": True}
 # Four prompts: round robin puts them on ranks 0, 1, 0, 1 (one of them chunked).
 PROMPTS = [prompt_ids(1100 + i, n) for i, n in enumerate([9, 23, 80, 14])]
 MAX_NEW = [6, 4, 5, 7]
@@ -71,6 +72,27 @@ def target_batches() -> list[tuple[list[list[int]], list[int], int]]:
     ]
 
 
+def determinism_runs(eng, sampling: dict) -> dict[str, Any]:
+    """TARGET (with ``sampling``) alone on each rank (cache flushed: no prefix hit) and in
+    ``target_batches``; the mates are greedy."""
+    out: dict[str, Any] = {"alone_ranks": [], "batched": []}
+    target = {**sampling, "max_new_tokens": TARGET_NEW}
+    for key in ("alone", "alone_other_rank"):  # round robin: one on each rank
+        eng.flush_cache()
+        out[key] = eng.generate(input_ids=[TARGET], sampling_params=[target],
+                                return_routed_experts=True, return_logprob=True)[0]
+        ranks = eng.get_server_info()["dp_ranks"]
+        out["alone_ranks"].append([r["dp_rank"] for r in ranks if r["evictable_kv_slots"]])
+    for prompts, max_new, where in target_batches():
+        eng.flush_cache()
+        sampling_params = params(max_new)
+        sampling_params[where] = target
+        res = eng.generate(input_ids=prompts, sampling_params=sampling_params,
+                           return_routed_experts=True, return_logprob=True)
+        out["batched"].append(res[where])
+    return out
+
+
 def multi_run(second: str) -> dict[str, Any]:
     import tempfile
 
@@ -94,18 +116,8 @@ def multi_run(second: str) -> dict[str, Any]:
         # rank, with top-3 alternatives.
         out["input_lp"] = generate(eng, PROMPTS[:2], [2, 3], return_logprob=True,
                                    logprob_start_len=0, top_logprobs_num=3)
-        # Deterministic mode: TARGET alone (cache flushed: no prefix hit) and in batches.
-        out["alone_ranks"] = []
-        for key in ("alone", "alone_other_rank"):  # round robin: one on each rank
-            eng.flush_cache()
-            out[key] = generate(eng, [TARGET], [TARGET_NEW], return_logprob=True)[0]
-            ranks = eng.get_server_info()["dp_ranks"]
-            out["alone_ranks"].append([r["dp_rank"] for r in ranks if r["evictable_kv_slots"]])
-        out["batched"] = []
-        for prompts, max_new, where in target_batches():
-            eng.flush_cache()
-            res = generate(eng, prompts, max_new, return_logprob=True)
-            out["batched"].append(res[where])
+        out["det"] = {name: determinism_runs(eng, sampling)
+                      for name, sampling in (("greedy", GREEDY), ("seeded", SEEDED))}
         # Scoring: a shared prompt (prefilled once) and completions spread over the ranks.
         eng.flush_cache()
         out["score"] = eng.score(SCORE_PROMPT, SCORE_COMPLETIONS, temperature=0.7,

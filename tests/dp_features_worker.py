@@ -13,8 +13,8 @@ through the features that must keep working with DP; what they returned is pickl
 - ``single``: a single-process Engine on a caller's ("expert", "tensor") mesh of the 4
   devices: requests on both ranks, then ``update_weights_from_arrays`` with SECOND_CKPT's
   tensors as JAX arrays and the same requests again;
-- ``eplb``: a multi-process Engine with EPLB: requests before and after a rebalance, and two
-  requests streamed at once;
+- ``eplb``: a multi-process Engine with EPLB: requests before and after a rebalance, two
+  requests streamed at once, two paused and continued;
 - ``mla``: DeepSeek-V3's tiny preset (the checkpoint given instead of SECOND_CKPT) with
   routed experts, their weights, logprobs and the stat recorder.
 """
@@ -23,10 +23,20 @@ from __future__ import annotations
 
 import pickle
 import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
+from safetensors.numpy import load_file
 
+from sgl_jax import Engine
+from sgl_jax.testing import TEST_MODEL_PATH, engine_args, wait_until
 from tests.engine_utils import prompt_ids
 
 DP_ARGS: dict[str, Any] = {
@@ -94,13 +104,6 @@ def determinism_runs(eng, sampling: dict) -> dict[str, Any]:
 
 
 def multi_run(second: str) -> dict[str, Any]:
-    import tempfile
-
-    from safetensors.numpy import load_file
-
-    from sgl_jax import Engine
-    from sgl_jax.testing import TEST_MODEL_PATH, engine_args
-
     out: dict[str, Any] = {}
     with Engine(**engine_args(**DP_ARGS, enable_deterministic_inference=True,
                               enable_return_routed_expert_weights=True,
@@ -135,24 +138,26 @@ def multi_run(second: str) -> dict[str, Any]:
     return out
 
 
+def start_two(eng, max_new: int) -> tuple[Any, dict, list[int]]:
+    """Generates PROMPTS[:2] in a background thread (``box["outs"]`` when done); returns once
+    both run, with the running requests per rank then."""
+    box: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: box.setdefault(
+        "outs", generate(eng, PROMPTS[:2], [max_new, max_new])))
+    thread.start()
+    assert wait_until(lambda: eng.get_server_info()["num_running_reqs"] == 2, timeout=120)
+    per_rank = [r["num_running_reqs"] for r in eng.get_server_info()["dp_ranks"]]
+    return thread, box, per_rank
+
+
 def updates_while_running(eng, second: str) -> dict[str, Any]:
     """Weight updates while a request runs on each rank: without abort_all_requests they
     finish on the old weights first; with it they are aborted."""
-    import threading
-    import time
-
-    from sgl_jax.testing import TEST_MODEL_PATH, wait_until
-
     out: dict[str, Any] = {}
 
     def run_in_background(max_new: int) -> tuple[threading.Thread, dict]:
-        box: dict[str, Any] = {}
-        thread = threading.Thread(target=lambda: box.setdefault(
-            "outs", generate(eng, PROMPTS[:2], [max_new, max_new])))
-        thread.start()
-        assert wait_until(lambda: eng.get_server_info()["num_running_reqs"] == 2, timeout=120)
-        out.setdefault("running_per_rank", []).append(
-            [r["num_running_reqs"] for r in eng.get_server_info()["dp_ranks"]])
+        thread, box, per_rank = start_two(eng, max_new)
+        out.setdefault("running_per_rank", []).append(per_rank)
         return thread, box
 
     thread, box = run_in_background(RUNNING_NEW)
@@ -170,16 +175,6 @@ def updates_while_running(eng, second: str) -> dict[str, Any]:
 
 
 def single_run(second: str) -> dict[str, Any]:
-    import tempfile
-
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import Mesh
-    from safetensors.numpy import load_file
-
-    from sgl_jax import Engine
-    from sgl_jax.testing import engine_args
-
     devices = jax.devices()
     assert len(devices) == 4, devices
     # Not the order the engine would pick: rank 0 is devices 3, 2.
@@ -213,8 +208,6 @@ def single_run(second: str) -> dict[str, Any]:
 def stream_both_ranks(eng, prompts: list[list[int]], max_new: list[int]) -> list[list[dict]]:
     """Streams the prompts at once (one caller thread each, so they share steps): the chunks
     of each."""
-    from concurrent.futures import ThreadPoolExecutor
-
     def one(i: int) -> list[dict]:
         return list(eng.generate(input_ids=prompts[i], sampling_params=params([max_new[i]])[0],
                                  return_routed_experts=True, stream=True))
@@ -225,10 +218,7 @@ def stream_both_ranks(eng, prompts: list[list[int]], max_new: list[int]) -> list
 
 def eplb_run(second: str) -> dict[str, Any]:
     """EPLB (2 redundant experts: 9 physical per rank) with DP: outputs before and after a
-    rebalance, and streamed routed experts."""
-    from sgl_jax import Engine
-    from sgl_jax.testing import engine_args
-
+    rebalance, streamed routed experts, a pause and continue."""
     out: dict[str, Any] = {}
     with Engine(**engine_args(**DP_ARGS, enable_eplb=True, ep_num_redundant_experts=2)) as eng:
         out["before"] = generate(eng, PROMPTS, MAX_NEW)
@@ -239,6 +229,16 @@ def eplb_run(second: str) -> dict[str, Any]:
         out["compiles"] = (compiles, eng.get_server_info()["num_compiles"])
         eng.flush_cache()  # then each rank's tree holds only what the streamed ones computed
         out["streamed"] = stream_both_ranks(eng, PROMPTS[:2], MAX_NEW[:2])
+        out["stream_info"] = eng.get_server_info()
+        # Paused while a request decodes on each rank, then continued.
+        thread, box, out["paused_per_rank"] = start_two(eng, RUNNING_NEW)
+        eng.pause_generation()
+        out["paused_info"] = eng.get_server_info()
+        time.sleep(0.3)
+        out["paused_info_later"] = eng.get_server_info()
+        eng.continue_generation()
+        thread.join()
+        out["paused"] = box["outs"]
         out["server_info"] = eng.get_server_info()
     return out
 
@@ -246,11 +246,6 @@ def eplb_run(second: str) -> dict[str, Any]:
 def mla_run(model_path: str) -> dict[str, Any]:
     """DeepSeek-V3's MLA (latent cache split over the ranks, dense first layer, shared
     expert): routed experts, their weights, logprobs and the stat recorder."""
-    import tempfile
-
-    from sgl_jax import Engine
-    from sgl_jax.testing import engine_args
-
     out: dict[str, Any] = {}
     with Engine(**engine_args(**DP_ARGS, model_path=model_path,
                               enable_return_routed_expert_weights=True,

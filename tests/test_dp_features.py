@@ -316,7 +316,17 @@ def test_streamed_routed_experts_on_both_ranks(eplb):
         parts = [extract_routed_experts_from_meta_info(c).reshape(-1, L, K) for c in chunks]
         assert starts == np.cumsum([0] + [len(p) for p in parts[:-1]]).tolist()
         np.testing.assert_array_equal(np.concatenate(parts), expected_rows(ids, out))
-    assert both_ranks_served(eplb["server_info"]) and no_leak(eplb["server_info"])
+    assert both_ranks_served(eplb["stream_info"]) and no_leak(eplb["stream_info"])
+
+
+def test_pause_and_continue_with_a_request_on_each_rank(eplb):
+    assert eplb["paused_per_rank"] == [1, 1]
+    assert eplb["paused_info"]["paused"]
+    # Paused: no step ran (each rank's KV held, no request finished).
+    assert eplb["paused_info_later"]["dp_ranks"] == eplb["paused_info"]["dp_ranks"]
+    assert eplb["paused_info_later"]["num_running_reqs"] == 2
+    check_against_reference(PROMPTS[:2], [RUNNING_NEW] * 2, eplb["paused"])
+    assert no_leak(eplb["server_info"])
 
 
 # -- DeepSeek-V3's MLA -----------------------------------------------------------------------------

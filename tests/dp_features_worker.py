@@ -50,6 +50,7 @@ SEEDED = {"temperature": 0.8, "top_p": 0.9, "seed": 1234, "ignore_eos": True}
 # Four prompts: round robin puts them on ranks 0, 1, 0, 1 (one of them chunked).
 PROMPTS = [prompt_ids(1100 + i, n) for i, n in enumerate([9, 23, 80, 14])]
 MAX_NEW = [6, 4, 5, 7]
+INPUT_LP_PROMPTS = PROMPTS[1:3]  # 23 tokens, and 80 prefilled in two chunks
 RIDS = [f"p{i}" for i in range(len(PROMPTS))]
 RUNNING_NEW = 40  # the requests running while weights are updated
 TARGET = prompt_ids(1200, 31)
@@ -117,7 +118,7 @@ def multi_run(second: str) -> dict[str, Any]:
         out["info_after_batch"] = eng.get_server_info()
         # Input logprobs (extra logits rows beyond the sampled ones) of two requests, one per
         # rank, with top-3 alternatives.
-        out["input_lp"] = generate(eng, PROMPTS[:2], [2, 3], return_logprob=True,
+        out["input_lp"] = generate(eng, INPUT_LP_PROMPTS, [2, 3], return_logprob=True,
                                    logprob_start_len=0, top_logprobs_num=3)
         out["det"] = {name: determinism_runs(eng, sampling)
                       for name, sampling in (("greedy", GREEDY), ("seeded", SEEDED))}

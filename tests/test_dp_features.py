@@ -31,6 +31,7 @@ from sgl_jax.srt.routed_experts_codec import (
 from sgl_jax.testing import TEST_MODEL_PATH, MultiNodeJob, server_flags
 from sgl_jax.tools.make_random_model import write_random_model
 from tests.dp_features_worker import (
+    INPUT_LP_PROMPTS,
     MAX_NEW,
     PROMPTS,
     RIDS,
@@ -189,7 +190,7 @@ def ref_logprobs(ids: list[int], path: str = TEST_MODEL_PATH) -> np.ndarray:
 
 
 def test_input_logprobs_and_top_logprobs_on_both_ranks(multi):
-    for ids, out in zip(PROMPTS[:2], multi["input_lp"], strict=True):
+    for ids, out in zip(INPUT_LP_PROMPTS, multi["input_lp"], strict=True):
         meta = out["meta_info"]
         seq = ids + out["output_ids"]
         lp = ref_logprobs(seq[:-1])

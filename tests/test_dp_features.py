@@ -1,13 +1,22 @@
 """The other features with data-parallel attention (M19 item 3): dp2 on a tp2 x ep2 layout of
 4 fake CPU devices, requests on both ranks at once, every output against the float64
-reference.
+reference (tokens, routed-experts rows, routing weights, logprobs) or against itself
+(determinism).
 
-tests/dp_features_worker.py runs two engines in a subprocess (the mesh must be fixed before JAX
-starts): a multi-process one with deterministic inference, routed experts and their weights,
-logprobs and the expert distribution recorder (stat), then ``update_weights_from_disk`` to the
-second checkpoint; and a single-process one on a caller's mesh, then
-``update_weights_from_arrays`` with JAX arrays. A multi-node job (two processes on loopback,
-ep across them: one DP rank per node) serves concurrent requests here directly.
+tests/dp_features_worker.py runs the engines in subprocesses (the mesh must be fixed before JAX
+starts), one per layout:
+
+- ``multi``: deterministic inference with routed experts, their weights, logprobs (input and
+  top too) and the stat recorder; scoring; ``update_weights_from_disk`` and
+  ``update_weights_from_tensor``, also while a request runs on each rank (with and without
+  ``abort_all_requests``);
+- ``single``: single-process mode on a caller's mesh with the per_token recorder,
+  ``update_weights_from_arrays`` with JAX arrays, release and resume of memory;
+- ``eplb``: EPLB rebalancing, streamed routed experts, pause and continue;
+- ``mla``: DeepSeek-V3's tiny preset (latent cache split over the ranks).
+
+A multi-node job (two processes on loopback, ep across them: one DP rank per node) serves
+concurrent requests, releases and resumes memory and takes a weight update, here directly.
 """
 
 from __future__ import annotations

@@ -74,6 +74,7 @@ E2E = [
     "tests/test_weight_update_on_device.py",
     "tests/test_dp_scheduler.py",
     "tests/test_dp_attention_server.py",
+    "tests/test_dp_features.py",
 ]
 # Optional checks outside every suite (they skip without packages the project does not need).
 # tests/tunix (the tunix extra) has its own CI stage and environment (.ci/run).

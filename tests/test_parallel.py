@@ -169,7 +169,8 @@ def _worker(job: dict[str, Any]) -> None:
         model_path = os.path.join(job["out"], model) if model in RANDOM_MODELS else model
         args = ServerArgs(
             model_path=model_path, tp_size=tp, ep_size=ep, ep_expert_mapping=mapping,
-            max_running_requests=4, chunked_prefill_size=32, precompile_token_paddings=[32],
+            # With DP attention, 4 requests per rank (the buckets are per rank).
+            max_running_requests=4 * extra.get("dp_size", 1), chunked_prefill_size=32, precompile_token_paddings=[32],
             precompile_bs_paddings=[4], max_total_tokens=256, attention_block_size=16,
             enable_return_routed_experts=True, **extra,
         )

@@ -625,8 +625,9 @@ class ModelRunner:
         return _bucket(self.token_paddings, num_tokens)
 
     def extend_rows(self, padded_tokens: int) -> int:
-        """Rows of an extend batch of ``padded_tokens``: one per request, each >= 1 token."""
-        return min(padded_tokens, self.max_running_requests)
+        """Rows of an extend batch of ``padded_tokens``: one per request, each >= 1 token
+        (with DP attention, of one rank: its share of the running requests)."""
+        return min(padded_tokens, -(-self.max_running_requests // self.dp_size))
 
     def precompile(self) -> None:
         shapes = [(ForwardMode.DECODE, bs, bs) for bs in self.bs_paddings]

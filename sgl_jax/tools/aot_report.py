@@ -62,6 +62,16 @@ What is reported, per bucket (``--json``: one list, one object per bucket):
   chip's published bf16 peak and HBM bandwidth (communication over ICI is not modelled);
   ``tokens_per_s = tokens / roofline``.
 
+``--dp-size D`` (= ``--ep-size``) compiles the step of data-parallel attention
+(``enable_dp_attention``): ``--decode-bs`` and the prefill are GLOBAL, their requests dealt
+round robin over the D ranks, each rank padded to the busiest one (``dp_buckets``); each
+device holds and attends for its rank's requests only (the KV cache per device is 1 / D of
+the total; the analytic attention is the busiest rank's, summed with ``rank_load``);
+``max_requests_fit`` is the largest global batch at ``--context-len`` whose KV fits next to
+the parameters. Every bucket also reports the bytes a device sends over the interconnect:
+the MoE dispatch per layer from the formula (``dispatch_bytes_per_moe_layer``) and from the
+compiled HLO's collectives (``collective_bytes``), and all of the step's collectives.
+
 A layout that cannot hold parameters + KV cache in HBM (per device) exits with code 2 and says
 what to change (MLA: its latent KV cache is replicated, tp does not split it); a compiled
 peak above HBM is flagged (``peak_exceeds_hbm``, a warning). ``--scale-from-layers A B``

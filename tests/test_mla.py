@@ -264,7 +264,7 @@ def test_mla_absorbed_matches_per_head(q_lora_rank, yarn):
     lengths = {0: 14, 1: 4, 2: 5}
     xs = {r: rng.standard_normal((n, hidden)) for r, n in lengths.items()}
     steps = [[(0, 0, 9), (1, 0, 3)], [(0, 9, 5), (1, 3, 1), (2, 0, 5)]]
-    backends = SimpleNamespace(attention=NativeAttention(kv_block=4))
+    backends = SimpleNamespace(attention=NativeAttention(kv_block=4), dp_attention=False)
     cache = jnp.zeros((24, page_size, 1, kvl + rope), jnp.float32)
     got = {r: [] for r in lengths}
     for rows in steps:

@@ -57,6 +57,19 @@ class LogprobInputs:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class DpOrder:
+    """Where the scheduler's rows and tokens sit in a DP-attention batch: the scheduler's
+    i-th row (real rows first, then padding) is row ``rows[i]`` of the rank-by-rank layout,
+    its j-th token is token ``tokens[j]``. The step computes in the rank layout and returns
+    its outputs in the scheduler's order (``outputs[rows]``), so nothing after the step
+    knows about ranks."""
+
+    rows: jax.Array  # [B] int32, a permutation
+    tokens: jax.Array  # [T] int32, a permutation
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class ForwardBatch:
     input_ids: jax.Array  # [T] int32; -1: the request's last sampled token (on device)
     out_cache_loc: jax.Array  # [T] int32, KV slot each token writes (page * page_size + offset)
@@ -66,6 +79,11 @@ class ForwardBatch:
     sampling: SamplingMetadata
     forward_mode: ForwardMode = dataclasses.field(metadata={"static": True})
     logprobs: LogprobInputs | None = None  # None: no request asks (no logprob work at all)
+    # Data-parallel attention (``dp_size`` > 1): rows and tokens are laid out rank by rank,
+    # ``B / dp_size`` rows and ``T / dp_size`` tokens each, every rank's padding after its
+    # real rows/tokens (see ``DpOrder``). 1: the plain layout above.
+    dp_size: int = dataclasses.field(default=1, metadata={"static": True})
+    dp_order: DpOrder | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -78,8 +96,14 @@ class ForwardBatch:
     # -- derived on the device (traced), so the host does not send them -----------------------
     @property
     def extend_starts(self) -> jax.Array:
-        """[B] index of each row's first token (rows' tokens are back to back)."""
-        return jnp.cumsum(self.extend_lens) - self.extend_lens
+        """[B] index of each row's first token (a rank's rows' tokens are back to back from
+        the rank's first token)."""
+        if self.dp_size == 1:
+            return jnp.cumsum(self.extend_lens) - self.extend_lens
+        lens = self.extend_lens.reshape(self.dp_size, -1)
+        rank_first = jnp.arange(self.dp_size, dtype=jnp.int32)[:, None] * (
+            self.num_tokens // self.dp_size)
+        return (jnp.cumsum(lens, axis=1) - lens + rank_first).reshape(-1)
 
     @property
     def seq_lens(self) -> jax.Array:
@@ -89,9 +113,17 @@ class ForwardBatch:
     @property
     def token_to_req(self) -> jax.Array:
         """[T] batch row of each token; ``batch_size`` for padded tokens."""
-        ends = jnp.cumsum(self.extend_lens)
-        token = jnp.arange(self.num_tokens, dtype=jnp.int32)
-        return jnp.searchsorted(ends, token, side="right").astype(jnp.int32)
+        if self.dp_size == 1:
+            ends = jnp.cumsum(self.extend_lens)
+            token = jnp.arange(self.num_tokens, dtype=jnp.int32)
+            return jnp.searchsorted(ends, token, side="right").astype(jnp.int32)
+        rows, tokens = self.batch_size // self.dp_size, self.num_tokens // self.dp_size
+        ends = jnp.cumsum(self.extend_lens.reshape(self.dp_size, rows), axis=1)
+        token = jnp.arange(tokens, dtype=jnp.int32)
+        local = jax.vmap(lambda e: jnp.searchsorted(e, token, side="right"))(ends)
+        first_row = jnp.arange(self.dp_size, dtype=jnp.int32)[:, None] * rows
+        return jnp.where(local < rows, local + first_row, self.batch_size).astype(
+            jnp.int32).reshape(-1)
 
     @property
     def positions(self) -> jax.Array:
@@ -121,12 +153,24 @@ def shape_key(batch: ForwardBatch) -> tuple[int, ...]:
 
 def make_padding_batch(
     mode: ForwardMode, num_tokens: int, batch_size: int, vocab_size: int, no_req_slot: int,
+    padding_slots: list[int] | None = None,
 ) -> ForwardBatch:
-    """An all-padding batch of the given shape (used to compile a bucket ahead of time)."""
+    """An all-padding batch of the given shape (used to compile a bucket ahead of time).
+    ``padding_slots``: DP attention's, one per rank (``num_tokens`` and ``batch_size`` are
+    then the whole batch's, split evenly over the ranks)."""
     zeros_b = np.zeros(batch_size, np.int32)
+    out_cache_loc = np.zeros(num_tokens, np.int32)
+    dp_fields = {}
+    if padding_slots is not None and len(padding_slots) > 1:
+        dp = len(padding_slots)
+        out_cache_loc = np.repeat(np.asarray(padding_slots, np.int32), num_tokens // dp)
+        dp_fields = {"dp_size": dp, "dp_order": DpOrder(
+            rows=np.arange(batch_size, dtype=np.int32),
+            tokens=np.arange(num_tokens, dtype=np.int32))}
     return ForwardBatch(
+        **dp_fields,
         input_ids=np.zeros(num_tokens, np.int32),
-        out_cache_loc=np.zeros(num_tokens, np.int32),
+        out_cache_loc=out_cache_loc,
         req_pool_indices=np.full(batch_size, no_req_slot, np.int32),
         prefix_lens=zeros_b,
         extend_lens=zeros_b.copy(),
@@ -232,4 +276,84 @@ def build_forward_batch(
         # Extra rows are padded to the token bucket: one compiled variant per bucket.
         logprobs=None if mwb.logprobs is None else mwb.logprobs.padded(
             padded_rows, padded_tokens if mwb.logprobs.extra_tokens else 0),
+    )
+
+
+def dp_rank_sizes(mwb: ModelWorkerBatch, dp_size: int) -> tuple[int, int]:
+    """The largest rank's (tokens, rows) of a DP-attention batch: every rank is padded to the
+    bucket of these."""
+    ranks = np.asarray(mwb.dp_ranks)
+    rows = np.bincount(ranks, minlength=dp_size)
+    tokens = np.bincount(ranks, weights=mwb.extend_lens, minlength=dp_size).astype(int)
+    return int(tokens.max()), int(rows.max())
+
+
+def build_dp_forward_batch(
+    mwb: ModelWorkerBatch, rank_tokens: int, rank_rows: int, vocab_size: int,
+    no_req_slot: int, padding_slots: list[int],
+) -> ForwardBatch:
+    """Pads a DP-attention batch (``mwb.dp_ranks`` set) to ``rank_tokens`` / ``rank_rows`` per
+    rank, laid out rank by rank (rank r: rows ``[r * rank_rows, ...)``, tokens
+    ``[r * rank_tokens, ...)``, its real ones first). A rank's padded tokens write its own
+    padding slot (``padding_slots[r]``: each rank writes only its shard of the KV cache).
+    The scheduler's order is kept in ``dp_order`` (the step's outputs come back in it)."""
+    dp = len(padding_slots)
+    ranks = np.asarray(mwb.dp_ranks, np.int64)
+    if len(ranks) != mwb.batch_size or (len(ranks) and not 0 <= ranks.min() <= ranks.max() < dp):
+        raise ValueError(f"dp_ranks {ranks} must give a rank in [0, {dp}) to each row")
+    rows, tokens = dp * rank_rows, dp * rank_tokens
+    compact = build_forward_batch(mwb, tokens, rows, vocab_size, no_req_slot)
+    # Row i of the scheduler's order -> its place in the rank layout; padding rows fill the
+    # places no real row took, in order (so the permutation is complete).
+    row_place = np.empty(rows, np.int64)
+    token_place = np.empty(tokens, np.int64)
+    row_used = np.zeros(dp, np.int64)
+    token_used = np.zeros(dp, np.int64)
+    start = 0
+    for i, (r, n) in enumerate(zip(ranks, mwb.extend_lens, strict=True)):
+        if row_used[r] == rank_rows or token_used[r] + n > rank_tokens:
+            raise ValueError(f"rank {r} has more than {rank_rows} rows / {rank_tokens} tokens")
+        row_place[i] = r * rank_rows + row_used[r]
+        token_place[start : start + n] = r * rank_tokens + token_used[r] + np.arange(n)
+        row_used[r] += 1
+        token_used[r] += n
+        start += n
+    row_free = np.ones(rows, bool)
+    row_free[row_place[: mwb.batch_size]] = False
+    row_place[mwb.batch_size :] = np.flatnonzero(row_free)
+    token_free = np.ones(tokens, bool)
+    token_free[token_place[:start]] = False
+    token_place[start:] = np.flatnonzero(token_free)
+
+    def place(x: np.ndarray, where: np.ndarray) -> np.ndarray:
+        out = np.empty_like(x)
+        out[where] = x
+        return out
+
+    def by_row(x: np.ndarray) -> np.ndarray:
+        return place(np.asarray(x), row_place)
+
+    out_cache_loc = place(compact.out_cache_loc, token_place)
+    pad_tokens = np.flatnonzero(token_free)
+    out_cache_loc[pad_tokens] = np.asarray(padding_slots, np.int32)[pad_tokens // rank_tokens]
+    logprobs = compact.logprobs
+    if logprobs is not None:
+        logprobs = LogprobInputs(
+            token_ids=np.concatenate([by_row(logprobs.token_ids[:rows]),
+                                      logprobs.token_ids[rows:]]),
+            extra_tokens=token_place[logprobs.extra_tokens].astype(np.int32),
+            extra_targets=logprobs.extra_targets,
+            extra_temperatures=logprobs.extra_temperatures,
+        )
+    return dataclasses.replace(
+        compact,
+        input_ids=place(compact.input_ids, token_place),
+        out_cache_loc=out_cache_loc,
+        req_pool_indices=by_row(compact.req_pool_indices),
+        prefix_lens=by_row(compact.prefix_lens),
+        extend_lens=by_row(compact.extend_lens),
+        sampling=jax.tree.map(by_row, compact.sampling),
+        logprobs=logprobs,
+        dp_size=dp,
+        dp_order=DpOrder(rows=row_place.astype(np.int32), tokens=token_place.astype(np.int32)),
     )

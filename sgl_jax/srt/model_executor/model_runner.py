@@ -56,7 +56,9 @@ from sgl_jax.srt.forward_batch_info import (
     ForwardBatch,
     ForwardMode,
     ModelWorkerBatch,
+    build_dp_forward_batch,
     build_forward_batch,
+    dp_rank_sizes,
     make_padding_batch,
     shape_key,
 )
@@ -67,6 +69,7 @@ from sgl_jax.srt.layers.attention import (
     update_page_table,
 )
 from sgl_jax.srt.layers.logprobs import LogprobOutput, logprob_outputs
+from sgl_jax.srt.layers.moe.ep_moe import EXPERT_AXIS
 from sgl_jax.srt.layers.moe.expert_distribution import ExpertDistributionRecorder, create_recorder
 from sgl_jax.srt.layers.moe.experts import create_moe_backend
 from sgl_jax.srt.layers.moe.placement import ExpertPlacement
@@ -271,10 +274,12 @@ class ModelRunner:
         replicated = NamedSharding(self.mesh, PartitionSpec())
         cfg = model_config
         head_axis = "tensor" if cfg.kv_cache_sharded else None
+        page_axis = EXPERT_AXIS if self.dp_size > 1 else None  # DP: each rank's own pages
         self.kv_caches = [
             self._device_zeros(
                 kv_cache_shape(num_slots, self.page_size, cfg.kv_cache_heads, cfg.kv_cache_head_dim),
-                self.dtype, NamedSharding(self.mesh, PartitionSpec(None, None, head_axis, None)),
+                self.dtype,
+                NamedSharding(self.mesh, PartitionSpec(page_axis, None, head_axis, None)),
             )
             for _ in range(cfg.num_hidden_layers)
         ]
@@ -312,7 +317,8 @@ class ModelRunner:
         if self.expert_recorder is not None:
             routing = routing | self.expert_recorder.routing_spec
         self.backends = ModelBackends(attention=attention, moe=moe_backend, routing=routing,
-                                      batch_invariant=self.deterministic)
+                                      batch_invariant=self.deterministic,
+                                      dp_attention=self.dp_size > 1)
 
         self.num_compiles = 0
         self.last_step_host_bytes = 0
@@ -435,12 +441,16 @@ class ModelRunner:
         )
         meta = AttentionMetadata.build(batch, token_to_req, positions, req_to_page, self.page_size)
         logits, kv_caches, routing = model(batch, meta, kv_caches, self.backends)
+        real_tokens = token_to_req < batch.batch_size
+        order = batch.dp_order
+        if order is not None:  # DP attention: the consumers see the scheduler's token order
+            routing, real_tokens = jax.tree.map(lambda x: x[order.tokens], (routing, real_tokens))
         # The routing's consumers (None when nothing asked for it: no op in the step).
         routed_rows = self.capturer.step_rows(routing)
         expert_pass = None
         if self.expert_recorder is not None:  # real tokens only: padded ones have no batch row
             expert_state, expert_pass = self.expert_recorder.record_step(
-                expert_state, routing.ids, token_to_req < batch.batch_size)
+                expert_state, routing.ids, real_tokens)
         rows = batch.batch_size
         sampled_logits = logits[:rows]  # then, with logprobs, the input-logprob rows
         next_ids = sample(sampled_logits, batch.sampling)
@@ -459,6 +469,11 @@ class ModelRunner:
                 logprobs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), *parts)
             else:
                 logprobs = logprob_outputs(logits, temps, targets, lp.token_ids)
+            if order is not None:  # the sampled rows in the scheduler's order, then the extra
+                logprobs = jax.tree.map(
+                    lambda x: jnp.concatenate([x[:rows][order.rows], x[rows:]]), logprobs)
+        if order is not None:
+            next_ids, sampled_logits = next_ids[order.rows], sampled_logits[order.rows]
         # What the host reads is replicated: on a multi-host job every node holds all of it
         # (rank 0 reads its own copy; no gather per step).
         replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -492,11 +507,19 @@ class ModelRunner:
                 leaf.copy_to_host_async()  # small ([B + P] x 20); read when processed
         return StepOutput(next_ids, logits, rows, logprobs, expert_pass)
 
-    def lower_bucket(self, mode: ForwardMode, num_tokens: int, batch_size: int) -> Any:
-        """``jax.stages.Lowered`` of the step for one bucket (abstract or not; nothing runs)."""
-        batch = make_padding_batch(
-            mode, num_tokens, batch_size, self.model_config.vocab_size, self.no_req_slot
+    def padding_batch(self, mode: ForwardMode, num_tokens: int, batch_size: int) -> ForwardBatch:
+        """An all-padding batch of a bucket (with DP attention: per rank; the batch holds
+        ``dp_size`` times as many tokens and rows)."""
+        return make_padding_batch(
+            mode, num_tokens * self.dp_size, batch_size * self.dp_size,
+            self.model_config.vocab_size, self.no_req_slot,
+            padding_slots=[a.padding_slot for a in self.kv_allocators],
         )
+
+    def lower_bucket(self, mode: ForwardMode, num_tokens: int, batch_size: int) -> Any:
+        """``jax.stages.Lowered`` of the step for one bucket (abstract or not; nothing runs);
+        with DP attention ``num_tokens`` / ``batch_size`` are each rank's."""
+        batch = self.padding_batch(mode, num_tokens, batch_size)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         batch = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), batch
@@ -533,15 +556,24 @@ class ModelRunner:
         self, mwb: ModelWorkerBatch, prefix_pages: list[tuple[int, np.ndarray]],
     ) -> StepPlan:
         """The host inputs of one step: ``mwb`` padded to its bucket, plus the page rows."""
+        dp = self.dp_size > 1
+        if dp and mwb.dp_ranks is None:
+            raise ValueError("DP attention: the batch must give each row's rank (dp_ranks)")
+        # DP attention: every rank is padded to the bucket of the busiest one.
+        num_tokens, num_rows = (dp_rank_sizes(mwb, self.dp_size) if dp
+                                else (mwb.num_tokens, mwb.batch_size))
         if mwb.forward_mode.is_decode:
-            rows = self.padded_decode_bs(mwb.batch_size)
+            rows = self.padded_decode_bs(num_rows)
             tokens = rows
         else:
-            tokens = self.padded_extend_tokens(mwb.num_tokens)
+            tokens = self.padded_extend_tokens(num_tokens)
             rows = self.extend_rows(tokens)
-        batch = build_forward_batch(
-            mwb, tokens, rows, self.model_config.vocab_size, self.no_req_slot
-        )
+        vocab = self.model_config.vocab_size
+        if dp:
+            batch = build_dp_forward_batch(mwb, tokens, rows, vocab, self.no_req_slot,
+                                           [a.padding_slot for a in self.kv_allocators])
+        else:
+            batch = build_forward_batch(mwb, tokens, rows, vocab, self.no_req_slot)
         return StepPlan(mwb, batch, prefix_pages)
 
     def launch_step(
@@ -596,10 +628,7 @@ class ModelRunner:
         shapes += [(ForwardMode.EXTEND, t, self.extend_rows(t)) for t in self.token_paddings]
         t0 = time.perf_counter()
         for mode, tokens, rows in tqdm(shapes, desc="Precompiling", unit="shape"):
-            batch = make_padding_batch(
-                mode, tokens, rows, self.model_config.vocab_size, self.no_req_slot
-            )
-            self.forward(batch).next_token_ids.block_until_ready()
+            self.forward(self.padding_batch(mode, tokens, rows)).next_token_ids.block_until_ready()
         with jax.set_mesh(self.mesh):  # the one shape of the prefix page-row update
             self.req_to_page = self._set_page_row(
                 self.req_to_page, np.int32(self.no_req_slot),

@@ -19,3 +19,7 @@ class ModelBackends:
     # --enable-deterministic-inference: no computation of a row may depend on the batch's
     # other rows beyond the (fixed) padded shape.
     batch_invariant: bool = False
+    # --enable-dp-attention: a step's rows and tokens are split over the "expert" mesh axis
+    # (the attention ranks); attention runs per rank on its shard of the KV cache and the
+    # MoE gathers the tokens to the experts' owners and scatters the results back.
+    dp_attention: bool = False

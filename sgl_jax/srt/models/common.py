@@ -19,10 +19,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch_info import ForwardBatch
 from sgl_jax.srt.layers.attention import AttentionMetadata, write_kv
+from sgl_jax.srt.layers.attention.data_parallel import DATA_AXIS, rank_local_attention
 from sgl_jax.srt.layers.moe.ep_moe import (
     W_DOWN_SPEC,
     W_GATE_UP_SPEC,
@@ -84,6 +86,8 @@ class GqaAttention(nnx.Module):
             self.q_proj_bias = param((heads * head_dim,), dtype, ("tensor",), ("q_proj.bias", False))
             self.k_proj_bias = param((kv_heads * head_dim,), dtype, ("tensor",), ("k_proj.bias", False))
             self.v_proj_bias = param((kv_heads * head_dim,), dtype, ("tensor",), ("v_proj.bias", False))
+        # DP attention: a rank's query heads split over "tensor" only with its KV heads.
+        self.kv_heads_split = config.kv_cache_sharded
         self.has_qk_norm = config.qk_norm
         if self.has_qk_norm:
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
@@ -106,10 +110,22 @@ class GqaAttention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, meta.positions, self.rope_theta, self.rotary_dim)
         k = apply_rotary(k, meta.positions, self.rope_theta, self.rotary_dim)
-        # Write first, then read everything (prefix and new tokens) from the written cache:
-        # the reads depend on the scatter, so XLA updates the donated cache in place.
-        kv = write_kv(kv, k, v, batch.out_cache_loc)
-        out = backends.attention.attend(q, kv, meta, self.head_dim**-0.5)
+        scale = self.head_dim**-0.5
+
+        def write_and_attend(q: jax.Array, new: tuple[jax.Array, jax.Array], kv: jax.Array,
+                             slots: jax.Array, meta: AttentionMetadata
+                             ) -> tuple[jax.Array, jax.Array]:
+            # Write first, then read everything (prefix and new tokens) from the written
+            # cache: the reads depend on the scatter, so XLA updates the donated cache in place.
+            kv = write_kv(kv, *new, slots)
+            return backends.attention.attend(q, kv, meta, scale), kv
+
+        if backends.dp_attention:
+            out, kv = rank_local_attention(
+                write_and_attend, q, (k, v), kv, batch.out_cache_loc, meta,
+                heads_split=self.kv_heads_split, cache_heads_split=self.kv_heads_split)
+        else:
+            out, kv = write_and_attend(q, (k, v), kv, batch.out_cache_loc, meta)
         return out.reshape(x.shape[0], -1) @ self.o_proj[...], kv
 
 
@@ -167,6 +183,7 @@ class SparseMoeBlock(nnx.Module):
             x, topk_ids, topk_weights, self.w_gate[...], self.w_up[...], self.w_down[...],
             self.expert_order, backend=backends.moe,
             location=(self.replicas[...], self.num_replicas[...]) if self.eplb else None,
+            tokens_split=backends.dp_attention,
         )
         if self.shared_name is not None:
             shared = getattr(self, self.shared_name)(x)
@@ -225,6 +242,8 @@ class MoeModel(nnx.Module):
     ) -> tuple[jax.Array, KVCache, list[LayerRouting]]:
         """Hidden states, new caches, and each layer's router choice (None: dense)."""
         h = jnp.take(self.embed_tokens[...], batch.input_ids, axis=0)
+        if backends.dp_attention:  # each attention rank holds its own tokens' hidden states
+            h = jax.lax.with_sharding_constraint(h, P(DATA_AXIS, None))
         new_caches, layer_routing = [], []
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             h, kv, routing = layer(h, batch, meta, kv, backends)

@@ -33,6 +33,7 @@ from flax import nnx
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch_info import ForwardBatch
 from sgl_jax.srt.layers.attention import AttentionMetadata, write_latent
+from sgl_jax.srt.layers.attention.data_parallel import rank_local_attention
 from sgl_jax.srt.layers.norm import RMSNorm
 from sgl_jax.srt.layers.rotary import apply_rotary
 from sgl_jax.srt.models.backends import ModelBackends
@@ -98,15 +99,28 @@ class MlaAttention(nnx.Module):
         ckv = x @ self.kv_a_proj_with_mqa[...]
         c = self.kv_a_layernorm(ckv[:, : self.kv_lora])
         k_rope = self._rotary(ckv[:, None, self.kv_lora :], meta.positions)[:, 0]
-        # Write first, then read prefix and new rows from the written cache (in-place update).
-        kv = write_latent(kv, jnp.concatenate([c, k_rope], axis=-1), batch.out_cache_loc)
+        latent_rows = jnp.concatenate([c, k_rope], axis=-1)
+        if not backends.dp_attention:
+            # Write first, then read prefix and new rows from the written cache (in place).
+            kv = write_latent(kv, latent_rows, batch.out_cache_loc)
 
         # kv_b_proj [kv_lora, H * (nope + v)]: per head W_UK [kv_lora, nope], W_UV [kv_lora, v].
         w_kv_b = self.kv_b_proj[...].reshape(self.kv_lora, self.num_heads, self.nope + self.v_dim)
         w_uk, w_uv = w_kv_b[..., : self.nope], w_kv_b[..., self.nope :]
         q_latent = jnp.einsum("thn,chn->thc", q_nope, w_uk)  # [T, H, kv_lora]
         q_full = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)
-        o_latent = backends.attention.attend_latent(q_full, kv, meta, self.scale, self.kv_lora)
+        if backends.dp_attention:  # the same, per attention rank on its shard of the cache
+            def write_and_attend(q: jax.Array, rows: jax.Array, kv: jax.Array,
+                                 slots: jax.Array, meta: AttentionMetadata
+                                 ) -> tuple[jax.Array, jax.Array]:
+                kv = write_latent(kv, rows, slots)
+                return backends.attention.attend_latent(q, kv, meta, self.scale, self.kv_lora), kv
+
+            o_latent, kv = rank_local_attention(
+                write_and_attend, q_full, latent_rows, kv, batch.out_cache_loc, meta,
+                heads_split=True, cache_heads_split=False)
+        else:
+            o_latent = backends.attention.attend_latent(q_full, kv, meta, self.scale, self.kv_lora)
         out = jnp.einsum("thc,chv->thv", o_latent.astype(w_uv.dtype), w_uv)  # [T, H, v_head]
         return out.reshape(tokens, -1) @ self.o_proj[...], kv
 

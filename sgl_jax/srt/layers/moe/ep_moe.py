@@ -97,6 +97,7 @@ def ep_moe_forward(
     expert_order: Sequence[int],
     backend: MoEBackend,
     location: tuple[jax.Array, jax.Array] | None = None,
+    tokens_split: bool = False,
 ) -> jax.Array:
     """x [T, H] (replicated); topk_ids / topk_weights [T, k] LOGICAL ids and their weights;
     stacked weights ``[P, ...]`` in physical order; ``backend`` the expert compute chosen at
@@ -109,6 +110,12 @@ def ep_moe_forward(
     Traced under ``jax.set_mesh(mesh)`` (the model runner's step), this is an explicit
     ``shard_map`` over the mesh; without a mesh in context (a model called directly) the same
     maths runs on the whole stacked weights.
+
+    ``tokens_split`` (DP attention): x and the routing are split by token over "expert" (each
+    attention rank holds its own tokens). Each device all-gathers the tokens of the other
+    ranks, runs its experts on all of them, and a reduce-scatter over "expert" hands every
+    rank the sums for its own tokens (then the "tensor" partial sums are added). Dropless and
+    exact: the same assignments reach the same experts as without DP.
     """
     if location is None:
         rows = static_physical_ids(topk_ids, expert_order)
@@ -129,9 +136,24 @@ def ep_moe_forward(
         partial = backend(x, local, topk_weights, w_gate, w_up, w_down)  # float32
         return jax.lax.psum(partial, (EXPERT_AXIS, TENSOR_AXIS)).astype(x.dtype)
 
+    def dispatched_experts(x: jax.Array, rows: jax.Array, topk_weights: jax.Array,
+                           w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+        # All-gather the ranks' tokens (every device needs every assignment to its experts),
+        # compute this device's share, and reduce-scatter the sums back to their ranks.
+        gathered = [jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True)
+                    for a in (x, rows, topk_weights)]
+        rows_here = w_gate.shape[0]
+        local = gathered[1] - jax.lax.axis_index(EXPERT_AXIS) * rows_here
+        local = jnp.where((local >= 0) & (local < rows_here), local, rows_here)
+        partial = backend(gathered[0], local, gathered[2], w_gate, w_up, w_down)  # float32
+        mine = jax.lax.psum_scatter(partial, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+        return jax.lax.psum(mine, TENSOR_AXIS).astype(x.dtype)
+
+    tokens = P(EXPERT_AXIS) if tokens_split else P()
     moe = jax.shard_map(
-        local_experts, mesh=mesh,
-        in_specs=(P(), P(), P(), P(*W_GATE_UP_SPEC), P(*W_GATE_UP_SPEC), P(*W_DOWN_SPEC)),
-        out_specs=P(),
+        dispatched_experts if tokens_split else local_experts, mesh=mesh,
+        in_specs=(tokens, tokens, tokens, P(*W_GATE_UP_SPEC), P(*W_GATE_UP_SPEC),
+                  P(*W_DOWN_SPEC)),
+        out_specs=tokens,
     )
     return moe(x, rows, topk_weights, w_gate, w_up, w_down)

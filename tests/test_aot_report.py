@@ -240,10 +240,13 @@ def test_dp_accounting() -> None:
     assert aot_report.max_requests_that_fit(20 * 2**30, kv_ds, 4096, 16) == 16 * 74
 
     # Dispatch per MoE layer and device. dp 1: psum of [64, 2048] bf16 over 8 devices, the
-    # figure the compiled HLO of Qwen3-30B-A3B (v5e:2x4, tp 4 x ep 2) gives; dp 2: all-gather
-    # + reduce-scatter of [256, 2048] over the 2 ranks.
-    assert aot_report.dispatch_bytes_per_moe_layer(64, 2048, 2, 4, 2, 1) == 2 * 64 * 2048 * 2 * 7 / 8
-    assert aot_report.dispatch_bytes_per_moe_layer(256, 2048, 2, 4, 2, 2) == 256 * 2048 * 2
+    # figure the compiled HLO of Qwen3-30B-A3B (v5e:2x4, tp 4 x ep 2) gives. dp 2, 256
+    # tokens: all-gather of x (bf16) and of the 8 ids + weights per token over the 2 ranks,
+    # reduce-scatter of the float32 partials, all-reduce of a rank's 128 rows over tp 4.
+    assert (aot_report.dispatch_bytes_per_moe_layer(64, 2048, 8, 2, 4, 2, 1)
+            == 2 * 64 * 2048 * 2 * 7 / 8)
+    assert aot_report.dispatch_bytes_per_moe_layer(256, 2048, 8, 2, 4, 2, 2) == (
+        256 * 2048 * 2 / 2 + 256 * 8 * 8 / 2 + 256 * 2048 * 4 / 2 + 2 * 128 * 2048 * 2 * 3 / 4)
 
     total, moe, per_op = aot_report.collective_bytes(HLO, 8)
     psum = 2 * 64 * 2048 * 2 * 7 / 8  # all 8 devices

@@ -401,19 +401,28 @@ def max_requests_that_fit(free_bytes: float, kv_per_token: float, context_len: i
     return dp * int(free_bytes // (kv_per_token * context_len))
 
 
-def dispatch_bytes_per_moe_layer(tokens: int, hidden: int, itemsize: int, tp: int, ep: int,
-                                 dp: int) -> float:
+def dispatch_bytes_per_moe_layer(tokens: int, hidden: int, top_k: int, itemsize: int,
+                                 tp: int, ep: int, dp: int) -> float:
     """Bytes one device sends (= receives) over the interconnect for one MoE layer's token
     dispatch, from the formula (ring collectives; ``tokens``: the compiled tokens of the
-    step, all ranks). Without DP: the ``psum`` all-reduce of the ``[T, H]`` partial outputs
-    over all ``ep * tp`` devices, ``2 * T * H * itemsize * (n - 1) / n``. With DP (ranks =
-    rows of "expert"): the all-gather of x over "expert" (each device receives the other
-    ranks' ``T / ep`` rows) and the reduce-scatter of the partial outputs back, ``2 * T * H
-    * itemsize * (ep - 1) / ep`` (the within-rank sum over "tensor" of a tp-split expert
-    block is not included). ``itemsize``: of what crosses the links (the activation dtype;
-    XLA:TPU reduces the bfloat16-cast partials of ep_moe's psum in bfloat16)."""
-    n = ep * tp if dp == 1 else ep
-    return 2 * tokens * hidden * itemsize * (n - 1) / n
+    step, all ranks; ``itemsize``: the activation dtype's).
+
+    Without DP: ep_moe's ``psum`` of the ``[T, H]`` partial outputs over all ``n = ep * tp``
+    devices, ``2 * T * H * itemsize * (n - 1) / n`` (XLA:TPU reduces them in the activation
+    dtype, as the compiled HLO shows). With DP (ranks = rows of "expert", ``f = (ep - 1) /
+    ep``): the all-gather over "expert" of x (``T * H * itemsize * f``) and of the top-k ids
+    and weights (``T * k * 8 * f``), the reduce-scatter of the float32 partial outputs back to
+    their ranks (``T * H * 4 * f``), and the all-reduce over "tensor" of each rank's ``T /
+    ep`` rows (``2 * T / ep * H * itemsize * (tp - 1) / tp``). Roughly ``2 * T * H * itemsize
+    * f`` plus the float32 widening of the way back."""
+    if dp == 1:
+        n = ep * tp
+        return 2 * tokens * hidden * itemsize * (n - 1) / n
+    f = (ep - 1) / ep
+    gather = tokens * hidden * itemsize * f + tokens * top_k * 8 * f
+    scatter = tokens * hidden * 4 * f
+    tensor = 2 * tokens / ep * hidden * itemsize * (tp - 1) / tp
+    return gather + scatter + tensor
 
 
 def shard_bytes(x: Any) -> int:
@@ -609,7 +618,8 @@ def compile_bucket(runner: Any, b: Bucket, device_kind: str) -> Compiled:
     mode = ForwardMode.DECODE if b.mode == "decode" else ForwardMode.EXTEND
     t0 = time.perf_counter()
     with kernel_tuning_for(device_kind):
-        lowered = runner.lower_bucket(mode, b.compiled_tokens, b.rows)
+        # With DP attention the runner's bucket is per rank (it lays out dp times as much).
+        lowered = runner.lower_bucket(mode, b.compiled_tokens // b.dp, b.rows // b.dp)
     try:
         compiled = lowered.compile()
     except Exception as e:
@@ -672,10 +682,19 @@ def compile_native_attention(runner: Any, b: Bucket, cfg: Any) -> tuple[float, f
     def ints(*shape: int) -> Any:
         return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)
 
+    # With DP attention every device runs one rank's call (inside the step's shard_map over
+    # the ranks) on the rank's rows and its shard of the cache: compile that call (the
+    # cache's rows of one rank, replicated over the ranks here; heads as the step splits them).
+    tokens, rows = b.compiled_tokens // b.dp, b.rows // b.dp
+    kv = runner.kv_caches[0]
+    if b.dp > 1:
+        spec = tuple(kv.sharding.spec) + (None,) * (len(kv.shape) - len(kv.sharding.spec))
+        kv = jax.ShapeDtypeStruct((kv.shape[0] // b.dp, *kv.shape[1:]), kv.dtype,
+                                  sharding=NamedSharding(mesh, P(None, *spec[1:])))
     meta = AttentionMetadata(
-        positions=ints(b.tokens), token_to_req=ints(b.tokens), prefix_lens=ints(b.rows),
-        extend_lens=ints(b.rows), extend_starts=ints(b.rows),
-        page_indices=ints(b.rows, runner.req_to_page.shape[1]), page_size=runner.page_size,
+        positions=ints(tokens), token_to_req=ints(tokens), prefix_lens=ints(rows),
+        extend_lens=ints(rows), extend_starts=ints(rows),
+        page_indices=ints(rows, runner.req_to_page.shape[1]), page_size=runner.page_size,
         is_decode=b.mode == "decode",
     )
     backend = runner.backends.attention
@@ -683,17 +702,17 @@ def compile_native_attention(runner: Any, b: Bucket, cfg: Any) -> tuple[float, f
     q_sharding = NamedSharding(mesh, P(None, "tensor", None))
     if cfg.attention == "mla":
         dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        q = jax.ShapeDtypeStruct((b.tokens, heads, dim), dtype, sharding=q_sharding)
+        q = jax.ShapeDtypeStruct((tokens, heads, dim), dtype, sharding=q_sharding)
 
         def fn(q: Any, kv: Any, meta: Any) -> Any:
             return backend.attend_latent(q, kv, meta, 1.0, cfg.kv_lora_rank)
     else:
-        q = jax.ShapeDtypeStruct((b.tokens, heads, cfg.head_dim), dtype, sharding=q_sharding)
+        q = jax.ShapeDtypeStruct((tokens, heads, cfg.head_dim), dtype, sharding=q_sharding)
 
         def fn(q: Any, kv: Any, meta: Any) -> Any:
             return backend.attend(q, kv, meta, 1.0)
     with jax.set_mesh(mesh):
-        cost = jax.jit(fn).lower(q, runner.kv_caches[0], meta).compile().cost_analysis()
+        cost = jax.jit(fn).lower(q, kv, meta).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
 
@@ -730,15 +749,20 @@ def build_runner(args: argparse.Namespace, model_dir: str, cfg: Any, devices: li
     from sgl_jax.srt.server_args import ServerArgs
 
     max_running = max(max(args.decode_bs), args.prefill_requests)
+    dp = args.dp_size
+    # The runner's buckets are per attention rank (with DP: the busiest rank's share).
+    # (ServerArgs wants a bucket >= max_running_requests, which stays global: not compiled.)
+    rank_bs = sorted({*(-(-bs // dp) for bs in args.decode_bs), max_running})
+    rank_tokens = -(-args.prefill_requests // dp) * (args.prefill_tokens // args.prefill_requests)
     server_args = ServerArgs(
         model_path=model_dir,
         context_length=args.context_len,
         max_running_requests=max_running,
         # KV for every decode request at full context (and a whole prefill batch).
         max_total_tokens=max(max_running * args.context_len, args.prefill_tokens),
-        chunked_prefill_size=args.prefill_tokens,
-        precompile_bs_paddings=sorted({*args.decode_bs, max_running}),
-        precompile_token_paddings=[args.prefill_tokens],
+        chunked_prefill_size=rank_tokens if dp > 1 else args.prefill_tokens,
+        precompile_bs_paddings=rank_bs,
+        precompile_token_paddings=[rank_tokens if dp > 1 else args.prefill_tokens],
         tp_size=args.tp_size,
         ep_size=args.ep_size,
         dtype=args.dtype,
@@ -826,7 +850,9 @@ def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_de
     excess = 0.0
     if args.resolved_moe_backend == "ragged" and args.ep_size > 1:
         expert = 2 * 3 * cfg.num_experts_per_tok * cfg.hidden_size * cfg.moe_intermediate_size
-        excess = expert * b.tokens * sum(cfg.moe_layers) * (args.ep_size - 1)
+        # Each device's ragged_dot holds every compiled token's k assignments (with DP: all
+        # ranks' tokens, gathered; idle ranks' padding included), its experts' slice.
+        excess = expert * sum(cfg.moe_layers) * (args.ep_size * b.compiled_tokens - b.tokens)
     # Sums over devices: the kernel's per-device figure is the busiest rank's; idle ranks
     # (fewer requests than ranks) attend to nothing (rank_load = 1 without DP).
     compiled_flops = (flops_pd - kernel_flops) * n_dev + kernel_flops * n_dev * b.rank_load
@@ -837,8 +863,9 @@ def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_de
     # floor; every expert is read at these batch sizes).
     min_bytes = params + b.rank_requests * b.context_len * kv_per_token
     n_moe = sum(cfg.moe_layers)
-    dispatch = dispatch_bytes_per_moe_layer(b.compiled_tokens, cfg.hidden_size, itemsize,
-                                            args.tp_size, args.ep_size, args.dp_size)
+    dispatch = dispatch_bytes_per_moe_layer(b.compiled_tokens, cfg.hidden_size,
+                                            cfg.num_experts_per_tok, itemsize, args.tp_size,
+                                            args.ep_size, args.dp_size)
     no_sampler = max((flops_pd - c.sampler_flops) / peak_flops,
                      (bytes_pd - c.sampler_bytes) / bandwidth)
     return {
@@ -1015,7 +1042,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     args.resolved_moe_backend = full.backends.moe.name
 
     buckets = dp_buckets(args.decode_bs, args.prefill_tokens, args.prefill_requests,
-                         args.context_len, args.dp_size, rank_rows_of(full, args.dp_size))
+                         args.context_len, args.dp_size, full.extend_rows)
 
     full_pattern = tuple(cfg.moe_layers)
     if args.scale_from_layers:
@@ -1071,16 +1098,6 @@ def run(args: argparse.Namespace) -> list[dict]:
                 r["hbm_bytes_per_device"] / GiB, r["temporaries_bytes_per_device"] / GiB,
                 ", extrapolated" if args.scale_from_layers else "")
     return records
-
-
-def rank_rows_of(runner: Any, dp: int) -> Any:
-    """tokens of one rank's extend sub-batch -> the rows it is compiled with: the engine's
-    ``extend_rows`` (one row per request, at most max_running_requests; with DP the rank's
-    share of them)."""
-    if dp == 1:
-        return runner.extend_rows
-    rank_running = -(-runner.max_running_requests // dp)
-    return lambda tokens: min(tokens, rank_running)
 
 
 def describe_pattern(pattern: tuple[bool, ...]) -> str:

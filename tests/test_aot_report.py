@@ -177,9 +177,11 @@ def test_mla_report_json(small_mla_config: Path) -> None:
         )
 
 
-# A compiled module's text as XLA:TPU prints it (abridged): the source tables and three
-# collectives, one in each printed form of replica_groups; the all-reduce's stack frame (2)
-# has a caller (frame 1) in layers/moe/, so it is the MoE dispatch.
+# A compiled module's text as XLA:TPU prints it (abridged): the source tables and four
+# collectives, in each printed form of replica_groups; the first all-reduce's stack frame (2)
+# has a caller (frame 1) in layers/moe/, so it is the MoE dispatch, and so is the
+# reduce-scatter XLA emits as an all-reduce in an ``all-reduce-scatter`` computation (no
+# frame of its own: its reduction's ROOT has frame 1).
 HLO = """HloModule jit__step_impl
 
 FileNames
@@ -193,6 +195,14 @@ FileLocations
 StackFrames
 1 {file_location_id=1 parent_frame_id=0}
 2 {file_location_id=2 parent_frame_id=2}
+
+%region_1 (a: f32[], b: f32[]) -> f32[] {
+  ROOT %add.1 = f32[] add(%a, %b), metadata={op_name="add" stack_frame_id=1}
+}
+
+%all-reduce-scatter (input: f32[64,2048]) -> f32[16,2048] {
+  %ar.5 = f32[64,2048]{1,0:T(8,128)} all-reduce(%input), channel_id=5, replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%region_1, backend_config={}
+}
 
 ENTRY %main {
   %psum.1 = bf16[64,2048]{1,0:T(8,128)(2,1)S(1)} all-reduce(%a), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add, metadata={op_name="shard_map/psum" stack_frame_id=2}
@@ -253,7 +263,8 @@ def test_dp_accounting() -> None:
     tensor = 2 * 64 * 2048 * 2 * 3 / 4  # mesh form, axis_1 = 4 devices
     gather = 16 * 64 * 4 * 3 / 4  # iota form [2,4]: groups of 4; the result, not the operand
     permute = 64 * 3 * 4
-    assert moe == psum
+    scatter = 64 * 2048 * 4 / 2  # its input over groups of 2
+    assert moe == psum + scatter
     assert per_op == {"all-reduce": psum + tensor, "all-gather": gather,
-                      "collective-permute": permute}
-    assert total == psum + tensor + gather + permute
+                      "collective-permute": permute, "reduce-scatter": scatter}
+    assert total == psum + tensor + gather + permute + scatter

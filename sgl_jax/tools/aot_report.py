@@ -575,13 +575,33 @@ def collective_bytes(hlo: str, n_devices: int) -> tuple[float, float, dict[str, 
     as a ring algorithm over its replica group of n devices, S the bytes of its result:
     all-reduce ``2 S (n-1)/n``, all-gather and all-to-all ``S (n-1)/n``, reduce-scatter ``S
     (n-1)``, collective-permute ``S``; ragged-all-to-all ``S (n-1)/n`` of its static output
-    buffer (an upper bound). A collective belongs to the MoE dispatch when its source
-    location (the stack frames XLA keeps) is in ``layers/moe/``. Collectives inside a loop
-    body or a ``cond`` branch are counted once (the sampler's sort fallback among them)."""
+    buffer (an upper bound). XLA:TPU may emit a reduce-scatter as a fusion calling an
+    ``all-reduce-scatter`` computation, whose all-reduce of the (padded) input is counted as
+    the reduce-scatter it is, ``S_in (n-1)/n``. A collective belongs to the MoE dispatch when
+    its source location (the stack frames XLA keeps: its own, or its reduction's) is in
+    ``layers/moe/``. Collectives inside a loop body or a ``cond`` branch are counted once
+    (the sampler's sort fallback among them)."""
     frames = _frame_files(hlo)
+    lines = hlo.splitlines()
+    # computation -> its ROOT's stack frame (a reduction's add keeps the psum's location)
+    root_frame: dict[str, int] = {}
+    computation = ""
+    for line in lines:
+        head = re.match(r"^(?:ENTRY )?%(\S+) \(", line)
+        if head:
+            computation = head.group(1)
+        elif line.lstrip().startswith("ROOT "):
+            frame = re.search(r"stack_frame_id=(\d+)", line)
+            if frame:
+                root_frame[computation] = int(frame.group(1))
     total = moe = 0.0
     per_op: dict[str, float] = {}
-    for line in hlo.splitlines():
+    computation = ""
+    for line in lines:
+        head = re.match(r"^(?:ENTRY )?%(\S+) \(", line)
+        if head:
+            computation = head.group(1)
+            continue
         m = _COLLECTIVE.match(line)
         if m is None:
             continue
@@ -590,12 +610,17 @@ def collective_bytes(hlo: str, n_devices: int) -> tuple[float, float, dict[str, 
                   for t, dims in _ARRAY.findall(m.group("type")) if dims and t in HLO_ITEMSIZE]
         if not arrays:
             continue
-        if m.group("start") and op in ("all-gather", "collective-permute"):
-            size = float(max(arrays))  # (operand, result[, sync flags]): the result
+        n = _group_size(line, n_devices)
+        if m.group("start") and op == "all-gather":
+            # (operands, results): results are n times the operands
+            size = sum(arrays) * n / (n + 1)
+        elif m.group("start") and op == "collective-permute":
+            size = sum(arrays) / 2  # (operands, results[, sync flags])
         else:
             size = float(sum(arrays))  # a combined collective: every result
-        n = _group_size(line, n_devices)
-        if op == "all-reduce":
+        if op == "all-reduce" and computation.startswith("all-reduce-scatter"):
+            op, sent = "reduce-scatter", size * (n - 1) / n
+        elif op == "all-reduce":
             sent = 2 * size * (n - 1) / n
         elif op == "reduce-scatter":
             sent = size * (n - 1)
@@ -604,8 +629,12 @@ def collective_bytes(hlo: str, n_devices: int) -> tuple[float, float, dict[str, 
         else:
             sent = size * (n - 1) / n
         frame = re.search(r"stack_frame_id=(\d+)", line)
-        in_moe = frame is not None and any(
-            "/layers/moe/" in f for f in frames.get(int(frame.group(1)), ()))
+        frame_id = int(frame.group(1)) if frame else None
+        if frame_id is None:
+            reduction = re.search(r"to_apply=%(\S+?),", line)
+            frame_id = root_frame.get(reduction.group(1)) if reduction else None
+        in_moe = frame_id is not None and any(
+            "/layers/moe/" in f for f in frames.get(frame_id, ()))
         total += sent
         moe += sent if in_moe else 0.0
         per_op[op] = per_op.get(op, 0.0) + sent

@@ -587,7 +587,7 @@ def collective_bytes(hlo: str, n_devices: int) -> tuple[float, float, dict[str, 
     root_frame: dict[str, int] = {}
     computation = ""
     for line in lines:
-        head = re.match(r"^(?:ENTRY )?%(\S+) \(", line)
+        head = re.match(r"^(?:ENTRY )?%([^\s(]+) *[({]", line)
         if head:
             computation = head.group(1)
         elif line.lstrip().startswith("ROOT "):
@@ -598,7 +598,7 @@ def collective_bytes(hlo: str, n_devices: int) -> tuple[float, float, dict[str, 
     per_op: dict[str, float] = {}
     computation = ""
     for line in lines:
-        head = re.match(r"^(?:ENTRY )?%(\S+) \(", line)
+        head = re.match(r"^(?:ENTRY )?%([^\s(]+) *[({]", line)
         if head:
             computation = head.group(1)
             continue

@@ -175,3 +175,96 @@ def test_mla_report_json(small_mla_config: Path) -> None:
         assert r["peak_hbm_bytes_per_device"] >= (
             r["parameters_bytes_per_device"] + r["kv_cache_bytes_per_device"]
         )
+
+
+# A compiled module's text as XLA:TPU prints it (abridged): the source tables and four
+# collectives, in each printed form of replica_groups; the first all-reduce's stack frame (2)
+# has a caller (frame 1) in layers/moe/, so it is the MoE dispatch, and so is the
+# reduce-scatter XLA emits as an all-reduce in an ``all-reduce-scatter`` computation (no
+# frame of its own: its reduction's ROOT has frame 1).
+HLO = """HloModule jit__step_impl
+
+FileNames
+1 "/x/sgl_jax/srt/layers/moe/ep_moe.py"
+2 "/x/sgl_jax/srt/models/common.py"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=1 end_line=1 column=1 end_column=1}
+2 {file_name_id=2 function_name_id=2 line=2 end_line=2 column=1 end_column=1}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=0}
+2 {file_location_id=2 parent_frame_id=2}
+
+%region_1 (a: f32[], b: f32[]) -> f32[] {
+  ROOT %add.1 = f32[] add(%a, %b), metadata={op_name="add" stack_frame_id=1}
+}
+
+%all-reduce-scatter (input: f32[64,2048]) -> f32[16,2048] {
+  %ar.5 = f32[64,2048]{1,0:T(8,128)} all-reduce(%input), channel_id=5, replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%region_1, backend_config={}
+}
+
+ENTRY %main {
+  %psum.1 = bf16[64,2048]{1,0:T(8,128)(2,1)S(1)} all-reduce(%a), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add, metadata={op_name="shard_map/psum" stack_frame_id=2}
+  %ar.2 = bf16[64,2048]{1,0:T(8,128)(2,1)S(1)} all-reduce(%b), channel_id=2, replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_1'}, to_apply=%add, metadata={op_name="dot_general"}
+  %ag.3 = (f32[4,64]{1,0}, f32[16,64]{1,0}) all-gather-start(%c), channel_id=3, replica_groups=[2,4]<=[8], dimensions={0}
+  %cp.4 = (f32[64,3]{1,0:T(8,128)S(1)}, f32[64,3]{1,0:T(8,128)S(1)}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%d), source_target_pairs={{0,1}}
+}
+"""
+
+
+def test_dp_accounting() -> None:
+    # Pure arithmetic of --dp-size (no compile): global buckets split over the ranks, the
+    # per-device attention work and KV, the largest batch that fits, the dispatch bytes.
+    rows = aot_report.dp_buckets([64], 2048, 8, 4096, 1, lambda t: min(t, 64))
+    assert rows == [aot_report.Bucket("decode", 64, 64, 64, 1, 4095),  # dp 1: as before
+                    aot_report.Bucket("prefill", 2048, 8, 64, 256, 0)]
+    [decode, odd, prefill] = aot_report.dp_buckets([256, 100], 2048, 8, 4096, 16,
+                                                   lambda t: t // 256)
+    assert (decode.rows, decode.compiled_tokens, decode.rank_requests) == (256, 256, 16)
+    assert decode.rank_load == 1.0
+    assert (odd.rows, odd.compiled_tokens, odd.rank_requests) == (112, 112, 7)
+    # 8 requests of 256 on 16 ranks: 8 ranks idle, every rank compiled with 256 tokens.
+    assert (prefill.compiled_tokens, prefill.rows, prefill.rank_requests) == (4096, 16, 1)
+    assert prefill.rank_load == 0.5 and prefill.q_kv_pairs == 8 * 256 * 257 // 2
+
+    # GQA (Qwen3-30B-A3B: 32 heads of 128, 4 KV heads): a device attends for its rank only.
+    qw = bundled("qwen3-30b-a3b")
+    one = aot_report.Bucket("decode", 256, 256, 256, 1, 4095)
+    two = aot_report.Bucket("decode", 256, 256, 256, 1, 4095, dp=2)
+    f1, b1 = aot_report.kernel_cost_per_call(qw, one, 4, 2)
+    f2, b2 = aot_report.kernel_cost_per_call(qw, two, 4, 2)
+    assert f1 == 32 / 4 * 4 * 128 * 256 * 4096 and f2 == f1 / 2 and b2 == b1 / 2
+    # Summed over the 8 devices (tp 4 x dp 2): exactly the model's attention, no replica.
+    assert f2 * 8 * two.rank_load == 32 * 4 * 128 * two.q_kv_pairs
+    # KV per token per device is tp's split; with dp 2 each rank holds its own requests:
+    # 16 GB free / (48 layers x 2 x 4 / 4 heads x 128 x 2 B x 4096) = 158 per rank.
+    kv_tok = aot_report.kv_bytes_per_token_per_device(qw, 4, 2)
+    assert kv_tok == 48 * 2 * 4 * 128 * 2 / 4
+    assert aot_report.max_requests_that_fit(16e9, kv_tok, 4096, 1) == 158
+    assert aot_report.max_requests_that_fit(16e9, kv_tok, 4096, 2) == 316
+    assert aot_report.max_requests_that_fit(-1.0, kv_tok, 4096, 2) == 0
+    # DeepSeek-V3's latent row is not split by tp: 20 GiB / (70,272 B x 4096) = 74 per rank.
+    ds = bundled("deepseek-v3")
+    kv_ds = aot_report.kv_bytes_per_token_per_device(ds, 4, 2)
+    assert aot_report.max_requests_that_fit(20 * 2**30, kv_ds, 4096, 16) == 16 * 74
+
+    # Dispatch per MoE layer and device. dp 1: psum of [64, 2048] bf16 over 8 devices, the
+    # figure the compiled HLO of Qwen3-30B-A3B (v5e:2x4, tp 4 x ep 2) gives. dp 2, 256
+    # tokens: all-gather of x (bf16) and of the 8 ids + weights per token over the 2 ranks,
+    # reduce-scatter of the float32 partials, all-reduce of a rank's 128 rows over tp 4.
+    assert (aot_report.dispatch_bytes_per_moe_layer(64, 2048, 8, 2, 4, 2, 1)
+            == 2 * 64 * 2048 * 2 * 7 / 8)
+    assert aot_report.dispatch_bytes_per_moe_layer(256, 2048, 8, 2, 4, 2, 2) == (
+        256 * 2048 * 2 / 2 + 256 * 8 * 8 / 2 + 256 * 2048 * 4 / 2 + 2 * 128 * 2048 * 2 * 3 / 4)
+
+    total, moe, per_op = aot_report.collective_bytes(HLO, 8)
+    psum = 2 * 64 * 2048 * 2 * 7 / 8  # all 8 devices
+    tensor = 2 * 64 * 2048 * 2 * 3 / 4  # mesh form, axis_1 = 4 devices
+    gather = 16 * 64 * 4 * 3 / 4  # iota form [2,4]: groups of 4; the result, not the operand
+    permute = 64 * 3 * 4
+    scatter = 64 * 2048 * 4 / 2  # its input over groups of 2
+    assert moe == psum + scatter
+    assert per_op == {"all-reduce": psum + tensor, "all-gather": gather,
+                      "collective-permute": permute, "reduce-scatter": scatter}
+    assert total == psum + tensor + gather + permute + scatter

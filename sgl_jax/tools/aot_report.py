@@ -62,6 +62,16 @@ What is reported, per bucket (``--json``: one list, one object per bucket):
   chip's published bf16 peak and HBM bandwidth (communication over ICI is not modelled);
   ``tokens_per_s = tokens / roofline``.
 
+``--dp-size D`` (= ``--ep-size``) compiles the step of data-parallel attention
+(``enable_dp_attention``): ``--decode-bs`` and the prefill are GLOBAL, their requests dealt
+round robin over the D ranks, each rank padded to the busiest one (``dp_buckets``); each
+device holds and attends for its rank's requests only (the KV cache per device is 1 / D of
+the total; the analytic attention is the busiest rank's, summed with ``rank_load``);
+``max_requests_fit`` is the largest global batch at ``--context-len`` whose KV fits next to
+the parameters. Every bucket also reports the bytes a device sends over the interconnect:
+the MoE dispatch per layer from the formula (``dispatch_bytes_per_moe_layer``) and from the
+compiled HLO's collectives (``collective_bytes``), and all of the step's collectives.
+
 A layout that cannot hold parameters + KV cache in HBM (per device) exits with code 2 and says
 what to change (MLA: its latent KV cache is replicated, tp does not split it); a compiled
 peak above HBM is flagged (``peak_exceeds_hbm``, a warning). ``--scale-from-layers A B``
@@ -82,6 +92,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -230,12 +241,23 @@ def resolve_config_path(spec: str) -> tuple[str, dict]:
 
 @dataclasses.dataclass(frozen=True)
 class Bucket:
+    """One compiled step. With data-parallel attention (``dp > 1``) the figures are GLOBAL
+    (all ranks): the requests are dealt round robin over the ``dp`` ranks, every rank's
+    sub-batch is padded to the same per-rank size, and ``padded_tokens`` / ``rows`` are
+    ``dp`` times that size (the shape the step is compiled with)."""
+
     mode: str  # "decode" | "prefill"
-    tokens: int  # real tokens of the step (= padded tokens here)
-    requests: int  # real requests (rows sampled)
-    rows: int  # padded rows the engine compiles this bucket with
+    tokens: int  # real tokens of the step, all ranks
+    requests: int  # real requests (rows sampled), all ranks
+    rows: int  # padded rows the engine compiles this bucket with, all ranks
     q_len: int  # new tokens per request
     prefix: int  # cached positions per request before the step
+    dp: int = 1  # attention ranks the requests are spread over
+    padded_tokens: int = 0  # tokens compiled, all ranks (0: = tokens, no padding)
+
+    @property
+    def compiled_tokens(self) -> int:
+        return self.padded_tokens or self.tokens
 
     @property
     def context_len(self) -> int:
@@ -243,10 +265,49 @@ class Bucket:
         return self.prefix + self.q_len
 
     @property
-    def q_kv_pairs(self) -> int:
-        """sum over query tokens of the positions each attends to (causal)."""
+    def pairs_per_request(self) -> int:
+        """(query, key) pairs of one request's new tokens (causal)."""
         n, p = self.q_len, self.prefix
-        return self.requests * (n * p + n * (n + 1) // 2)
+        return n * p + n * (n + 1) // 2
+
+    @property
+    def q_kv_pairs(self) -> int:
+        """sum over query tokens of the positions each attends to (causal), all ranks."""
+        return self.requests * self.pairs_per_request
+
+    @property
+    def rank_requests(self) -> int:
+        """Requests of the busiest attention rank (all of them without DP)."""
+        return -(-self.requests // self.dp)
+
+    @property
+    def rank_load(self) -> float:
+        """Real attention work of all ranks over ``dp`` times the busiest rank's (1 when the
+        requests divide evenly over the ranks; 0.5 when half the ranks are idle)."""
+        return self.requests / (self.rank_requests * self.dp)
+
+
+def dp_buckets(decode_bs: list[int], prefill_tokens: int, prefill_requests: int,
+               context_len: int, dp: int, rank_rows: Any) -> list[Bucket]:
+    """The report's buckets. ``decode_bs`` and the prefill are GLOBAL: with ``dp`` ranks a
+    decode batch of B requests is ``ceil(B / dp)`` rows per rank, and the prefill's requests
+    (``prefill_tokens / prefill_requests`` new tokens each, whole requests: a request's KV
+    lives on one rank) go round robin to the ranks, each rank padded to the busiest one's
+    tokens. ``rank_rows(tokens)``: the rows one rank's extend sub-batch of ``tokens`` is
+    compiled with (the engine's ``extend_rows``). dp = 1: exactly the buckets of a report
+    without DP."""
+    per_req = prefill_tokens // prefill_requests
+    buckets = []
+    for bs in decode_bs:
+        rank = -(-bs // dp)
+        buckets.append(Bucket("decode", bs, bs, rank * dp, 1, context_len - 1, dp,
+                              0 if rank * dp == bs else rank * dp))
+    rank_tokens = -(-prefill_requests // dp) * per_req
+    padded = rank_tokens * dp
+    buckets.append(Bucket("prefill", prefill_tokens, prefill_requests,
+                          rank_rows(rank_tokens) * dp, per_req, 0, dp,
+                          0 if padded == prefill_tokens else padded))
+    return buckets
 
 
 def attention_params(cfg: Any) -> int:
@@ -313,18 +374,55 @@ def kernel_cost_per_call(cfg: Any, b: Bucket, tp: int, itemsize: int) -> tuple[f
     to XLA's count: the Pallas kernel's (GQA; XLA counts a custom call as 0) or the native
     backend's block loop (XLA counts a loop body once). FLOPs: ``heads / tp`` heads times
     ``attention_flops_per_pair`` per causal (query, key) pair; bytes: one read of each
-    sequence's cached K/V (MLA: its latent rows, replicated: every device reads them all),
-    the queries and the outputs."""
+    sequence's cached K/V (MLA: its latent rows, replicated over tp: every device of a rank
+    reads them all), the queries and the outputs. A device attends for its attention rank's
+    requests only: all of them without DP, the busiest rank's ``ceil(requests / dp)`` with it
+    (the per-device figure of the roofline; ``Bucket.rank_load`` scales it to the sum)."""
     heads = cfg.num_attention_heads / tp
-    flops = heads * attention_flops_per_pair(cfg) * b.q_kv_pairs
+    requests = b.rank_requests
+    flops = heads * attention_flops_per_pair(cfg) * b.pairs_per_request * requests
     cache_heads = cfg.kv_cache_heads / tp if cfg.kv_cache_sharded else cfg.kv_cache_heads
-    kv = b.requests * b.context_len * cache_heads * cfg.kv_cache_head_dim * itemsize
+    kv = requests * b.context_len * cache_heads * cfg.kv_cache_head_dim * itemsize
     if cfg.attention == "mla":
         q_dim, out_dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.kv_lora_rank
     else:
         q_dim = out_dim = cfg.head_dim
-    q_out = b.tokens * heads * (q_dim + out_dim) * itemsize
+    q_out = requests * b.q_len * heads * (q_dim + out_dim) * itemsize
     return flops, kv + q_out
+
+
+def max_requests_that_fit(free_bytes: float, kv_per_token: float, context_len: int,
+                          dp: int) -> int:
+    """Largest GLOBAL number of requests at ``context_len`` positions whose KV fits in
+    ``free_bytes`` per device: each attention rank holds its own requests' KV (``dp`` ranks,
+    1 without DP), a device ``kv_per_token`` bytes per token of its rank's requests."""
+    if free_bytes <= 0:
+        return 0
+    return dp * int(free_bytes // (kv_per_token * context_len))
+
+
+def dispatch_bytes_per_moe_layer(tokens: int, hidden: int, top_k: int, itemsize: int,
+                                 tp: int, ep: int, dp: int) -> float:
+    """Bytes one device sends (= receives) over the interconnect for one MoE layer's token
+    dispatch, from the formula (ring collectives; ``tokens``: the compiled tokens of the
+    step, all ranks; ``itemsize``: the activation dtype's).
+
+    Without DP: ep_moe's ``psum`` of the ``[T, H]`` partial outputs over all ``n = ep * tp``
+    devices, ``2 * T * H * itemsize * (n - 1) / n`` (XLA:TPU reduces them in the activation
+    dtype, as the compiled HLO shows). With DP (ranks = rows of "expert", ``f = (ep - 1) /
+    ep``): the all-gather over "expert" of x (``T * H * itemsize * f``) and of the top-k ids
+    and weights (``T * k * 8 * f``), the reduce-scatter of the float32 partial outputs back to
+    their ranks (``T * H * 4 * f``), and the all-reduce over "tensor" of each rank's ``T /
+    ep`` rows (``2 * T / ep * H * itemsize * (tp - 1) / tp``). Roughly ``2 * T * H * itemsize
+    * f`` plus the float32 widening of the way back."""
+    if dp == 1:
+        n = ep * tp
+        return 2 * tokens * hidden * itemsize * (n - 1) / n
+    f = (ep - 1) / ep
+    gather = tokens * hidden * itemsize * f + tokens * top_k * 8 * f
+    scatter = tokens * hidden * 4 * f
+    tensor = 2 * tokens / ep * hidden * itemsize * (tp - 1) / tp
+    return gather + scatter + tensor
 
 
 def shard_bytes(x: Any) -> int:
@@ -373,6 +471,10 @@ class Compiled:
     # XLA's own count of one native attention call (per layer), replaced by the analytic one
     native_counted_flops: float = 0.0
     native_counted_bytes: float = 0.0
+    # Bytes one device sends over the interconnect (ring estimate of the compiled HLO's
+    # collectives, ``collective_bytes``): all of them, and those of the MoE blocks' dispatch
+    collective_bytes: float = 0.0
+    moe_collective_bytes: float = 0.0
 
     @staticmethod
     def extrapolate(points: list[tuple[tuple[bool, ...], Compiled]],
@@ -405,13 +507,148 @@ class Compiled:
         return Compiled(**{f.name: at(f.name) for f in dataclasses.fields(Compiled)})
 
 
+# Bytes of one element of an HLO array type.
+HLO_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+                "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "ragged-all-to-all",
+                  "all-to-all", "collective-permute")
+_COLLECTIVE = re.compile(
+    r"^\s*(?:ROOT )?%\S+ = (?P<type>.+?) (?P<op>" + "|".join(COLLECTIVE_OPS)
+    + r")(?P<start>-start)?\(")
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([0-9,]*)\]")
+
+
+def _group_size(line: str, n_devices: int) -> int:
+    """Devices per replica group of a collective, from its ``replica_groups`` in any of the
+    three printed forms: explicit ``{{0,1},{2,3}}``, iota ``[G,S]<=[N]``, or mesh axes
+    ``mesh['axis_0'=4,'axis_1'=2], device_ids=(...) {'axis_0'}`` (the named axes)."""
+    m = re.search(r"replica_groups=\{\{([0-9,]*)\}", line)
+    if m:
+        return len(m.group(1).split(","))
+    m = re.search(r"replica_groups=\[([0-9,]+)\]<=", line)
+    if m:
+        return int(m.group(1).split(",")[-1])
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\].*?\{('[^}]*)\}", line)
+    if m:
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2)))
+    return n_devices  # replica_groups={} : all devices
+
+
+def _frame_files(hlo: str) -> dict[int, set[str]]:
+    """stack_frame_id -> the source files of that frame and its callers, from the compiled
+    module's FileNames / FileLocations / StackFrames tables (parent_frame_id is 1-based,
+    0 = none)."""
+    sections: dict[str, dict[int, str]] = {}
+    current = None
+    for line in hlo.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = sections.setdefault(line, {})
+        elif not line.strip():
+            current = None
+        elif current is not None:
+            key, _, value = line.partition(" ")
+            if key.isdigit():
+                current[int(key)] = value
+    files = sections.get("FileNames", {})
+    locations = {k: re.search(r"file_name_id=(\d+)", v) for k, v in
+                 sections.get("FileLocations", {}).items()}
+    frames = {k: (int(re.search(r"file_location_id=(\d+)", v).group(1)),
+                  int(re.search(r"parent_frame_id=(\d+)", v).group(1)))
+              for k, v in sections.get("StackFrames", {}).items()}
+    out: dict[int, set[str]] = {}
+    for frame in frames:
+        seen, f = set(), frame
+        while f in frames and len(seen) < 256:
+            loc, parent = frames[f]
+            m = locations.get(loc)
+            if m:
+                seen.add(files.get(int(m.group(1)), ""))
+            f = parent - 1
+        out[frame] = seen
+    return out
+
+
+def collective_bytes(hlo: str, n_devices: int) -> tuple[float, float, dict[str, float]]:
+    """(all, MoE dispatch, per op) bytes one device sends over the interconnect in one run
+    of the compiled module ``hlo`` (``compiled.as_text()``), estimated from every collective
+    as a ring algorithm over its replica group of n devices, S the bytes of its result:
+    all-reduce ``2 S (n-1)/n``, all-gather and all-to-all ``S (n-1)/n``, reduce-scatter ``S
+    (n-1)``, collective-permute ``S``; ragged-all-to-all ``S (n-1)/n`` of its static output
+    buffer (an upper bound). XLA:TPU may emit a reduce-scatter as a fusion calling an
+    ``all-reduce-scatter`` computation, whose all-reduce of the (padded) input is counted as
+    the reduce-scatter it is, ``S_in (n-1)/n``. A collective belongs to the MoE dispatch when
+    its source location (the stack frames XLA keeps: its own, or its reduction's) is in
+    ``layers/moe/``. Collectives inside a loop body or a ``cond`` branch are counted once
+    (the sampler's sort fallback among them)."""
+    frames = _frame_files(hlo)
+    lines = hlo.splitlines()
+    # computation -> its ROOT's stack frame (a reduction's add keeps the psum's location)
+    root_frame: dict[str, int] = {}
+    computation = ""
+    for line in lines:
+        head = re.match(r"^(?:ENTRY )?%([^\s(]+) *[({]", line)
+        if head:
+            computation = head.group(1)
+        elif line.lstrip().startswith("ROOT "):
+            frame = re.search(r"stack_frame_id=(\d+)", line)
+            if frame:
+                root_frame[computation] = int(frame.group(1))
+    total = moe = 0.0
+    per_op: dict[str, float] = {}
+    computation = ""
+    for line in lines:
+        head = re.match(r"^(?:ENTRY )?%([^\s(]+) *[({]", line)
+        if head:
+            computation = head.group(1)
+            continue
+        m = _COLLECTIVE.match(line)
+        if m is None:
+            continue
+        op = m.group("op")
+        arrays = [math.prod(int(d) for d in dims.split(",") if d) * HLO_ITEMSIZE[t]
+                  for t, dims in _ARRAY.findall(m.group("type")) if dims and t in HLO_ITEMSIZE]
+        if not arrays:
+            continue
+        n = _group_size(line, n_devices)
+        if m.group("start") and op == "all-gather":
+            # (operands, results): results are n times the operands
+            size = sum(arrays) * n / (n + 1)
+        elif m.group("start") and op == "collective-permute":
+            size = sum(arrays) / 2  # (operands, results[, sync flags])
+        else:
+            size = float(sum(arrays))  # a combined collective: every result
+        if op == "all-reduce" and computation.startswith("all-reduce-scatter"):
+            op, sent = "reduce-scatter", size * (n - 1) / n
+        elif op == "all-reduce":
+            sent = 2 * size * (n - 1) / n
+        elif op == "reduce-scatter":
+            sent = size * (n - 1)
+        elif op == "collective-permute":
+            sent = size
+        else:
+            sent = size * (n - 1) / n
+        frame = re.search(r"stack_frame_id=(\d+)", line)
+        frame_id = int(frame.group(1)) if frame else None
+        if frame_id is None:
+            reduction = re.search(r"to_apply=%(\S+?),", line)
+            frame_id = root_frame.get(reduction.group(1)) if reduction else None
+        in_moe = frame_id is not None and any(
+            "/layers/moe/" in f for f in frames.get(frame_id, ()))
+        total += sent
+        moe += sent if in_moe else 0.0
+        per_op[op] = per_op.get(op, 0.0) + sent
+    return total, moe, per_op
+
+
 def compile_bucket(runner: Any, b: Bucket, device_kind: str) -> Compiled:
     from sgl_jax.srt.forward_batch_info import ForwardMode
 
     mode = ForwardMode.DECODE if b.mode == "decode" else ForwardMode.EXTEND
     t0 = time.perf_counter()
     with kernel_tuning_for(device_kind):
-        lowered = runner.lower_bucket(mode, b.tokens, b.rows)
+        # With DP attention the runner's bucket is per rank (it lays out dp times as much).
+        lowered = runner.lower_bucket(mode, b.compiled_tokens // b.dp, b.rows // b.dp)
     try:
         compiled = lowered.compile()
     except Exception as e:
@@ -434,10 +671,12 @@ def compile_bucket(runner: Any, b: Bucket, device_kind: str) -> Compiled:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     mem = compiled.memory_analysis()
+    hlo = compiled.as_text()
     calls = sum(
-        1 for line in compiled.as_text().splitlines()
+        1 for line in hlo.splitlines()
         if "custom-call(" in line and ATTENTION_KERNEL in line
     )
+    sent, moe_sent, _ = collective_bytes(hlo, runner.mesh.size)
     return Compiled(
         flops=float(cost.get("flops", 0.0)),
         bytes=float(cost.get("bytes accessed", 0.0)),
@@ -448,6 +687,8 @@ def compile_bucket(runner: Any, b: Bucket, device_kind: str) -> Compiled:
         code=float(mem.generated_code_size_in_bytes),
         kernel_calls=float(calls),
         seconds=seconds,
+        collective_bytes=sent,
+        moe_collective_bytes=moe_sent,
     )
 
 
@@ -470,10 +711,19 @@ def compile_native_attention(runner: Any, b: Bucket, cfg: Any) -> tuple[float, f
     def ints(*shape: int) -> Any:
         return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)
 
+    # With DP attention every device runs one rank's call (inside the step's shard_map over
+    # the ranks) on the rank's rows and its shard of the cache: compile that call (the
+    # cache's rows of one rank, replicated over the ranks here; heads as the step splits them).
+    tokens, rows = b.compiled_tokens // b.dp, b.rows // b.dp
+    kv = runner.kv_caches[0]
+    if b.dp > 1:
+        spec = tuple(kv.sharding.spec) + (None,) * (len(kv.shape) - len(kv.sharding.spec))
+        kv = jax.ShapeDtypeStruct((kv.shape[0] // b.dp, *kv.shape[1:]), kv.dtype,
+                                  sharding=NamedSharding(mesh, P(None, *spec[1:])))
     meta = AttentionMetadata(
-        positions=ints(b.tokens), token_to_req=ints(b.tokens), prefix_lens=ints(b.rows),
-        extend_lens=ints(b.rows), extend_starts=ints(b.rows),
-        page_indices=ints(b.rows, runner.req_to_page.shape[1]), page_size=runner.page_size,
+        positions=ints(tokens), token_to_req=ints(tokens), prefix_lens=ints(rows),
+        extend_lens=ints(rows), extend_starts=ints(rows),
+        page_indices=ints(rows, runner.req_to_page.shape[1]), page_size=runner.page_size,
         is_decode=b.mode == "decode",
     )
     backend = runner.backends.attention
@@ -481,17 +731,17 @@ def compile_native_attention(runner: Any, b: Bucket, cfg: Any) -> tuple[float, f
     q_sharding = NamedSharding(mesh, P(None, "tensor", None))
     if cfg.attention == "mla":
         dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        q = jax.ShapeDtypeStruct((b.tokens, heads, dim), dtype, sharding=q_sharding)
+        q = jax.ShapeDtypeStruct((tokens, heads, dim), dtype, sharding=q_sharding)
 
         def fn(q: Any, kv: Any, meta: Any) -> Any:
             return backend.attend_latent(q, kv, meta, 1.0, cfg.kv_lora_rank)
     else:
-        q = jax.ShapeDtypeStruct((b.tokens, heads, cfg.head_dim), dtype, sharding=q_sharding)
+        q = jax.ShapeDtypeStruct((tokens, heads, cfg.head_dim), dtype, sharding=q_sharding)
 
         def fn(q: Any, kv: Any, meta: Any) -> Any:
             return backend.attend(q, kv, meta, 1.0)
     with jax.set_mesh(mesh):
-        cost = jax.jit(fn).lower(q, runner.kv_caches[0], meta).compile().cost_analysis()
+        cost = jax.jit(fn).lower(q, kv, meta).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
 
@@ -528,15 +778,20 @@ def build_runner(args: argparse.Namespace, model_dir: str, cfg: Any, devices: li
     from sgl_jax.srt.server_args import ServerArgs
 
     max_running = max(max(args.decode_bs), args.prefill_requests)
+    dp = args.dp_size
+    # The runner's buckets are per attention rank (with DP: the busiest rank's share).
+    # (ServerArgs wants a bucket >= max_running_requests, which stays global: not compiled.)
+    rank_bs = sorted({*(-(-bs // dp) for bs in args.decode_bs), max_running})
+    rank_tokens = -(-args.prefill_requests // dp) * (args.prefill_tokens // args.prefill_requests)
     server_args = ServerArgs(
         model_path=model_dir,
         context_length=args.context_len,
         max_running_requests=max_running,
         # KV for every decode request at full context (and a whole prefill batch).
         max_total_tokens=max(max_running * args.context_len, args.prefill_tokens),
-        chunked_prefill_size=args.prefill_tokens,
-        precompile_bs_paddings=sorted({*args.decode_bs, max_running}),
-        precompile_token_paddings=[args.prefill_tokens],
+        chunked_prefill_size=rank_tokens if dp > 1 else args.prefill_tokens,
+        precompile_bs_paddings=rank_bs,
+        precompile_token_paddings=[rank_tokens if dp > 1 else args.prefill_tokens],
         tp_size=args.tp_size,
         ep_size=args.ep_size,
         dtype=args.dtype,
@@ -545,6 +800,9 @@ def build_runner(args: argparse.Namespace, model_dir: str, cfg: Any, devices: li
         page_size=args.page_size,
         enable_return_routed_experts=args.enable_return_routed_experts,
         disable_precompile=True,
+        # Data-parallel attention: the ranks are the rows of the "expert" axis (dp = ep);
+        # max_total_tokens stays global, each rank holding 1 / dp of it.
+        **({"enable_dp_attention": True, "dp_size": args.dp_size} if args.dp_size > 1 else {}),
     )
     return ModelRunner(server_args, cfg, devices=devices, abstract=True)
 
@@ -556,41 +814,49 @@ def check_fit(params: int, kv: int, hbm: float, cfg: Any, args: argparse.Namespa
         return
     free = hbm - params
     if free > 0:
-        max_bs = int(free // (kv_per_token * args.context_len))
-        max_ctx = int(free // (kv_per_token * max(args.decode_bs)))
+        # Global requests: with DP each rank holds its own requests' KV.
+        max_bs = max_requests_that_fit(free, kv_per_token, args.context_len, args.dp_size)
+        rank_bs = -(-max(args.decode_bs) // args.dp_size)
+        max_ctx = int(free // (kv_per_token * rank_bs))
         kv_hint = (
             f"at --context-len {args.context_len} at most {max_bs} requests fit next to the "
             f"parameters (or --decode-bs {max(args.decode_bs)} at --context-len <= {max_ctx})"
         )
     else:
         kv_hint = "the parameters alone exceed a device's HBM"
+    dp_hint = (
+        "" if args.dp_size > 1 else
+        " Data-parallel attention (--dp-size equal to --ep-size) splits the KV cache over the "
+        "ep ranks, each holding its own requests.")
     if cfg.kv_cache_sharded:
         to_fit = (
             "more devices (a larger --topology) with a larger --ep-size (experts are split "
             "over tp x ep devices) or --tp-size (attention, LM head and the KV cache are split "
-            f"over tp only, tp_size <= num_key_value_heads = {cfg.num_key_value_heads}), or a "
-            "smaller --context-len / --decode-bs."
+            f"over tp, tp_size <= num_key_value_heads = {cfg.num_key_value_heads}), or a "
+            "smaller --context-len / --decode-bs." + dp_hint
         )
     else:
         to_fit = (
             "for the parameters, more devices (a larger --topology) with a larger --ep-size or "
             "--tp-size (experts are split over tp x ep devices, attention and the LM head over "
             "tp); the KV cache is multi-head latent attention's latent rows "
-            f"({cfg.kv_cache_head_dim} values per token and layer), REPLICATED on every device: "
-            "neither --tp-size nor --ep-size nor more devices shrink it, only a smaller "
-            "--context-len / --decode-bs."
+            f"({cfg.kv_cache_head_dim} values per token and layer), not split by --tp-size: "
+            "replicated on every device of an attention rank; only a smaller "
+            "--context-len / --decode-bs or more ranks shrink it." + dp_hint
         )
     raise DoesNotFit(
         f"the model does not fit: parameters {params / GiB:.2f} GiB + KV cache {kv / GiB:.2f} "
         f"GiB ({max(args.decode_bs)} requests x {args.context_len} tokens) = "
         f"{(params + kv) / GiB:.2f} GiB per device > {hbm / GiB:.2f} GiB HBM per device "
-        f"({args.topology}, tp_size={args.tp_size}, ep_size={args.ep_size}); {kv_hint}. "
+        f"({args.topology}, tp_size={args.tp_size}, ep_size={args.ep_size}, "
+        f"dp_size={args.dp_size}); {kv_hint}. "
         f"To fit: {to_fit}"
     )
 
 
 def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_dev: int,
                 chip: Chip, share: float, params: int, kv: int, itemsize: int) -> dict:
+    # Per device: the busiest attention rank's kernel work (every device without DP).
     k_flops, k_bytes = kernel_cost_per_call(cfg, b, args.tp_size, itemsize)
     kernel_flops, kernel_bytes = c.kernel_calls * k_flops, c.kernel_calls * k_bytes
     # Native backend: XLA's once-per-loop count of each attention call is replaced by the
@@ -613,7 +879,22 @@ def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_de
     excess = 0.0
     if args.resolved_moe_backend == "ragged" and args.ep_size > 1:
         expert = 2 * 3 * cfg.num_experts_per_tok * cfg.hidden_size * cfg.moe_intermediate_size
-        excess = expert * b.tokens * sum(cfg.moe_layers) * (args.ep_size - 1)
+        # Each device's ragged_dot holds every compiled token's k assignments (with DP: all
+        # ranks' tokens, gathered; idle ranks' padding included), its experts' slice.
+        excess = expert * sum(cfg.moe_layers) * (args.ep_size * b.compiled_tokens - b.tokens)
+    # Sums over devices: the kernel's per-device figure is the busiest rank's; idle ranks
+    # (fewer requests than ranks) attend to nothing (rank_load = 1 without DP).
+    compiled_flops = (flops_pd - kernel_flops) * n_dev + kernel_flops * n_dev * b.rank_load
+    compiled_bytes = (bytes_pd - kernel_bytes) * n_dev + kernel_bytes * n_dev * b.rank_load
+    kv_per_token = kv_bytes_per_token_per_device(cfg, args.tp_size, itemsize)
+    hbm = chip.hbm_bytes * share
+    # One read of the device's parameters and of its rank's requests' context (decode's
+    # floor; every expert is read at these batch sizes).
+    min_bytes = params + b.rank_requests * b.context_len * kv_per_token
+    n_moe = sum(cfg.moe_layers)
+    dispatch = dispatch_bytes_per_moe_layer(b.compiled_tokens, cfg.hidden_size,
+                                            cfg.num_experts_per_tok, itemsize, args.tp_size,
+                                            args.ep_size, args.dp_size)
     no_sampler = max((flops_pd - c.sampler_flops) / peak_flops,
                      (bytes_pd - c.sampler_bytes) / bandwidth)
     return {
@@ -627,27 +908,35 @@ def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_de
         "devices": n_dev,
         "tp_size": args.tp_size,
         "ep_size": args.ep_size,
+        "dp_size": args.dp_size,
+        "compiled_tokens": b.compiled_tokens,
+        "rank_requests": b.rank_requests,
         "family": cfg.family,
         "attention": cfg.attention,
         "attention_backend": args.resolved_attention_backend,
         "compiled_layers": args.compiled_layers,
         "compiled_slices": args.compiled_slices,
         "active_params_per_token": sum(active_params_per_token(cfg)),
-        "kv_bytes_per_token_per_device": kv_bytes_per_token_per_device(
-            cfg, args.tp_size, itemsize),
-        "compiled_flops": flops_pd * n_dev,
+        "kv_bytes_per_token_per_device": kv_per_token,
+        "compiled_flops": compiled_flops,
         "xla_flops": c.flops * n_dev,
-        "kernel_flops": kernel_flops * n_dev,
+        "kernel_flops": kernel_flops * n_dev * b.rank_load,
         "attention_flops_ideal": ideal_attention,
         "native_attention_xla_flops": native_flops * n_dev,
         "native_attention_xla_bytes": native_bytes * n_dev,
         "ideal_flops": ideal,
-        "flops_ratio": flops_pd * n_dev / ideal,
+        "ideal_flops_per_device": ideal / n_dev,
+        "flops_ratio": compiled_flops / ideal,
         "ragged_static_excess_flops": excess,
-        "flops_ratio_local_rows": (flops_pd * n_dev - excess) / ideal,
-        "bytes_accessed": bytes_pd * n_dev,
+        "flops_ratio_local_rows": (compiled_flops - excess) / ideal,
+        "bytes_accessed": compiled_bytes,
         "xla_bytes_accessed": c.bytes * n_dev,
-        "kernel_bytes_accessed": kernel_bytes * n_dev,
+        "kernel_bytes_accessed": kernel_bytes * n_dev * b.rank_load,
+        "min_bytes_per_device": min_bytes,
+        "collective_bytes_per_device": c.collective_bytes,
+        "moe_collective_bytes_per_device": c.moe_collective_bytes,
+        "moe_collective_bytes_per_layer": c.moe_collective_bytes / n_moe if n_moe else 0.0,
+        "dispatch_bytes_per_moe_layer_formula": dispatch if n_moe else 0.0,
         "flops_per_device": flops_pd,
         "bytes_accessed_per_device": bytes_pd,
         "parameters_bytes_per_device": params,
@@ -657,8 +946,14 @@ def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_de
         "outputs_bytes_per_device": outputs,
         "code_bytes_per_device": c.code,
         "peak_hbm_bytes_per_device": peak,
-        "hbm_bytes_per_device": chip.hbm_bytes * share,
-        "peak_exceeds_hbm": peak > chip.hbm_bytes * share,
+        "hbm_bytes_per_device": hbm,
+        "peak_exceeds_hbm": peak > hbm,
+        # Largest global batch at this context whose KV fits next to the parameters, and
+        # next to everything else this bucket's compiled step holds (its temporaries, ...).
+        "max_requests_fit": max_requests_that_fit(hbm - params, kv_per_token,
+                                                  args.context_len, args.dp_size),
+        "max_requests_fit_with_step": max_requests_that_fit(hbm - (peak - kv), kv_per_token,
+                                                            args.context_len, args.dp_size),
         "roofline_ms": roofline * 1e3,
         "compute_ms": t_compute * 1e3,
         "memory_ms": t_memory * 1e3,
@@ -700,6 +995,24 @@ def format_table(records: list[dict], header: str) -> str:
              "|" + "|".join("---" for _ in cols) + "|"]
     lines += ["| " + " | ".join(fmt.format(get(r)) for _, fmt, get in cols) + " |"
               for r in records]
+    return "\n".join(lines)
+
+
+def format_notes(records: list[dict], context_len: int) -> str:
+    """Lines under the table: per bucket the ratio without the static ragged_dot excess and
+    the interconnect bytes, then the largest batch that fits."""
+    lines = []
+    for r in records:
+        lines.append(
+            f"{r['mode']} {r['tokens']}: flops_ratio_local_rows {r['flops_ratio_local_rows']:.2f};"
+            f" interconnect per device: MoE dispatch {r['moe_collective_bytes_per_layer'] / 1e6:.2f}"
+            f" MB per MoE layer (formula {r['dispatch_bytes_per_moe_layer_formula'] / 1e6:.2f}),"
+            f" all collectives {r['collective_bytes_per_device'] / 1e9:.3f} GB per step")
+    r = records[0]
+    lines.append(
+        f"largest global batch at {context_len} positions: {r['max_requests_fit']} requests "
+        f"(KV next to the parameters), {min(x['max_requests_fit_with_step'] for x in records)} "
+        "next to every bucket's compiled step")
     return "\n".join(lines)
 
 
@@ -750,17 +1063,15 @@ def run(args: argparse.Namespace) -> list[dict]:
     kv_per_token = kv_bytes_per_token_per_device(cfg, args.tp_size, itemsize)
     hbm = chip.hbm_bytes * share
     logger.info(
-        "%s: %d x %s devices (%s), tp=%d ep=%d; per device: parameters %.2f GiB, KV cache "
-        "%.2f GiB, HBM %.2f GiB", args.topology, len(devices), kind, chip.name, args.tp_size,
-        args.ep_size, params / GiB, kv / GiB, hbm / GiB,
+        "%s: %d x %s devices (%s), tp=%d ep=%d dp=%d; per device: parameters %.2f GiB, KV "
+        "cache %.2f GiB, HBM %.2f GiB", args.topology, len(devices), kind, chip.name,
+        args.tp_size, args.ep_size, args.dp_size, params / GiB, kv / GiB, hbm / GiB,
     )
     check_fit(params, kv, hbm, cfg, args, kv_per_token)
     args.resolved_moe_backend = full.backends.moe.name
 
-    per_req = args.prefill_tokens // args.prefill_requests
-    buckets = [Bucket("decode", bs, bs, bs, 1, args.context_len - 1) for bs in args.decode_bs]
-    buckets.append(Bucket("prefill", args.prefill_tokens, args.prefill_requests,
-                          full.extend_rows(args.prefill_tokens), per_req, 0))
+    buckets = dp_buckets(args.decode_bs, args.prefill_tokens, args.prefill_requests,
+                         args.context_len, args.dp_size, full.extend_rows)
 
     full_pattern = tuple(cfg.moe_layers)
     if args.scale_from_layers:
@@ -849,6 +1160,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--topology", required=True, help="TPU topology, e.g. v5e:2x2, v6e:2x4")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--ep-size", type=int, default=1, help="expert-parallel size")
+    p.add_argument("--dp-size", type=int, default=1,
+                   help="data-parallel attention ranks (the engine's --enable-dp-attention "
+                   "--dp-size; must equal --ep-size): --decode-bs and the prefill are global, "
+                   "split over the ranks")
     p.add_argument("--decode-bs", type=int, nargs="+", default=[64, 256],
                    help="decode batch sizes (one bucket each)")
     p.add_argument("--prefill-tokens", type=int, default=2048,
@@ -883,6 +1198,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--scale-from-layers A B needs 1 <= A < B")
     if min(args.decode_bs) < 1 or args.prefill_requests < 1 or args.context_len < 2:
         p.error("--decode-bs, --prefill-requests must be >= 1 and --context-len >= 2")
+    if args.dp_size < 1 or (args.dp_size > 1 and args.dp_size != args.ep_size):
+        p.error(f"--dp-size {args.dp_size} with --ep-size {args.ep_size}: the attention ranks "
+                "are the rows of the 'expert' axis, so --dp-size must equal --ep-size "
+                f"(e.g. --ep-size {args.dp_size} --dp-size {args.dp_size}), or be 1")
     return args
 
 
@@ -904,13 +1223,15 @@ def main(argv: list[str] | None = None) -> int:
         r = records[0]
         depth = ("full depth" if not args.scale_from_layers else
                  "extrapolated from " + ", ".join(r["compiled_slices"]))
+        dp = f" dp={r['dp_size']}" if r["dp_size"] > 1 else ""
         header = (
             f"{args.model_config} on {r['topology']} ({r['devices']} x {r['chip']}), "
-            f"tp={r['tp_size']} ep={r['ep_size']}, {r['attention_backend']} attention, "
+            f"tp={r['tp_size']} ep={r['ep_size']}{dp}, {r['attention_backend']} attention, "
             f"{depth}; TFLOP summed over devices, "
             f"GB and GiB per device"
         )
         print(format_table(records, header))
+        print(format_notes(records, args.context_len))
     return 0
 
 

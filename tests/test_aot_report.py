@@ -252,11 +252,16 @@ def test_dp_accounting() -> None:
     # Dispatch per MoE layer and device. dp 1: psum of [64, 2048] bf16 over 8 devices, the
     # figure the compiled HLO of Qwen3-30B-A3B (v5e:2x4, tp 4 x ep 2) gives. dp 2, 256
     # tokens: all-gather of x (bf16) and of the 8 ids + weights per token over the 2 ranks,
-    # reduce-scatter of the float32 partials, all-reduce of a rank's 128 rows over tp 4.
+    # reduce-scatter of the bf16 partials, all-reduce of a rank's 128 rows over tp 4; the
+    # ragged all-to-all: a rank's 128 x 8 assignments, half leaving, row + ids out, f32 back.
     assert (aot_report.dispatch_bytes_per_moe_layer(64, 2048, 8, 2, 4, 2, 1)
             == 2 * 64 * 2048 * 2 * 7 / 8)
+    tensor = 2 * 128 * 2048 * 2 * 3 / 4
     assert aot_report.dispatch_bytes_per_moe_layer(256, 2048, 8, 2, 4, 2, 2) == (
-        256 * 2048 * 2 / 2 + 256 * 8 * 8 / 2 + 256 * 2048 * 4 / 2 + 2 * 128 * 2048 * 2 * 3 / 4)
+        256 * 2048 * 2 / 2 + 256 * 8 * 8 / 2 + 256 * 2048 * 2 / 2 + tensor)
+    assert aot_report.dispatch_bytes_per_moe_layer(
+        256, 2048, 8, 2, 4, 2, 2, "ragged_all_to_all") == (
+        128 * 8 / 2 * (2048 * 2 + 8 + 2048 * 4) + tensor)
 
     total, moe, per_op = aot_report.collective_bytes(HLO, 8)
     psum = 2 * 64 * 2048 * 2 * 7 / 8  # all 8 devices

@@ -402,7 +402,8 @@ def max_requests_that_fit(free_bytes: float, kv_per_token: float, context_len: i
 
 
 def dispatch_bytes_per_moe_layer(tokens: int, hidden: int, top_k: int, itemsize: int,
-                                 tp: int, ep: int, dp: int) -> float:
+                                 tp: int, ep: int, dp: int,
+                                 dispatch: str = "all_gather") -> float:
     """Bytes one device sends (= receives) over the interconnect for one MoE layer's token
     dispatch, from the formula (ring collectives; ``tokens``: the compiled tokens of the
     step, all ranks; ``itemsize``: the activation dtype's).
@@ -410,18 +411,24 @@ def dispatch_bytes_per_moe_layer(tokens: int, hidden: int, top_k: int, itemsize:
     Without DP: ep_moe's ``psum`` of the ``[T, H]`` partial outputs over all ``n = ep * tp``
     devices, ``2 * T * H * itemsize * (n - 1) / n`` (XLA:TPU reduces them in the activation
     dtype, as the compiled HLO shows). With DP (ranks = rows of "expert", ``f = (ep - 1) /
-    ep``): the all-gather over "expert" of x (``T * H * itemsize * f``) and of the top-k ids
-    and weights (``T * k * 8 * f``), the reduce-scatter of the float32 partial outputs back to
-    their ranks (``T * H * 4 * f``), and the all-reduce over "tensor" of each rank's ``T /
-    ep`` rows (``2 * T / ep * H * itemsize * (tp - 1) / tp``). Roughly ``2 * T * H * itemsize
-    * f`` plus the float32 widening of the way back."""
+    ep``), the all-gather dispatch: the all-gather over "expert" of x (``T * H * itemsize *
+    f``) and of the top-k ids and weights (``T * k * 8 * f``), the reduce-scatter of the
+    partial outputs (in the activation dtype) back to their ranks (``T * H * itemsize * f``),
+    and the all-reduce over "tensor" of each rank's ``T / ep`` rows (``2 * T / ep * H *
+    itemsize * (tp - 1) / tp``). The ragged all-to-all dispatch sends each of a rank's
+    ``T / ep * k`` assignments once (on average a fraction ``f`` leaves the device): its token
+    row, local expert row and weight (``H * itemsize + 8``), and gets its float32 weighted
+    result back (``H * 4``), then the same "tensor" all-reduce."""
     if dp == 1:
         n = ep * tp
         return 2 * tokens * hidden * itemsize * (n - 1) / n
     f = (ep - 1) / ep
-    gather = tokens * hidden * itemsize * f + tokens * top_k * 8 * f
-    scatter = tokens * hidden * 4 * f
     tensor = 2 * tokens / ep * hidden * itemsize * (tp - 1) / tp
+    if dispatch == "ragged_all_to_all":
+        assignments = tokens / ep * top_k
+        return assignments * f * (hidden * itemsize + 8 + hidden * 4) + tensor
+    gather = tokens * hidden * itemsize * f + tokens * top_k * 8 * f
+    scatter = tokens * hidden * itemsize * f
     return gather + scatter + tensor
 
 
@@ -780,8 +787,7 @@ def build_runner(args: argparse.Namespace, model_dir: str, cfg: Any, devices: li
     max_running = max(max(args.decode_bs), args.prefill_requests)
     dp = args.dp_size
     # The runner's buckets are per attention rank (with DP: the busiest rank's share).
-    # (ServerArgs wants a bucket >= max_running_requests, which stays global: not compiled.)
-    rank_bs = sorted({*(-(-bs // dp) for bs in args.decode_bs), max_running})
+    rank_bs = sorted({-(-bs // dp) for bs in (*args.decode_bs, max_running)})
     rank_tokens = -(-args.prefill_requests // dp) * (args.prefill_tokens // args.prefill_requests)
     server_args = ServerArgs(
         model_path=model_dir,
@@ -802,7 +808,8 @@ def build_runner(args: argparse.Namespace, model_dir: str, cfg: Any, devices: li
         disable_precompile=True,
         # Data-parallel attention: the ranks are the rows of the "expert" axis (dp = ep);
         # max_total_tokens stays global, each rank holding 1 / dp of it.
-        **({"enable_dp_attention": True, "dp_size": args.dp_size} if args.dp_size > 1 else {}),
+        **({"enable_dp_attention": True, "dp_size": args.dp_size,
+            "moe_dispatch": args.moe_dispatch} if args.dp_size > 1 else {}),
     )
     return ModelRunner(server_args, cfg, devices=devices, abstract=True)
 
@@ -894,7 +901,7 @@ def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_de
     n_moe = sum(cfg.moe_layers)
     dispatch = dispatch_bytes_per_moe_layer(b.compiled_tokens, cfg.hidden_size,
                                             cfg.num_experts_per_tok, itemsize, args.tp_size,
-                                            args.ep_size, args.dp_size)
+                                            args.ep_size, args.dp_size, args.moe_dispatch)
     no_sampler = max((flops_pd - c.sampler_flops) / peak_flops,
                      (bytes_pd - c.sampler_bytes) / bandwidth)
     return {
@@ -1180,6 +1187,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "models, which pallas cannot run)")
     p.add_argument("--moe-backend", default="ragged", choices=("ragged", "dense", "auto"),
                    help="the engine's --moe-backend")
+    p.add_argument("--moe-dispatch", default="all_gather",
+                   choices=("all_gather", "ragged_all_to_all"),
+                   help="the engine's --moe-dispatch (with --dp-size > 1)")
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="compile the step with routed-experts capture")
     p.add_argument("--sampler-breakdown", action="store_true",

@@ -104,17 +104,23 @@ def determinism_runs(eng, sampling: dict) -> dict[str, Any]:
     return out
 
 
+def recorded_batch(eng: Engine) -> dict[str, Any]:
+    """PROMPTS with logprobs and routing weights, under the stat recorder: the outputs and
+    the expert load it recorded."""
+    eng.start_expert_distribution_record()
+    outs = generate(eng, PROMPTS, MAX_NEW, return_logprob=True,
+                    return_routed_expert_weights=True)
+    eng.stop_expert_distribution_record()
+    return {"outs": outs, "load": eng.get_expert_load()}
+
+
 def multi_run(second: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with Engine(**engine_args(**DP_ARGS, enable_deterministic_inference=True,
                               enable_return_routed_expert_weights=True,
                               expert_distribution_recorder_mode="stat",
                               expert_distribution_recorder_dir=tempfile.mkdtemp())) as eng:
-        eng.start_expert_distribution_record()
-        out["outs"] = generate(eng, PROMPTS, MAX_NEW, return_logprob=True,
-                               return_routed_expert_weights=True)
-        eng.stop_expert_distribution_record()
-        out["load"] = eng.get_expert_load()
+        out.update(recorded_batch(eng))
         out["info_after_batch"] = eng.get_server_info()
         # Input logprobs (extra logits rows beyond the sampled ones) of two requests, one per
         # rank, with top-3 alternatives.
@@ -252,11 +258,7 @@ def mla_run(model_path: str) -> dict[str, Any]:
                               enable_return_routed_expert_weights=True,
                               expert_distribution_recorder_mode="stat",
                               expert_distribution_recorder_dir=tempfile.mkdtemp())) as eng:
-        eng.start_expert_distribution_record()
-        out["outs"] = generate(eng, PROMPTS, MAX_NEW, return_logprob=True,
-                               return_routed_expert_weights=True)
-        eng.stop_expert_distribution_record()
-        out["load"] = eng.get_expert_load()
+        out.update(recorded_batch(eng))
         out["server_info"] = eng.get_server_info()
     return out
 

@@ -576,6 +576,18 @@ def _frame_files(hlo: str) -> dict[int, set[str]]:
     return out
 
 
+def _instructions(lines: list[str]) -> Iterator[tuple[str, str]]:
+    """(computation name, line) of every line of an HLO module's text but the computations'
+    headers."""
+    computation = ""
+    for line in lines:
+        head = re.match(r"^(?:ENTRY )?%([^\s(]+) *[({]", line)
+        if head:
+            computation = head.group(1)
+        else:
+            yield computation, line
+
+
 def collective_bytes(hlo: str, n_devices: int) -> tuple[float, float, dict[str, float]]:
     """(all, MoE dispatch, per op) bytes one device sends over the interconnect in one run
     of the compiled module ``hlo`` (``compiled.as_text()``), estimated from every collective
@@ -592,23 +604,14 @@ def collective_bytes(hlo: str, n_devices: int) -> tuple[float, float, dict[str, 
     lines = hlo.splitlines()
     # computation -> its ROOT's stack frame (a reduction's add keeps the psum's location)
     root_frame: dict[str, int] = {}
-    computation = ""
-    for line in lines:
-        head = re.match(r"^(?:ENTRY )?%([^\s(]+) *[({]", line)
-        if head:
-            computation = head.group(1)
-        elif line.lstrip().startswith("ROOT "):
+    for computation, line in _instructions(lines):
+        if line.lstrip().startswith("ROOT "):
             frame = re.search(r"stack_frame_id=(\d+)", line)
             if frame:
                 root_frame[computation] = int(frame.group(1))
     total = moe = 0.0
     per_op: dict[str, float] = {}
-    computation = ""
-    for line in lines:
-        head = re.match(r"^(?:ENTRY )?%([^\s(]+) *[({]", line)
-        if head:
-            computation = head.group(1)
-            continue
+    for computation, line in _instructions(lines):
         m = _COLLECTIVE.match(line)
         if m is None:
             continue

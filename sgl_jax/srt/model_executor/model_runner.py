@@ -271,6 +271,8 @@ class ModelRunner:
             for r in range(self.dp_size)
         )
         self.token_to_kv_pool_allocator = self.kv_allocators[0]
+        # The slot each rank's padded tokens write (slot 0 without DP attention).
+        self.padding_slots = [a.padding_slot for a in self.kv_allocators]
         num_slots = self.dp_size * rank_pages * self.page_size
         replicated = NamedSharding(self.mesh, PartitionSpec())
         cfg = model_config
@@ -518,7 +520,7 @@ class ModelRunner:
         return make_padding_batch(
             mode, num_tokens * self.dp_size, batch_size * self.dp_size,
             self.model_config.vocab_size, self.no_req_slot,
-            padding_slots=[a.padding_slot for a in self.kv_allocators],
+            padding_slots=self.padding_slots,
         )
 
     def lower_bucket(self, mode: ForwardMode, num_tokens: int, batch_size: int) -> Any:
@@ -576,7 +578,7 @@ class ModelRunner:
         vocab = self.model_config.vocab_size
         if dp:
             batch = build_dp_forward_batch(mwb, tokens, rows, vocab, self.no_req_slot,
-                                           [a.padding_slot for a in self.kv_allocators])
+                                           self.padding_slots)
         else:
             batch = build_forward_batch(mwb, tokens, rows, vocab, self.no_req_slot)
         return StepPlan(mwb, batch, prefix_pages)

@@ -473,8 +473,14 @@ def test_kv_exhaustion_retracts_and_resumes_exactly(idle_after):
             assert is_near_tie(model, pairs[o.req.pair], o.output_ids, alone[o.req.pair]), why
             ties += 1
             continue
+        if why is not None and why.startswith("routed-experts rows differ"):
+            # The same holds for the router: a near-tie of the k-th and (k+1)-th expert scores
+            # at one (token, layer) may be decided the other way in a batch of another shape.
+            assert rows_differ_only_at_near_ties(model, pairs[o.req.pair], o, alone[o.req.pair]), why
+            ties += 1
+            continue
         assert why is None, o.req
-    assert ties <= 1
+    assert ties <= 2
 
 
 def is_near_tie(model: dict, pair, got: list[int], alone) -> bool:
@@ -484,6 +490,18 @@ def is_near_tie(model: dict, pair, got: list[int], alone) -> bool:
     i = next(i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)
     logits = ReferenceModel(model["model_path"]).forward(list(pair.prompt_ids) + want[:i]).logits
     return abs(logits[-1][got[i]] - logits[-1][want[i]]) < 1e-4
+
+
+def rows_differ_only_at_near_ties(model: dict, pair, got, alone) -> bool:
+    """Whether every (token, layer) where ``got``'s routed rows differ from ``alone``'s is one
+    where the float64 reference's selection gap is within float32 noise (and there are few)."""
+    from sgl_jax.tools.reference_forward import ReferenceModel
+
+    mine, theirs = bench_soak.decode_rows(got.meta, model), bench_soak.decode_rows(alone.meta, model)
+    tokens, layers = np.nonzero((mine != theirs).any(axis=-1))
+    seq = list(pair.prompt_ids) + list(alone.output_ids)
+    gaps = ReferenceModel(model["model_path"]).forward(seq[:-1]).selection_gap[tokens, layers]
+    return 0 < len(tokens) <= 4 and bool((gaps < 1e-4).all())
 
 
 # -- 4. faults ------------------------------------------------------------------------------------

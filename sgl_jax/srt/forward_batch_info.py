@@ -35,10 +35,17 @@ from sgl_jax.srt.sampling.sampling_params import MAX_TOKEN_IDS_LOGPROB
 class ForwardMode(enum.IntEnum):
     EXTEND = 1  # prefill, possibly on top of a cached prefix, possibly one chunk of a prompt
     DECODE = 2  # one new token per request
+    # Speculative decoding: each request's last token and its draft tokens, computed like an
+    # extend (on top of its cached KV), sampled at every token (each token's own row).
+    TARGET_VERIFY = 3
 
     @property
     def is_decode(self) -> bool:
         return self is ForwardMode.DECODE
+
+    @property
+    def is_verify(self) -> bool:
+        return self is ForwardMode.TARGET_VERIFY
 
 
 @jax.tree_util.register_dataclass
@@ -93,6 +100,11 @@ class ForwardBatch:
     def batch_size(self) -> int:
         return self.prefix_lens.shape[0]
 
+    @property
+    def sampled_rows(self) -> int:
+        """Logits rows the step samples: one per request, or one per token in a verify step."""
+        return self.num_tokens if self.forward_mode.is_verify else self.batch_size
+
     # -- derived on the device (traced), so the host does not send them -----------------------
     @property
     def extend_starts(self) -> jax.Array:
@@ -137,8 +149,12 @@ class ForwardBatch:
     @property
     def logits_indices(self) -> jax.Array:
         """[B (+ P)] the tokens whose logits the step computes: each row's last new token (it
-        samples from it), then the extra input-logprob tokens, if any."""
-        last = jnp.maximum(self.extend_starts + self.extend_lens - 1, 0)
+        samples from it; in a verify step every token), then the extra input-logprob tokens,
+        if any."""
+        if self.forward_mode.is_verify:
+            last = jnp.arange(self.num_tokens, dtype=jnp.int32)
+        else:
+            last = jnp.maximum(self.extend_starts + self.extend_lens - 1, 0)
         if self.logprobs is None:
             return last
         return jnp.concatenate([last, self.logprobs.extra_tokens])
@@ -174,7 +190,8 @@ def make_padding_batch(
         req_pool_indices=np.full(batch_size, no_req_slot, np.int32),
         prefix_lens=zeros_b,
         extend_lens=zeros_b.copy(),
-        sampling=SamplingMetadata.from_params([], [], [], batch_size, vocab_size),
+        sampling=SamplingMetadata.from_params(
+            [], [], [], num_tokens if mode.is_verify else batch_size, vocab_size),
         forward_mode=mode,
     )
 
@@ -263,20 +280,34 @@ def build_forward_batch(
         out[: len(values)] = values
         return out
 
+    params, seeds, steps, sampled_rows = mwb.sampling_params, mwb.seeds, mwb.steps, padded_rows
+    logprobs = mwb.logprobs
+    if mwb.forward_mode.is_verify:
+        # Every token samples with its request's parameters, at the output index it would
+        # have without speculation (so a seeded request draws the same random numbers).
+        lens = mwb.extend_lens
+        params, seeds = _per_token(params, lens), _per_token(seeds, lens)
+        steps = [s + j for s, n in zip(mwb.steps, lens, strict=True) for j in range(n)]
+        sampled_rows = padded_tokens
+        if logprobs is not None:
+            logprobs = LogprobRequest(token_ids=_per_token(logprobs.token_ids, lens))
     return ForwardBatch(
         input_ids=pad(mwb.input_ids, padded_tokens, 0),
         out_cache_loc=pad(mwb.out_cache_loc, padded_tokens, 0),
         req_pool_indices=pad(mwb.req_pool_indices, padded_rows, no_req_slot),
         prefix_lens=pad(mwb.prefix_lens, padded_rows, 0),
         extend_lens=pad(mwb.extend_lens, padded_rows, 0),
-        sampling=SamplingMetadata.from_params(
-            mwb.sampling_params, mwb.seeds, mwb.steps, padded_rows, vocab_size
-        ),
+        sampling=SamplingMetadata.from_params(params, seeds, steps, sampled_rows, vocab_size),
         forward_mode=mwb.forward_mode,
         # Extra rows are padded to the token bucket: one compiled variant per bucket.
-        logprobs=None if mwb.logprobs is None else mwb.logprobs.padded(
-            padded_rows, padded_tokens if mwb.logprobs.extra_tokens else 0),
+        logprobs=None if logprobs is None else logprobs.padded(
+            sampled_rows, padded_tokens if logprobs.extra_tokens else 0),
     )
+
+
+def _per_token(values: list, lens: np.ndarray) -> list:
+    """Each request's value repeated for each of its tokens."""
+    return [v for v, n in zip(values, lens, strict=True) for _ in range(int(n))]
 
 
 def dp_rank_sizes(mwb: ModelWorkerBatch, dp_size: int) -> tuple[int, int]:

@@ -24,6 +24,7 @@ EXPERT_DISTRIBUTION_MODES = ("stat", "per_pass", "per_token")  # layers/moe/expe
 EPLB_ALGORITHMS = ("greedy", "hierarchical")  # layers/moe/eplb
 MOE_DISPATCHES = ("all_gather", "ragged_all_to_all")  # layers/moe/dispatch.py
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens")  # DP attention
+SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "NEXTN")  # managers/speculative.py
 
 
 def _arg(default: Any, help: str, **kw: Any) -> Any:
@@ -247,6 +248,29 @@ class ServerArgs:
                "KV blocks at fixed absolute positions. Costs throughput "
                "(docs/determinism.md); needs --attention-backend native.")
 
+    # Speculative decoding
+    speculative_algorithm: str | None = _arg(
+        None, "Speculative decoding: each decode step verifies a request's last token and up to "
+              "--speculative-num-steps draft tokens in one target step, and keeps the longest "
+              "run of drafts the target itself samples (plus the target's next token). Output, "
+              "logprobs and routed experts are those without speculation; the rows of rejected "
+              "drafts never leave the step (docs/speculative.md). NGRAM drafts from the "
+              "request's own earlier tokens (prompt lookup); EAGLE and NEXTN (draft models) are "
+              "not built yet.", choices=SPECULATIVE_ALGORITHMS)
+    speculative_draft_model_path: str | None = _arg(
+        None, "Draft checkpoint for EAGLE (not built yet).")
+    speculative_num_steps: int | None = _arg(
+        None, "Draft tokens proposed per request per step (a chain). Default: 3.")
+    speculative_eagle_topk: int | None = _arg(
+        None, "Branches per draft step; only 1 (a chain draft) is supported. Default: 1.")
+    speculative_num_draft_tokens: int | None = _arg(
+        None, "Tokens per request in a verify step: the last token plus the drafts, so "
+              "speculative_num_steps + 1 for a chain. Default: that.")
+    speculative_ngram_min_match_window_size: int = _arg(
+        1, "NGRAM: the shortest suffix of the sequence looked up in its earlier tokens.")
+    speculative_ngram_max_match_window_size: int = _arg(
+        12, "NGRAM: the longest suffix looked up (the longest that matches wins).")
+
     # Operation
     log_level: str = _arg("info", "Logging level.", choices=LOG_LEVELS)
     enable_metrics: bool = _arg(
@@ -365,6 +389,7 @@ class ServerArgs:
         if self.moe_dispatch != "all_gather" and self.dp_size == 1:
             fail(f"moe_dispatch={self.moe_dispatch} moves tokens between DP attention ranks; "
                  "it needs --enable-dp-attention --dp-size > 1")
+        self._check_speculative(fail)
         if self.moe_backend not in MOE_BACKENDS:
             fail(f"moe_backend={self.moe_backend!r}; use one of {', '.join(MOE_BACKENDS)}")
         if self.enable_deterministic_inference:
@@ -402,6 +427,51 @@ class ServerArgs:
                     f"chunked_prefill_size={self.chunked_prefill_size} tokens; add a bucket >= "
                     f"{self.chunked_prefill_size} or lower chunked_prefill_size to {max(pads)}"
                 )
+
+    def _check_speculative(self, fail: Any) -> None:
+        algo = self.speculative_algorithm
+        if algo is None:
+            if self.speculative_draft_model_path or any(
+                    getattr(self, f) is not None for f in (
+                        "speculative_num_steps", "speculative_eagle_topk",
+                        "speculative_num_draft_tokens")):
+                fail("the speculative_* options need --speculative-algorithm")
+            return
+        if algo not in SPECULATIVE_ALGORITHMS:
+            fail(f"speculative_algorithm={algo!r}; use one of "
+                 f"{', '.join(SPECULATIVE_ALGORITHMS)}")
+        if algo != "NGRAM":
+            fail(f"speculative_algorithm={algo}: draft models (EAGLE, NEXTN) are not built yet; "
+                 "use --speculative-algorithm NGRAM (drafts from the request's own tokens)")
+        if self.speculative_draft_model_path:
+            fail("speculative_draft_model_path is for EAGLE; NGRAM drafts need no model")
+        if self.speculative_num_steps is None:
+            self.speculative_num_steps = 3
+        if self.speculative_eagle_topk is None:
+            self.speculative_eagle_topk = 1
+        if self.speculative_num_draft_tokens is None:
+            self.speculative_num_draft_tokens = self.speculative_num_steps + 1
+        if self.speculative_num_steps < 1:
+            fail(f"speculative_num_steps={self.speculative_num_steps} must be >= 1")
+        if self.speculative_eagle_topk != 1:
+            fail(f"speculative_eagle_topk={self.speculative_eagle_topk}: only chain drafts "
+                 "(topk 1) are supported")
+        if self.speculative_num_draft_tokens != self.speculative_num_steps + 1:
+            fail(f"speculative_num_draft_tokens={self.speculative_num_draft_tokens}: a chain "
+                 f"draft verifies speculative_num_steps + 1 = {self.speculative_num_steps + 1}")
+        lo = self.speculative_ngram_min_match_window_size
+        hi = self.speculative_ngram_max_match_window_size
+        if not 1 <= lo <= hi:
+            fail(f"speculative_ngram_min/max_match_window_size={lo}/{hi} must satisfy "
+                 "1 <= min <= max")
+        if self.dp_size > 1:
+            fail("speculative decoding with DP attention is not supported yet; drop "
+                 "--speculative-algorithm or --enable-dp-attention")
+        if self.nnodes > 1:
+            fail("speculative decoding runs on one node for now; drop --speculative-algorithm "
+                 f"or use nnodes=1 (got {self.nnodes})")
+        # The host decides which drafts are accepted before the next step's inputs exist.
+        self.disable_overlap_schedule = True
 
     def redacted(self) -> dict[str, Any]:
         """The fields as a dict, fit to show (``/get_server_info``): secrets replaced."""

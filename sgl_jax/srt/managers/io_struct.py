@@ -180,6 +180,8 @@ class ReqOutput(NamedTuple):
     # When the scheduler took its first output token (time.monotonic(), a system-wide clock
     # on one host): the metrics' time to first token.
     first_token_time: float | None = None
+    # Speculative decoding: the verify steps the request has taken part in (None without).
+    spec_verify_ct: int | None = None
 
 
 _FIELD_INDEX = {name: i for i, name in enumerate(ReqOutput._fields)}

@@ -36,9 +36,10 @@ class OutputSender:
     def __init__(
         self, socket: zmq.Socket, stream_interval: int,
         routed_rows_of: Callable[..., np.ndarray] | None = None,
-        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        max_message_bytes: int = MAX_MESSAGE_BYTES, speculative: bool = False,
     ) -> None:
         self.socket = socket
+        self.speculative = speculative  # each record carries its request's spec_verify_ct
         self.max_message_bytes = max_message_bytes
         self.stream_interval = stream_interval
         self.routed_rows_of = routed_rows_of
@@ -73,6 +74,7 @@ class OutputSender:
             self._routed_rows(req) if req.options.return_routed_experts else None,  # routed
             None if req.logprobs is None else req.logprobs.take_new(),  # logprobs
             req.first_token_time,
+            req.spec_verify_ct if self.speculative else None,
         )
         req.sent_len = len(req.output_ids)
         return out

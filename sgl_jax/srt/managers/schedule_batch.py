@@ -64,6 +64,7 @@ class Req:
     sent_len: int = 0  # output ids already handed to the detokenizer
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None  # time.monotonic() when its first output was taken
+    spec_verify_ct: int = 0  # speculative decoding: the verify steps it took part in
     logprobs: LogprobRecord | None = None  # when it asked (return_logprob)
 
     def __post_init__(self) -> None:
@@ -110,6 +111,9 @@ class ScheduleBatch:
     logprob_rows: list[tuple[Req, int, int | None]] = field(default_factory=list)
     # DP attention: the rank of each request (row), int32 [B]; None without DP attention.
     dp_ranks: np.ndarray | None = None
+    # A verify step (speculative decoding): each request's draft tokens, fed after its last
+    # token (``extend_lens[i] == 1 + len(drafts[i])``).
+    drafts: list[list[int]] | None = None
 
     def to_model_worker_batch(self) -> ModelWorkerBatch:
         reqs = self.reqs
@@ -118,6 +122,11 @@ class ScheduleBatch:
             # Each request feeds the token it sampled last, read on the device: it may still
             # be in flight (overlap scheduling).
             input_ids = np.full(len(reqs), -1, np.int32)
+        elif self.forward_mode.is_verify:  # the last token (on the host: no overlap), drafts
+            input_ids = np.concatenate([
+                np.asarray(r.fill_ids[r.kv_len :] + d, np.int32)
+                for r, d in zip(reqs, self.drafts, strict=True)
+            ])
         else:
             input_ids = np.concatenate([
                 np.asarray(r.fill_ids[r.kv_len : r.kv_len + n], np.int32)
@@ -147,6 +156,8 @@ class ScheduleBatch:
             return None
         plan = LogprobRequest(token_ids=[
             r.logprobs.token_ids if r.logprobs else None for r in reqs])
+        if self.forward_mode.is_verify:  # the accepted tokens' rows are known after the step
+            return plan
         self.logprob_rows = []
         start = 0
         for i, (r, n) in enumerate(zip(reqs, self.extend_lens, strict=True)):

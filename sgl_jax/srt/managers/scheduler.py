@@ -55,6 +55,8 @@ from sgl_jax.srt.mem_cache.radix_cache import RadixCache
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, StepOutput
 from sgl_jax.srt.model_executor.weight_updater import check_compatible
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
+from sgl_jax.srt.speculative.decoding import SpeculativeDecoding
+from sgl_jax.srt.speculative.verify import accepted_tokens
 from sgl_jax.srt.tokenizer import Tokenizer
 from sgl_jax.srt.utils import (
     configure_logging,
@@ -141,6 +143,7 @@ class Scheduler:
         self.weight_version = "0"
         # A weight update waiting for the requests that started on the old weights to finish.
         self.update: UpdateWeights | None = None
+        self.speculation = SpeculativeDecoding.create(server_args)
 
         self.ctx = ctx = zmq.Context(2)
         self.recv_socket = ctx.socket(zmq.PULL)
@@ -148,7 +151,8 @@ class Scheduler:
         self.send_socket = ctx.socket(zmq.PUSH)
         self.send_socket.connect(port_args.detokenizer_ipc)
         self.outputs = OutputSender(self.send_socket, server_args.stream_interval,
-                                    routed_rows_of=self.memory.routed_rows_of)
+                                    routed_rows_of=self.memory.routed_rows_of,
+                                    speculative=self.speculation is not None)
         self._step_started = time.perf_counter()
 
     # -- loop -----------------------------------------------------------------------------------
@@ -386,6 +390,8 @@ class Scheduler:
             if not reqs:
                 return None
             short = self._short_rank(reqs)
+        if self.speculation is not None:
+            return self._verify_batch(reqs)
         slots = []
         for rank in sorted({r.dp_rank for r in reqs}):
             got = self.memory[rank].alloc_decode_kv([r for r in reqs if r.dp_rank == rank])
@@ -393,6 +399,25 @@ class Scheduler:
             slots.append(got)
         return ScheduleBatch(ForwardMode.DECODE, reqs, [1] * len(reqs), np.concatenate(slots),
                              [True] * len(reqs), dp_ranks=self._dp_ranks(reqs))
+
+    def _verify_batch(self, reqs: list[Req]) -> ScheduleBatch:
+        """The decode step of speculative decoding: each request's last token and its drafts.
+        When the drafts' KV does not fit, no request drafts this step (one slot each fits:
+        ``decode`` made sure, retracting if it had to)."""
+        memory = self.memory[0]  # speculation runs without DP attention
+        drafts = [self.speculation.drafts(r, self.context_len) for r in reqs]
+        need = sum(memory.kv_needed(r.kv_len, 1 + len(d)) for r, d in zip(reqs, drafts,
+                                                                          strict=True))
+        if need > memory.available_kv():
+            drafts = [[] for _ in reqs]
+        slots = []
+        for req, d in zip(reqs, drafts, strict=True):
+            got = memory.alloc_kv(req, 1 + len(d))
+            assert got is not None, "the verify step's slots were counted"
+            memory.assign_kv(req, got)
+            slots.append(got)
+        return ScheduleBatch(ForwardMode.TARGET_VERIFY, reqs, [1 + len(d) for d in drafts],
+                             np.concatenate(slots), [True] * len(reqs), drafts=drafts)
 
     def _abort_unfittable(self, req: Req) -> None:
         """A request that cannot grow even with its rank's whole KV cache to itself ends here."""
@@ -450,6 +475,9 @@ class Scheduler:
         # Rows first: a request finishing below gathers rows that include this step's.
         self.runner.collect_routing(out, batch.out_cache_loc, copy=batch.capture_routed)
         all_ids = np.asarray(out.next_token_ids)
+        if batch.forward_mode.is_verify:
+            self._process_verify_result(batch, out, all_ids)
+            return
         if batch.logprob_rows:
             self._record_logprobs(batch, out, all_ids)
         next_ids = all_ids[: len(batch.reqs)].tolist()
@@ -470,6 +498,42 @@ class Scheduler:
             if req.finished:
                 self.finish(req)
             changed.append(req)
+        self.outputs.send(changed)
+
+    def _process_verify_result(self, batch: ScheduleBatch, out: StepOutput,
+                               all_ids: np.ndarray) -> None:
+        """Each request keeps the drafts the target confirmed and the target's next token,
+        stopping at a token that ends it; the KV of every later position (rejected drafts)
+        goes back, so their routed rows are never read and never enter the prefix cache."""
+        lp = None if out.logprobs is None else {k: np.asarray(v)
+                                                for k, v in vars(out.logprobs).items()}
+        gained: list[int] = []
+        changed: list[Req] = []
+        start = 0
+        for req, drafts, n in zip(batch.reqs, batch.drafts, batch.extend_lens, strict=True):
+            first, start = start, start + n
+            if req.finished:  # aborted while the step ran
+                continue
+            req.inflight -= 1
+            req.spec_verify_ct += 1
+            tokens = accepted_tokens(drafts, all_ids[first : first + n].tolist())
+            for j, token in enumerate(tokens):
+                if lp is not None and req.logprobs is not None:
+                    t = first + j
+                    req.logprobs.add("output", lp["target"][t], token, lp["top_values"][t],
+                                     lp["top_ids"][t], lp["token_ids"][t])
+                req.output_ids.append(token)
+                self.finish_checker.check(req)
+                if req.finished:
+                    break
+            gained.append(j + 1)
+            self.num_generated_tokens += j + 1
+            # Every position but the last token's holds KV (the invariant of a decode step).
+            self.memory.of(req).shrink_kv(req, req.seq_len - 1)
+            if req.finished:
+                self.finish(req)
+            changed.append(req)
+        self.speculation.record(gained)
         self.outputs.send(changed)
 
     @staticmethod
@@ -649,6 +713,8 @@ class Scheduler:
         if self.dp_size > 1:
             info["dp_size"] = self.dp_size
             info["dp_ranks"] = self.rank_info()
+        if self.speculation is not None:  # SGLang's name
+            info["avg_spec_accept_length"] = self.speculation.accept_length
         return info
 
     def rank_info(self) -> list[dict[str, int]]:

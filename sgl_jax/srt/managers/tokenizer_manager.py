@@ -472,6 +472,8 @@ class TokenizerManager:
             "finish_reason": rec.finish_reason,
             "weight_version": weight_version,
         }
+        if rec.spec_verify_ct is not None:
+            meta["spec_verify_ct"] = rec.spec_verify_ct
         if rec.finish_reason is not None:
             meta["e2e_latency"] = time.monotonic() - state.created
         if rec.routed is not None:

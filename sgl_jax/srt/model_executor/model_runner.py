@@ -246,6 +246,9 @@ class ModelRunner:
         self.page_width = round_up(self.context_len, self.page_size)
         self.bs_paddings = server_args.bs_paddings()
         self.token_paddings = server_args.token_paddings()
+        # Speculative decoding: tokens a request brings to a verify step at most (its last
+        # token and its drafts); 0 without speculation (no verify shapes).
+        self.verify_tokens = server_args.speculative_num_draft_tokens or 0
 
         t0 = time.perf_counter()
         build = abstract_model if abstract else load_model
@@ -458,12 +461,13 @@ class ModelRunner:
         if self.expert_recorder is not None:  # real tokens only: padded ones have no batch row
             expert_state, expert_pass = self.expert_recorder.record_step(
                 expert_state, routing.ids, real_tokens)
-        rows = batch.batch_size
+        rows = batch.sampled_rows
         sampled_logits = logits[:rows]  # then, with logprobs, the input-logprob rows
         next_ids = sample(sampled_logits, batch.sampling)
-        # Rows that only end a prompt chunk also write here; no step reads a slot's last token
-        # before the step that samples the request's real next token has written it.
-        last_tokens = last_tokens.at[batch.req_pool_indices].set(next_ids)
+        if not batch.forward_mode.is_verify:  # a verify step's tokens come from the host
+            # Rows that only end a prompt chunk also write here; no step reads a slot's last
+            # token before the step that samples the request's real next token has written it.
+            last_tokens = last_tokens.at[batch.req_pool_indices].set(next_ids)
         logprobs = None
         if batch.logprobs is not None:
             lp = batch.logprobs
@@ -572,6 +576,9 @@ class ModelRunner:
         if mwb.forward_mode.is_decode:
             rows = self.padded_decode_bs(num_rows)
             tokens = rows
+        elif mwb.forward_mode.is_verify:  # up to verify_tokens per request
+            rows = self.padded_decode_bs(num_rows)
+            tokens = rows * self.verify_tokens
         else:
             tokens = self.padded_extend_tokens(num_tokens)
             rows = self.extend_rows(tokens)
@@ -633,6 +640,9 @@ class ModelRunner:
 
     def precompile(self) -> None:
         shapes = [(ForwardMode.DECODE, bs, bs) for bs in self.bs_paddings]
+        if self.verify_tokens:
+            shapes += [(ForwardMode.TARGET_VERIFY, bs * self.verify_tokens, bs)
+                       for bs in self.bs_paddings]
         shapes += [(ForwardMode.EXTEND, t, self.extend_rows(t)) for t in self.token_paddings]
         t0 = time.perf_counter()
         for mode, tokens, rows in tqdm(shapes, desc="Precompiling", unit="shape"):

@@ -282,7 +282,7 @@ class MoeForCausalLM(nnx.Module):
         h, kv_caches, layer_routing = self.model(batch, meta, kv_caches, backends)
         head = self.model.embed_tokens[...].T if self.config.tie_word_embeddings else self.lm_head[...]
         indices = batch.logits_indices
-        rows = batch.batch_size
+        rows = batch.sampled_rows
         if backends.dp_attention:
             # Each rank its own sampled rows (then any input-logprob rows, gathered whole).
             picked = [take_rank_rows(h, indices[:rows], batch.dp_size)]

@@ -1,0 +1,55 @@
+"""The scheduler's side of speculative decoding: drafts for a verify step, and the running
+accepted length (what a user reads as completion tokens / verify steps)."""
+
+from __future__ import annotations
+
+import logging
+
+from sgl_jax.srt.managers.schedule_batch import Req
+from sgl_jax.srt.server_args import ServerArgs
+from sgl_jax.srt.speculative.ngram import NgramProposer
+
+logger = logging.getLogger(__name__)
+
+LOG_EVERY_STEPS = 200  # verify steps between two log lines of the accepted length
+
+
+class SpeculativeDecoding:
+    def __init__(self, server_args: ServerArgs) -> None:
+        self.algorithm = server_args.speculative_algorithm
+        self.num_steps = int(server_args.speculative_num_steps)
+        self.proposer = NgramProposer(server_args.speculative_ngram_min_match_window_size,
+                                      server_args.speculative_ngram_max_match_window_size)
+        # Per request and verify step: one count, and the tokens it gained (>= 1 each).
+        self.verify_ct = 0
+        self.accepted = 0
+        self._steps = 0
+        self._window = (0, 0)  # (verify_ct, accepted) at the last log line
+
+    @staticmethod
+    def create(server_args: ServerArgs) -> SpeculativeDecoding | None:
+        return SpeculativeDecoding(server_args) if server_args.speculative_algorithm else None
+
+    def drafts(self, req: Req, context_len: int) -> list[int]:
+        """Draft tokens for ``req``'s next verify step: never more than it may still generate
+        after the target's own token, nor past the context."""
+        room = min(self.num_steps, req.remaining_new_tokens() - 1,
+                   context_len - req.seq_len - req.inflight - 1)
+        return self.proposer.propose(req.fill_ids, room) if room > 0 else []
+
+    def record(self, gained: list[int]) -> None:
+        """One verify step: the tokens each of its requests gained."""
+        self.verify_ct += len(gained)
+        self.accepted += sum(gained)
+        self._steps += 1
+        if self._steps % LOG_EVERY_STEPS == 0:
+            ct, acc = self.verify_ct - self._window[0], self.accepted - self._window[1]
+            self._window = (self.verify_ct, self.accepted)
+            logger.info("speculative decoding (%s): accept length %.2f over the last %d "
+                        "verify steps, %.2f overall", self.algorithm, acc / max(ct, 1),
+                        LOG_EVERY_STEPS, self.accept_length)
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens gained per request per verify step, since start (1.0 before any)."""
+        return self.accepted / self.verify_ct if self.verify_ct else 1.0

@@ -50,6 +50,8 @@ E2E = [
     "tests/test_scheduler_abort.py",
     "tests/test_routed_experts_gather.py",
     "tests/test_paged_engine.py",
+    "tests/test_speculative.py",
+    "tests/test_speculative_server.py",
     "tests/test_http_server.py",
     "tests/test_openai_api.py",
     "tests/test_reliability.py",

@@ -1,0 +1,248 @@
+"""Speculative decoding (NGRAM drafts, TARGET_VERIFY steps), end to end through the Engine.
+
+Greedy outputs, logprobs and routed-experts rows are checked against the float64 reference
+(what the engine without speculation is checked against too); seeded sampling against an
+engine without speculation (the same random draws must give the same tokens). Rejected drafts
+must leave no trace: not in the rows (streamed or final), not in the prefix cache, and no KV
+slot leaks. The pieces (the proposer, the acceptance rule, dropping a request's tail KV) are
+checked on their own first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sgl_jax import Engine
+from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.managers.req_memory import ReqMemory
+from sgl_jax.srt.managers.schedule_batch import Req
+from sgl_jax.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from sgl_jax.srt.mem_cache.radix_cache import RadixCache
+from sgl_jax.srt.sampling.sampling_params import SamplingParams
+from sgl_jax.srt.server_args import ServerArgs
+from sgl_jax.srt.speculative.ngram import NgramProposer
+from sgl_jax.srt.speculative.verify import accepted_tokens
+from sgl_jax.testing import TEST_MODEL_PATH, engine_args
+from tests.engine_utils import (
+    assert_no_leak,
+    decoded_rows,
+    expected_rows,
+    prompt_ids,
+    reference,
+    reference_greedy,
+)
+
+CFG = ModelConfig.from_hf(TEST_MODEL_PATH)
+L, K = CFG.num_hidden_layers, CFG.num_experts_per_tok
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+SETTINGS = dict(precompile_token_paddings=[16, 64], chunked_prefill_size=64,
+                precompile_bs_paddings=[4, 8], enable_return_routed_experts=True)
+
+
+# -- the pieces -------------------------------------------------------------------------------
+def test_ngram_proposes_the_continuation_of_the_longest_earlier_match():
+    p = NgramProposer(1, 4)
+    # "7 8" occurred twice; the most recent occurrence is followed by 5 6.
+    assert p.propose([7, 8, 1, 2, 7, 8, 5, 6, 9, 7, 8], 2) == [5, 6]
+    # The longest suffix wins over a more recent shorter one: "3 7 8" -> 1.
+    assert p.propose([3, 7, 8, 1, 4, 7, 8, 2, 3, 7, 8], 1) == [1]
+    assert p.propose([3, 7, 8, 1, 4, 7, 8, 2, 3, 7, 8], 3) == [1, 4, 7]
+    assert p.propose([1, 2, 3], 3) == []  # nothing recurs
+    assert p.propose([5, 5], 3) == [5]  # only as many tokens as follow the match
+    assert p.propose([1, 2, 1], 0) == []
+    assert NgramProposer(2, 4).propose([9, 1, 5, 1], 2) == []  # a 1-token match is too short
+
+
+def test_accepted_tokens_keeps_confirmed_drafts_and_the_target_token():
+    assert accepted_tokens([], [4]) == [4]
+    assert accepted_tokens([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all accepted + bonus
+    assert accepted_tokens([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # second draft rejected
+    assert accepted_tokens([5, 6, 7], [1, 6, 7, 8]) == [1]
+    with pytest.raises(ValueError):
+        accepted_tokens([5], [5])
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_shrink_kv_returns_the_pages_past_the_kept_positions(page):
+    allocator = TokenToKVPoolAllocator(64, page_size=page)
+    memory = ReqMemory(ReqToTokenPool(4, 64), allocator, RadixCache(allocator, page_size=page))
+    req = Req("r", list(range(9)), SamplingParams(max_new_tokens=8), seed=0)
+    assert memory.admit(req)
+    memory.assign_kv(req, memory.alloc_kv(req, 9))
+    req.kv_len = 9
+    before = allocator.available_size()
+    memory.shrink_kv(req, 6)  # positions 6..8 rejected
+    assert req.kv_len == 6
+    kept_pages = -(-6 // page)
+    assert allocator.available_size() == before + (-(-9 // page) - kept_pages) * page
+    # The request grows again from position 6, on its own last page first.
+    slots = memory.alloc_kv(req, 4)
+    memory.assign_kv(req, slots)
+    if page > 1:
+        assert slots[0] // page == memory.req_to_token_pool.req_to_token[req.req_pool_idx, 5] // page
+    req.kv_len = 10
+    memory.release(req, cache=False)
+    assert allocator.available_size() == allocator.size
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"speculative_algorithm": "EAGLE"}, "not built yet"),
+    ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 2}, "chain"),
+    ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 3,
+      "speculative_num_draft_tokens": 8}, "a chain draft verifies"),
+    ({"speculative_num_steps": 3}, "need --speculative-algorithm"),
+    ({"speculative_algorithm": "NGRAM", "enable_dp_attention": True, "dp_size": 2,
+      "ep_size": 2}, "DP attention"),
+    ({"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 3,
+      "speculative_ngram_max_match_window_size": 2}, "min <= max"),
+])
+def test_server_args_refuse_what_speculation_cannot_do(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(**kwargs)
+
+
+def test_server_args_defaults_and_overlap():
+    args = ServerArgs(speculative_algorithm="NGRAM")
+    assert (args.speculative_num_steps, args.speculative_eagle_topk,
+            args.speculative_num_draft_tokens) == (3, 1, 4)
+    assert args.disable_overlap_schedule  # acceptance is decided on the host
+
+
+# -- end to end -------------------------------------------------------------------------------
+def repetitive(seed: int) -> list[int]:
+    """A prompt whose continuation NGRAM can guess: a random phrase said four times."""
+    return prompt_ids(seed, 8) * 4
+
+
+@pytest.fixture(scope="module", params=[1, 4], ids=lambda p: f"page{p}")
+def engine(request):
+    eng = Engine(**engine_args(**SETTINGS), page_size=request.param,
+                 speculative_algorithm="NGRAM", speculative_num_steps=3)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    yield
+    if "engine" in request.fixturenames:
+        assert_no_leak(request.getfixturevalue("engine"))
+
+
+def check_greedy(ids: list[int], out: dict, n: int) -> None:
+    assert out["output_ids"] == reference_greedy(ids, n)
+    assert out["meta_info"]["completion_tokens"] == n
+    np.testing.assert_array_equal(decoded_rows(out, L, K), expected_rows(ids, out["output_ids"]))
+
+
+def test_greedy_output_and_rows_equal_the_reference(engine):
+    prompts = [repetitive(i) for i in range(5)] + [prompt_ids(20 + i, 11 + 7 * i) for i in range(5)]
+    lens = [40, 33, 1, 2, 57, 40, 5, 24, 61, 30]
+    compiles = engine.get_server_info()["num_compiles"]
+    outs = engine.generate(input_ids=prompts,
+                           sampling_params=[{**GREEDY, "max_new_tokens": n} for n in lens],
+                           return_routed_experts=True)
+    verify_steps = 0
+    for ids, n, out in zip(prompts, lens, outs, strict=True):
+        check_greedy(ids, out, n)
+        ct = out["meta_info"]["spec_verify_ct"]
+        assert 0 <= ct <= n - 1  # the first token comes from the prefill
+        verify_steps += ct
+    generated_by_verify = sum(lens) - len(lens)
+    assert generated_by_verify > verify_steps, "no draft was ever accepted"
+    info = engine.get_server_info()
+    assert info["avg_spec_accept_length"] > 1.0
+    assert info["num_compiles"] == compiles  # every verify shape was compiled at start-up
+
+
+def test_logprobs_of_accepted_tokens_equal_the_reference(engine):
+    ids = repetitive(7)
+    out = engine.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 24},
+                          return_logprob=True, top_logprobs_num=2)
+    assert out["meta_info"]["completion_tokens"] > out["meta_info"]["spec_verify_ct"] + 1
+    got = out["meta_info"]["output_token_logprobs"]
+    assert [t for _, t, _ in got] == out["output_ids"]
+    logits = reference().forward(ids + out["output_ids"][:-1]).logits[len(ids) - 1 :]
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    want = logp[np.arange(len(out["output_ids"])), out["output_ids"]]
+    np.testing.assert_allclose([v for v, _, _ in got], want, atol=1e-5)
+    tops = out["meta_info"]["output_top_logprobs"]
+    assert all(len(t) == 2 and t[0][1] == tok for t, tok in zip(tops, out["output_ids"],
+                                                                 strict=True))
+
+
+def test_stop_token_inside_accepted_drafts_ends_the_request_there(engine):
+    ids = repetitive(3)
+    full = reference_greedy(ids, 30)
+    stop_at = next(i for i in range(8, 30) if full[i] not in full[:i])  # its first occurrence
+    out = engine.generate(input_ids=ids, return_routed_experts=True, sampling_params={
+        "temperature": 0.0, "max_new_tokens": 30, "stop_token_ids": [full[stop_at]]})
+    assert out["output_ids"] == full[: stop_at + 1]
+    assert out["meta_info"]["finish_reason"]["type"] == "stop"
+    np.testing.assert_array_equal(decoded_rows(out, L, K), expected_rows(ids, out["output_ids"]))
+
+
+def test_streamed_rows_are_those_of_accepted_tokens(engine):
+    ids = repetitive(11)
+    chunks = list(engine.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 33},
+                                  return_routed_experts=True, stream=True))
+    output_ids = [t for c in chunks for t in c["output_ids"]]
+    assert output_ids == reference_greedy(ids, 33)
+    rows, start = [], 0
+    for c in chunks:
+        if c["meta_info"].get("routed_experts") is None:
+            continue
+        assert c["meta_info"]["routed_experts_start"] == start
+        part = decoded_rows(c, L, K)
+        rows.append(part)
+        start += len(part)
+    np.testing.assert_array_equal(np.concatenate(rows), expected_rows(ids, output_ids))
+    assert chunks[-1]["meta_info"]["spec_verify_ct"] >= 1
+
+
+def test_prefix_cache_holds_accepted_tokens_only(engine):
+    engine.flush_cache()
+    ids = repetitive(13)
+    first = engine.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 40},
+                            return_routed_experts=True)
+    check_greedy(ids, first, 40)
+    # The whole sequence again: its cached prefix is what the first request kept.
+    again = ids + first["output_ids"]
+    second = engine.generate(input_ids=again, sampling_params={**GREEDY, "max_new_tokens": 8},
+                             return_routed_experts=True)
+    assert second["meta_info"]["cached_tokens"] >= len(again) - 8
+    check_greedy(again, second, 8)
+
+
+def test_abort_mid_stream_frees_everything(engine):
+    ids = repetitive(17)
+    stream = engine.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 200},
+                             return_routed_experts=True, stream=True)
+    first = next(iter(stream))
+    engine.abort_request(first["meta_info"]["id"])
+    last = list(stream)[-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    # no_leaks checks the memory after the test
+
+
+@pytest.fixture(scope="module")
+def plain_engine():
+    eng = Engine(**engine_args(**SETTINGS))
+    yield eng
+    eng.shutdown()
+
+
+def test_seeded_sampling_draws_the_tokens_it_draws_without_speculation(engine, plain_engine):
+    prompts = [repetitive(30 + i) for i in range(6)]
+    params = [{"temperature": t, "top_p": 0.9, "ignore_eos": True, "max_new_tokens": 32,
+               "sampling_seed": 100 + i} for i, t in enumerate([0.3, 0.3, 0.7, 0.7, 1.0, 1.0])]
+    spec = engine.generate(input_ids=prompts, sampling_params=params, return_routed_experts=True)
+    plain = plain_engine.generate(input_ids=prompts, sampling_params=params,
+                                  return_routed_experts=True)
+    for ids, s, p in zip(prompts, spec, plain, strict=True):
+        assert s["output_ids"] == p["output_ids"]
+        np.testing.assert_array_equal(decoded_rows(s, L, K), expected_rows(ids, s["output_ids"]))
+    assert sum(o["meta_info"]["completion_tokens"] - 1 - o["meta_info"]["spec_verify_ct"]
+               for o in spec) > 0, "no draft was ever accepted"

@@ -91,6 +91,11 @@ class ForwardBatch:
     # real rows/tokens (see ``DpOrder``). 1: the plain layout above.
     dp_size: int = dataclasses.field(default=1, metadata={"static": True})
     dp_order: DpOrder | None = None
+    # EAGLE (speculative/eagle.py), in extend and verify steps; None otherwise. Per row: the
+    # token after its last one when the host knows it (a prompt chunk's end; -1: the sampled
+    # one), and the KV slots of the draft chain's positions after the row's tokens.
+    draft_next_ids: jax.Array | None = None  # [B] int32
+    draft_scratch: jax.Array | None = None  # [B, num_steps - 1] int32
 
     @property
     def num_tokens(self) -> int:
@@ -169,7 +174,7 @@ def shape_key(batch: ForwardBatch) -> tuple[int, ...]:
 
 def make_padding_batch(
     mode: ForwardMode, num_tokens: int, batch_size: int, vocab_size: int, no_req_slot: int,
-    padding_slots: list[int] | None = None,
+    padding_slots: list[int] | None = None, draft_steps: int = 0,
 ) -> ForwardBatch:
     """An all-padding batch of the given shape (used to compile a bucket ahead of time).
     ``padding_slots``: DP attention's, one per rank (``num_tokens`` and ``batch_size`` are
@@ -183,6 +188,9 @@ def make_padding_batch(
         dp_fields = {"dp_size": dp, "dp_order": DpOrder(
             rows=np.arange(batch_size, dtype=np.int32),
             tokens=np.arange(num_tokens, dtype=np.int32))}
+    if draft_steps and not mode.is_decode:
+        dp_fields["draft_next_ids"] = np.full(batch_size, -1, np.int32)
+        dp_fields["draft_scratch"] = np.zeros((batch_size, draft_steps - 1), np.int32)
     return ForwardBatch(
         **dp_fields,
         input_ids=np.zeros(num_tokens, np.int32),
@@ -244,6 +252,9 @@ class ModelWorkerBatch:
     # Data-parallel attention: the attention rank of each row (int32 [B], any order; a row's
     # KV slots are its rank's). None when dp_size == 1.
     dp_ranks: np.ndarray | None = None
+    # EAGLE: ForwardBatch's fields of the same names, unpadded ([B], [B, num_steps - 1]).
+    draft_next_ids: np.ndarray | None = None
+    draft_scratch: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -302,7 +313,19 @@ def build_forward_batch(
         # Extra rows are padded to the token bucket: one compiled variant per bucket.
         logprobs=None if logprobs is None else logprobs.padded(
             sampled_rows, padded_tokens if logprobs.extra_tokens else 0),
+        **_draft_fields(mwb, padded_rows),
     )
+
+
+def _draft_fields(mwb: ModelWorkerBatch, padded_rows: int) -> dict[str, np.ndarray]:
+    if mwb.draft_scratch is None:
+        return {}
+    b = mwb.batch_size
+    next_ids = np.full(padded_rows, -1, np.int32)
+    next_ids[:b] = mwb.draft_next_ids
+    scratch = np.zeros((padded_rows, mwb.draft_scratch.shape[1]), np.int32)
+    scratch[:b] = mwb.draft_scratch
+    return {"draft_next_ids": next_ids, "draft_scratch": scratch}
 
 
 def _per_token(values: list, lens: np.ndarray) -> list:

@@ -255,10 +255,12 @@ class ServerArgs:
               "run of drafts the target itself samples (plus the target's next token). Output, "
               "logprobs and routed experts are those without speculation; the rows of rejected "
               "drafts never leave the step (docs/speculative.md). NGRAM drafts from the "
-              "request's own earlier tokens (prompt lookup); EAGLE and NEXTN (draft models) are "
-              "not built yet.", choices=SPECULATIVE_ALGORITHMS)
+              "request's own earlier tokens (prompt lookup); EAGLE runs a one-layer draft head on "
+              "the target's hidden states inside the target's step (the bundled model ships "
+              "one); NEXTN is not built yet.", choices=SPECULATIVE_ALGORITHMS)
     speculative_draft_model_path: str | None = _arg(
-        None, "Draft checkpoint for EAGLE (not built yet).")
+        None, "EAGLE: the draft head's checkpoint directory (docs/speculative.md has its "
+              "format). Default for the bundled model: its bundled draft.")
     speculative_num_steps: int | None = _arg(
         None, "Draft tokens proposed per request per step (a chain). Default: 3.")
     speculative_eagle_topk: int | None = _arg(
@@ -440,11 +442,23 @@ class ServerArgs:
         if algo not in SPECULATIVE_ALGORITHMS:
             fail(f"speculative_algorithm={algo!r}; use one of "
                  f"{', '.join(SPECULATIVE_ALGORITHMS)}")
-        if algo != "NGRAM":
-            fail(f"speculative_algorithm={algo}: draft models (EAGLE, NEXTN) are not built yet; "
-                 "use --speculative-algorithm NGRAM (drafts from the request's own tokens)")
-        if self.speculative_draft_model_path:
+        if algo == "NEXTN":
+            fail("speculative_algorithm=NEXTN (the checkpoint's MTP layers as the draft) is not "
+                 "built yet; use EAGLE (a draft head) or NGRAM (drafts from the request's own "
+                 "tokens)")
+        if algo == "NGRAM" and self.speculative_draft_model_path:
             fail("speculative_draft_model_path is for EAGLE; NGRAM drafts need no model")
+        if algo == "EAGLE" and not self.speculative_draft_model_path:
+            from sgl_jax.srt.configs.model_config import (
+                BUNDLED_EAGLE_DRAFT_PATH,
+                BUNDLED_MODEL_PATH,
+            )
+
+            bundled = os.path.realpath(BUNDLED_MODEL_PATH)
+            if self.model_path is not None and os.path.realpath(self.model_path) != bundled:
+                fail("speculative_algorithm=EAGLE needs --speculative-draft-model-path (a draft "
+                     "is bundled only for the bundled model)")
+            self.speculative_draft_model_path = BUNDLED_EAGLE_DRAFT_PATH
         if self.speculative_num_steps is None:
             self.speculative_num_steps = 3
         if self.speculative_eagle_topk is None:

@@ -17,6 +17,8 @@ from typing import Any
 from sgl_jax.srt.bounded_text import bound_message, short_repr
 
 BUNDLED_MODEL_PATH = str(Path(__file__).resolve().parents[2] / "assets" / "tiny-qwen3-moe")
+# Its EAGLE draft head (speculative/eagle.py; trained by tools/train_eagle.py).
+BUNDLED_EAGLE_DRAFT_PATH = BUNDLED_MODEL_PATH + "-eagle"
 
 INT_MAX = 2**31 - 1  # integer fields: sizes and counts index int32 arrays
 MAX_LAYERS = 1024  # num_hidden_layers: released MoE models have < 100

@@ -132,18 +132,19 @@ class ReqMemory:
         """Records the slots of ``req``'s next ``len(slots)`` positions (not yet computed)."""
         self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots)
 
-    def shrink_kv(self, req: Req, kv_len: int) -> None:
-        """Drops ``req``'s positions ``[kv_len, req.kv_len)`` (rejected draft tokens): the
-        pages past the one of position ``kv_len - 1`` go back; that page stays ``req``'s, and
-        its later offsets are written again by the request's next tokens."""
-        if kv_len >= req.kv_len:
-            return
-        if kv_len < req.prefix_len:
-            raise ValueError(f"cannot drop positions of {req.rid}'s cached prefix")
+    def shrink_kv(self, req: Req, kv_len: int, held: int | None = None) -> None:
+        """Drops ``req``'s positions ``[kv_len, held)`` (rejected draft tokens, and EAGLE's
+        scratch slots past ``req.kv_len``; ``held`` defaults to ``req.kv_len``): the pages
+        past the one of position ``kv_len - 1`` go back; that page stays ``req``'s, and its
+        later offsets are written again by the request's next tokens."""
+        held = req.kv_len if held is None else held
+        if kv_len < req.prefix_len or kv_len > held:
+            raise ValueError(f"cannot keep {kv_len} positions of {req.rid} (prefix "
+                             f"{req.prefix_len}, held {held})")
         keep = -(-kv_len // self.page_size) * self.page_size
-        if keep < req.kv_len:
+        if keep < held:
             self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx,
-                                                                    keep : req.kv_len])
+                                                                    keep:held])
         req.kv_len = kv_len
 
     # -- routed experts -------------------------------------------------------------------------

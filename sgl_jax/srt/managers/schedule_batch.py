@@ -65,6 +65,7 @@ class Req:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None  # time.monotonic() when its first output was taken
     spec_verify_ct: int = 0  # speculative decoding: the verify steps it took part in
+    spec_drafts: list[int] = field(default_factory=list)  # EAGLE: its next draft tokens
     logprobs: LogprobRecord | None = None  # when it asked (return_logprob)
 
     def __post_init__(self) -> None:
@@ -114,6 +115,9 @@ class ScheduleBatch:
     # A verify step (speculative decoding): each request's draft tokens, fed after its last
     # token (``extend_lens[i] == 1 + len(drafts[i])``).
     drafts: list[list[int]] | None = None
+    # EAGLE: each row's slots for the draft chain's positions after its tokens ([B, steps - 1];
+    # held only during the step).
+    draft_scratch: np.ndarray | None = None
 
     def to_model_worker_batch(self) -> ModelWorkerBatch:
         reqs = self.reqs
@@ -147,7 +151,19 @@ class ScheduleBatch:
             routed_reqs=None if asks.all() else asks,  # only some ask: copy only theirs
             logprobs=self._plan_logprobs(),
             dp_ranks=self.dp_ranks,
+            draft_next_ids=None if self.draft_scratch is None else self._draft_next_ids(),
+            draft_scratch=self.draft_scratch,
         )
+
+    def _draft_next_ids(self) -> np.ndarray:
+        """EAGLE: per row the token after its last one when it is a prompt token (a chunk's
+        end), else -1 (the step's sampled token)."""
+        out = np.full(len(self.reqs), -1, np.int32)
+        if not self.forward_mode.is_verify:
+            for i, (r, n) in enumerate(zip(self.reqs, self.extend_lens, strict=True)):
+                if r.kv_len + n < r.seq_len:
+                    out[i] = r.fill_ids[r.kv_len + n]
+        return out
 
     def _plan_logprobs(self) -> LogprobRequest | None:
         """The logprob work of this step, and ``logprob_rows`` to record it by."""

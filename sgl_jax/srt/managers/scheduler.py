@@ -295,6 +295,8 @@ class Scheduler:
         reqs: list[Req] = []
         lens: list[int] = []
         locs: list[np.ndarray] = []
+        scratch = self._draft_scratch()
+        scratches: list[np.ndarray] = []
         candidates = [self.chunked[r] for r in sorted(self.chunked)] + list(self.waiting)
         if self.update is not None:  # new requests wait for the new weights
             candidates = [r for r in candidates if r.admitted]
@@ -317,9 +319,9 @@ class Scheduler:
             mine = self._future_kv(req, req.seq_len) if n == todo else 0
             reserve = int((future[rank] + mine) * self.server_args.schedule_conservativeness)
             slots = None
-            need = memory.kv_needed(req.kv_len, n)
+            need = memory.kv_needed(req.kv_len, n + scratch)
             if memory.available_kv() - reserve >= need or alone:
-                slots = memory.alloc_kv(req, n)
+                slots = memory.alloc_kv(req, n + scratch)
             if slots is None:
                 if fresh:
                     memory.release(req, cache=False)
@@ -336,7 +338,8 @@ class Scheduler:
             on_rank[rank] += 1
             reqs.append(req)
             lens.append(n)
-            locs.append(slots)
+            locs.append(slots[:n])
+            scratches.append(slots[n:])
             budget[rank] -= n
         if not reqs:
             return None
@@ -349,7 +352,12 @@ class Scheduler:
             elif self.chunked.get(req.dp_rank) is req:
                 del self.chunked[req.dp_rank]
         return ScheduleBatch(ForwardMode.EXTEND, reqs, lens, np.concatenate(locs), samples,
-                             dp_ranks=self._dp_ranks(reqs))
+                             dp_ranks=self._dp_ranks(reqs),
+                             draft_scratch=np.stack(scratches) if scratch else None)
+
+    def _draft_scratch(self) -> int:
+        """Slots a request holds past its step's tokens during the step (EAGLE's chain)."""
+        return 0 if self.speculation is None else self.speculation.scratch
 
     def _dp_ranks(self, reqs: list[Req]) -> np.ndarray | None:
         if self.dp_size == 1:
@@ -405,19 +413,30 @@ class Scheduler:
         When the drafts' KV does not fit, no request drafts this step (one slot each fits:
         ``decode`` made sure, retracting if it had to)."""
         memory = self.memory[0]  # speculation runs without DP attention
+        scratch = self._draft_scratch()
         drafts = [self.speculation.drafts(r, self.context_len) for r in reqs]
-        need = sum(memory.kv_needed(r.kv_len, 1 + len(d)) for r, d in zip(reqs, drafts,
-                                                                          strict=True))
+        need = sum(memory.kv_needed(r.kv_len, 1 + len(d) + scratch)
+                   for r, d in zip(reqs, drafts, strict=True))
         if need > memory.available_kv():
             drafts = [[] for _ in reqs]
-        slots = []
+            need = sum(memory.kv_needed(r.kv_len, 1 + scratch) for r in reqs)
+            if need > memory.available_kv():  # EAGLE's scratch does not fit either
+                holders = self._holders(0)
+                if len(holders) == 1:
+                    self._abort_unfittable(holders[0])
+                else:
+                    self.retract_one()
+                return self.decode()
+        slots, scratches = [], []
         for req, d in zip(reqs, drafts, strict=True):
-            got = memory.alloc_kv(req, 1 + len(d))
+            got = memory.alloc_kv(req, 1 + len(d) + scratch)
             assert got is not None, "the verify step's slots were counted"
             memory.assign_kv(req, got)
-            slots.append(got)
+            slots.append(got[: 1 + len(d)])
+            scratches.append(got[1 + len(d) :])
         return ScheduleBatch(ForwardMode.TARGET_VERIFY, reqs, [1 + len(d) for d in drafts],
-                             np.concatenate(slots), [True] * len(reqs), drafts=drafts)
+                             np.concatenate(slots), [True] * len(reqs), drafts=drafts,
+                             draft_scratch=np.stack(scratches) if scratch else None)
 
     def _abort_unfittable(self, req: Req) -> None:
         """A request that cannot grow even with its rank's whole KV cache to itself ends here."""
@@ -475,15 +494,22 @@ class Scheduler:
         # Rows first: a request finishing below gathers rows that include this step's.
         self.runner.collect_routing(out, batch.out_cache_loc, copy=batch.capture_routed)
         all_ids = np.asarray(out.next_token_ids)
+        drafts = None if out.drafts is None else np.asarray(out.drafts)
         if batch.forward_mode.is_verify:
-            self._process_verify_result(batch, out, all_ids)
+            self._process_verify_result(batch, out, all_ids, drafts)
             return
+        if batch.draft_scratch is not None:  # EAGLE's chain slots go back first
+            for req in batch.reqs:
+                if req.req_pool_idx is not None:
+                    self.memory.of(req).shrink_kv(req, req.kv_len,
+                                                  held=req.kv_len + self._draft_scratch())
         if batch.logprob_rows:
             self._record_logprobs(batch, out, all_ids)
         next_ids = all_ids[: len(batch.reqs)].tolist()
         now = time.monotonic()  # the metrics' first-token time (one clock read per step)
         changed: list[Req] = []
-        for req, samples, token in zip(batch.reqs, batch.samples_output, next_ids, strict=True):
+        for i, (req, samples, token) in enumerate(zip(batch.reqs, batch.samples_output,
+                                                      next_ids, strict=True)):
             if not samples or req.finished:  # a chunk boundary, or ended while this step ran
                 continue
             req.inflight -= 1
@@ -491,6 +517,8 @@ class Scheduler:
                 req.finished_reason = finish_length(0)
             else:
                 req.output_ids.append(token)
+                if drafts is not None:
+                    req.spec_drafts = drafts[i].tolist()
                 if req.first_token_time is None:
                     req.first_token_time = now
                 self.num_generated_tokens += 1
@@ -501,7 +529,7 @@ class Scheduler:
         self.outputs.send(changed)
 
     def _process_verify_result(self, batch: ScheduleBatch, out: StepOutput,
-                               all_ids: np.ndarray) -> None:
+                               all_ids: np.ndarray, drafts: np.ndarray | None) -> None:
         """Each request keeps the drafts the target confirmed and the target's next token,
         stopping at a token that ends it; the KV of every later position (rejected drafts)
         goes back, so their routed rows are never read and never enter the prefix cache."""
@@ -509,14 +537,16 @@ class Scheduler:
                                                 for k, v in vars(out.logprobs).items()}
         gained: list[int] = []
         changed: list[Req] = []
+        scratch = self._draft_scratch()
         start = 0
-        for req, drafts, n in zip(batch.reqs, batch.drafts, batch.extend_lens, strict=True):
+        for i, (req, fed, n) in enumerate(zip(batch.reqs, batch.drafts, batch.extend_lens,
+                                              strict=True)):
             first, start = start, start + n
             if req.finished:  # aborted while the step ran
                 continue
             req.inflight -= 1
             req.spec_verify_ct += 1
-            tokens = accepted_tokens(drafts, all_ids[first : first + n].tolist())
+            tokens = accepted_tokens(fed, all_ids[first : first + n].tolist())
             for j, token in enumerate(tokens):
                 if lp is not None and req.logprobs is not None:
                     t = first + j
@@ -529,7 +559,9 @@ class Scheduler:
             gained.append(j + 1)
             self.num_generated_tokens += j + 1
             # Every position but the last token's holds KV (the invariant of a decode step).
-            self.memory.of(req).shrink_kv(req, req.seq_len - 1)
+            self.memory.of(req).shrink_kv(req, req.seq_len - 1, held=req.kv_len + scratch)
+            if drafts is not None:
+                req.spec_drafts = drafts[i].tolist()
             if req.finished:
                 self.finish(req)
             changed.append(req)

@@ -83,6 +83,7 @@ from sgl_jax.srt.model_executor.memory_occupation import MemoryOccupation
 from sgl_jax.srt.model_loader.loader import abstract_model, load_model
 from sgl_jax.srt.models.backends import ModelBackends
 from sgl_jax.srt.server_args import ServerArgs
+from sgl_jax.srt.speculative.eagle import EagleDraft, draft_config, draft_step, load_draft
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,8 @@ class StepOutput:
     logprobs: LogprobOutput | None = None  # when some request asked
     # --expert-distribution-recorder-mode per_pass / per_token: this pass's counts or ids.
     expert_pass: Any = None
+    # EAGLE: every row's next draft tokens [B_pad, num_steps] (extend and verify steps).
+    drafts: jax.Array | None = None
 
 
 @dataclass(frozen=True)
@@ -256,6 +259,18 @@ class ModelRunner:
         # them (a reference here would keep the old weights alive).
         model = build(model_config, self.mesh, self.dtype, self.expert_placement)
         self.graphdef, params = nnx.split(model)
+        # EAGLE: the draft head, its KV one more layer of the cache (the last), its
+        # parameters an argument of the step beside the target's (not part of weight updates).
+        self.draft_steps = 0
+        self.draft_graphdef = self.draft_treedef = None
+        self.draft_leaves: list | None = None
+        if server_args.speculative_algorithm == "EAGLE":
+            dcfg = draft_config(server_args.speculative_draft_model_path, model_config)
+            draft = (nnx.eval_shape(lambda: EagleDraft(dcfg, self.dtype)) if abstract
+                     else load_draft(dcfg, self.mesh, self.dtype))
+            self.draft_graphdef, draft_params = nnx.split(draft)
+            self.draft_leaves, self.draft_treedef = jax.tree.flatten(draft_params)
+            self.draft_steps = int(server_args.speculative_num_steps)
         # The step takes the parameters as a flat list of arrays: flattening an nnx.State of
         # Variables on every call costs more host time than a decode step of a small model.
         self.param_leaves, self.param_treedef = jax.tree.flatten(params)
@@ -287,7 +302,7 @@ class ModelRunner:
                 self.dtype,
                 NamedSharding(self.mesh, PartitionSpec(page_axis, None, head_axis, None)),
             )
-            for _ in range(cfg.num_hidden_layers)
+            for _ in range(cfg.num_hidden_layers + (1 if self.draft_steps else 0))
         ]
         # Request slot max_running_requests is the padding rows' spare row, in both tables.
         self.no_req_slot = self.max_running_requests
@@ -354,7 +369,8 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         cfg = self.model_config
         itemsize = jnp.dtype(self.dtype).itemsize
-        return cfg.num_hidden_layers * cfg.kv_cache_heads * cfg.kv_cache_head_dim * itemsize
+        layers = cfg.num_hidden_layers + (1 if self.draft_steps else 0)
+        return layers * cfg.kv_cache_heads * cfg.kv_cache_head_dim * itemsize
 
     def _resolve_max_total_tokens(self) -> int:
         if self.server_args.max_total_tokens is not None:
@@ -438,6 +454,7 @@ class ModelRunner:
     def _step_impl(
         self, graphdef: Any, param_treedef: Any, param_leaves: list, kv_caches: list,
         req_to_page: jax.Array, last_tokens: jax.Array, expert_state: Any, batch: ForwardBatch,
+        draft_leaves: list | None = None,
     ) -> tuple:
         self.num_compiles += 1  # runs only while tracing: one count per compiled shape
         model = nnx.merge(graphdef, jax.tree.unflatten(param_treedef, param_leaves))
@@ -450,7 +467,15 @@ class ModelRunner:
             req_to_page, req_slot, positions, batch.out_cache_loc, self.page_size
         )
         meta = AttentionMetadata.build(batch, token_to_req, positions, req_to_page, self.page_size)
-        logits, kv_caches, routing = model(batch, meta, kv_caches, self.backends)
+        draft_kv = None
+        if self.draft_steps:  # EAGLE: the draft's KV layer is the cache's last
+            kv_caches, draft_kv = kv_caches[:-1], kv_caches[-1]
+        eagle = self.draft_steps > 0 and not batch.forward_mode.is_decode
+        if eagle:
+            logits, kv_caches, routing, hidden = model(batch, meta, kv_caches, self.backends,
+                                                       return_hidden=True)
+        else:
+            logits, kv_caches, routing = model(batch, meta, kv_caches, self.backends)
         real_tokens = token_to_req < batch.batch_size
         order = batch.dp_order
         if order is not None:  # DP attention: the consumers see the scheduler's token order
@@ -485,19 +510,30 @@ class ModelRunner:
                     lambda x: jnp.concatenate([x[:rows][order.rows], x[rows:]]), logprobs)
         if order is not None:
             next_ids, sampled_logits = next_ids[order.rows], sampled_logits[order.rows]
+        drafts = None
+        if eagle:
+            draft = nnx.merge(self.draft_graphdef,
+                              jax.tree.unflatten(self.draft_treedef, draft_leaves))
+            embed = model.model.embed_tokens[...]
+            head = embed.T if self.model_config.tie_word_embeddings else model.lm_head[...]
+            drafts, draft_kv, req_to_page = draft_step(
+                draft, embed, head, batch, meta, hidden, next_ids, draft_kv, req_to_page,
+                self.backends, self.draft_steps, self.page_size, self.no_req_slot)
+        if draft_kv is not None:
+            kv_caches = [*kv_caches, draft_kv]
         # What the host reads is replicated: on a multi-host job every node holds all of it
         # (rank 0 reads its own copy; no gather per step).
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        next_ids, routed_rows, logprobs, expert_pass = jax.tree.map(
+        next_ids, routed_rows, logprobs, expert_pass, drafts = jax.tree.map(
             lambda x: jax.lax.with_sharding_constraint(x, replicated),
-            (next_ids, routed_rows, logprobs, expert_pass))
+            (next_ids, routed_rows, logprobs, expert_pass, drafts))
         return (next_ids, sampled_logits, kv_caches, req_to_page, last_tokens, routed_rows,
-                logprobs, expert_state, expert_pass)
+                logprobs, expert_state, expert_pass, drafts)
 
     def _step_args(self, batch: Any) -> tuple:
         state = None if self.expert_recorder is None else self.expert_recorder.state
         return (self.param_leaves, self.kv_caches, self.req_to_page, self.last_tokens, state,
-                batch)
+                batch, self.draft_leaves)
 
     def forward(self, batch: ForwardBatch) -> StepOutput:
         """Dispatches one step (asynchronously: the outputs are futures until read)."""
@@ -505,7 +541,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         with jax.set_mesh(self.mesh):  # the model's shard_map regions run on this mesh
             (next_ids, logits, self.kv_caches, self.req_to_page, self.last_tokens,
-             rows, logprobs, expert_state, expert_pass) = self._step(*self._step_args(batch))
+             rows, logprobs, expert_state, expert_pass, drafts) = self._step(
+                *self._step_args(batch))
         if self.expert_recorder is not None:
             self.expert_recorder.state = expert_state
         if self.num_compiles != before:
@@ -516,7 +553,7 @@ class ModelRunner:
         if logprobs is not None:
             for leaf in jax.tree.leaves(logprobs):
                 leaf.copy_to_host_async()  # small ([B + P] x 20); read when processed
-        return StepOutput(next_ids, logits, rows, logprobs, expert_pass)
+        return StepOutput(next_ids, logits, rows, logprobs, expert_pass, drafts)
 
     def padding_batch(self, mode: ForwardMode, num_tokens: int, batch_size: int) -> ForwardBatch:
         """An all-padding batch of a bucket (with DP attention: per rank; the batch holds
@@ -524,7 +561,7 @@ class ModelRunner:
         return make_padding_batch(
             mode, num_tokens * self.dp_size, batch_size * self.dp_size,
             self.model_config.vocab_size, self.no_req_slot,
-            padding_slots=self.padding_slots,
+            padding_slots=self.padding_slots, draft_steps=self.draft_steps,
         )
 
     def lower_bucket(self, mode: ForwardMode, num_tokens: int, batch_size: int) -> Any:

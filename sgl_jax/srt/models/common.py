@@ -36,7 +36,7 @@ from sgl_jax.srt.layers.moe.ep_moe import (
     ep_moe_forward,
 )
 from sgl_jax.srt.layers.moe.router import create_router
-from sgl_jax.srt.layers.moe.routing import LayerRouting, Routing, stack_routing
+from sgl_jax.srt.layers.moe.routing import LayerRouting, stack_routing
 from sgl_jax.srt.layers.norm import RMSNorm
 from sgl_jax.srt.layers.rotary import apply_rotary
 from sgl_jax.srt.models.backends import ModelBackends
@@ -274,11 +274,12 @@ class MoeForCausalLM(nnx.Module):
 
     def __call__(
         self, batch: ForwardBatch, meta: AttentionMetadata, kv_caches: KVCache,
-        backends: ModelBackends,
-    ) -> tuple[jax.Array, KVCache, Routing | None]:
+        backends: ModelBackends, return_hidden: bool = False,
+    ) -> tuple:
         """Returns float32 logits ``[len(batch.logits_indices), vocab]`` (each row's last new
         token, then any input-logprob tokens), the new caches and the step's routing (what
-        ``backends.routing`` asks for; None when nothing is)."""
+        ``backends.routing`` asks for; None when nothing is); with ``return_hidden`` also
+        every token's last hidden state ``[T, H]`` before the final norm (EAGLE's input)."""
         h, kv_caches, layer_routing = self.model(batch, meta, kv_caches, backends)
         head = self.model.embed_tokens[...].T if self.config.tie_word_embeddings else self.lm_head[...]
         indices = batch.logits_indices
@@ -298,9 +299,10 @@ class MoeForCausalLM(nnx.Module):
         else:
             logits = self.model.norm(jnp.take(h, indices, axis=0)) @ head
         logits = logits.astype(jnp.float32)
-        if not backends.routing.ids:  # nothing asked: no op added
-            return logits, kv_caches, None
-        # Stacked once, after the logits (the order of the ops the step had when the layers
-        # captured into the capturer: the same program, the same float results).
-        top_k = self.config.num_experts_per_tok
-        return logits, kv_caches, stack_routing(layer_routing, top_k, backends.routing)
+        routing = None
+        if backends.routing.ids:  # nothing asked: no op added
+            # Stacked once, after the logits (the order of the ops the step had when the
+            # layers captured into the capturer: the same program, the same float results).
+            top_k = self.config.num_experts_per_tok
+            routing = stack_routing(layer_routing, top_k, backends.routing)
+        return (logits, kv_caches, routing, h) if return_hidden else (logits, kv_caches, routing)

@@ -18,6 +18,9 @@ class SpeculativeDecoding:
     def __init__(self, server_args: ServerArgs) -> None:
         self.algorithm = server_args.speculative_algorithm
         self.num_steps = int(server_args.speculative_num_steps)
+        self.eagle = self.algorithm == "EAGLE"
+        # EAGLE's chain writes draft KV past a row's tokens: slots held during a step only.
+        self.scratch = self.num_steps - 1 if self.eagle else 0
         self.proposer = NgramProposer(server_args.speculative_ngram_min_match_window_size,
                                       server_args.speculative_ngram_max_match_window_size)
         # Per request and verify step: one count, and the tokens it gained (>= 1 each).
@@ -35,7 +38,11 @@ class SpeculativeDecoding:
         after the target's own token, nor past the context."""
         room = min(self.num_steps, req.remaining_new_tokens() - 1,
                    context_len - req.seq_len - req.inflight - 1)
-        return self.proposer.propose(req.fill_ids, room) if room > 0 else []
+        if room <= 0:
+            return []
+        if self.eagle:  # proposed by the step that computed the request's last token
+            return req.spec_drafts[:room]
+        return self.proposer.propose(req.fill_ids, room)
 
     def record(self, gained: list[int]) -> None:
         """One verify step: the tokens each of its requests gained."""

@@ -162,3 +162,16 @@ def test_server_args_of_the_mode():
     with pytest.raises(ValueError, match="attention-backend native"):
         ServerArgs(enable_deterministic_inference=True, attention_backend="pallas")
     assert ServerArgs().enable_deterministic_inference is False
+
+
+@pytest.fixture(scope="module")
+def speculative_engine():
+    kw = {**_kwargs(True, False), "speculative_algorithm": "NGRAM"}
+    with Engine(**kw) as engine:
+        yield engine
+
+
+def test_speculative_greedy_bitwise_identical_alone_and_in_varied_batches(speculative_engine):
+    """With NGRAM speculation (verify steps of other requests' drafts around the target's)."""
+    bad = _mismatches({True: speculative_engine, False: speculative_engine}, GREEDY)
+    assert not bad, f"{len(bad)} mismatches:\n" + "\n".join(bad)

@@ -676,10 +676,9 @@ class ModelRunner:
         return min(padded_tokens, -(-self.max_running_requests // self.dp_size))
 
     def precompile(self) -> None:
-        shapes = [(ForwardMode.DECODE, bs, bs) for bs in self.bs_paddings]
-        if self.verify_tokens:
-            shapes += [(ForwardMode.TARGET_VERIFY, bs * self.verify_tokens, bs)
-                       for bs in self.bs_paddings]
+        # With speculation every decode step is a verify step.
+        shapes = [(ForwardMode.TARGET_VERIFY, bs * self.verify_tokens, bs) if self.verify_tokens
+                  else (ForwardMode.DECODE, bs, bs) for bs in self.bs_paddings]
         shapes += [(ForwardMode.EXTEND, t, self.extend_rows(t)) for t in self.token_paddings]
         t0 = time.perf_counter()
         for mode, tokens, rows in tqdm(shapes, desc="Precompiling", unit="shape"):

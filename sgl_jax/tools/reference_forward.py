@@ -26,7 +26,8 @@ score, ties to the lower id) and weights, ``topk_gap`` (k-th minus (k+1)-th sele
 router logits for the softmax routers) and ``selection_gap`` (the smallest score difference
 that decides the ids and their order, including the group boundary of grouped routers): a
 float32 engine can only be expected to reproduce the ids where that gap is clearly above
-float32 rounding noise.
+float32 rounding noise. ``hidden`` is the last decoder layer's output before the final norm
+(the features an EAGLE draft reads, see :mod:`sgl_jax.tools.reference_eagle`).
 
 Usage::
 
@@ -94,6 +95,7 @@ class ReferenceOutput:
     router_logits: np.ndarray  # [T, L, E] float64; nan on dense layers
     topk_gap: np.ndarray  # [T, L] float64; inf on dense layers and when k == candidates
     selection_gap: np.ndarray  # [T, L] float64; inf on dense layers (see reference_routing)
+    hidden: np.ndarray  # [T, H] float64, the last decoder layer's output before the final norm
 
 
 # --------------------------------------------------------------------------------------------
@@ -529,8 +531,8 @@ class ReferenceModel:
                 assert layer.mlp is not None
                 y = swiglu(x, layer.mlp.gate, layer.mlp.up, layer.mlp.down)
             h = h + y
-        h = rms_norm(h, self.final_norm, self.eps)
-        logits = h @ self.lm_head.T
+        hidden = h  # the features an EAGLE draft reads (reference_eagle)
+        logits = rms_norm(h, self.final_norm, self.eps) @ self.lm_head.T
         return ReferenceOutput(
             logits=logits,
             topk_ids=topk_ids,
@@ -538,6 +540,7 @@ class ReferenceModel:
             router_logits=router_logits,
             topk_gap=topk_gap,
             selection_gap=selection_gap,
+            hidden=hidden,
         )
 
     def forward(self, input_ids: Sequence[int], chunk_size: int | None = None) -> ReferenceOutput:

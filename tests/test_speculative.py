@@ -345,3 +345,38 @@ def test_retraction_in_a_small_kv_pool(small_pool):
     assert small_pool.get_server_info()["num_retractions"] > before
     for ids, n, out in zip(prompts, lens, outs, strict=True):
         check_greedy(ids, out, n)
+
+
+# -- the bundled model and its trained EAGLE draft ---------------------------------------------
+@pytest.fixture(scope="module")
+def bundled_eagle():
+    eng = Engine(**{**engine_args(**SETTINGS), "model_path": None},
+                 speculative_algorithm="EAGLE")  # the bundled draft by default
+    yield eng
+    assert_no_leak(eng)
+    eng.shutdown()
+
+
+def test_bundled_draft_drafts_what_the_reference_draft_drafts(bundled_eagle):
+    """Greedy output equals the float64 reference, and each request takes exactly the verify
+    steps a float64 simulation of the same 3-step chain (reference_eagle) takes: every draft
+    the engine proposed was the reference draft's (a wrong draft would shift the counts)."""
+    from sgl_jax.srt.configs.model_config import BUNDLED_EAGLE_DRAFT_PATH, BUNDLED_MODEL_PATH
+    from sgl_jax.srt.tokenizer import Tokenizer
+    from sgl_jax.tools.reference_eagle import EagleReference, accept_length
+
+    target = reference(BUNDLED_MODEL_PATH)
+    draft = EagleReference(BUNDLED_EAGLE_DRAFT_PATH, target)
+    tokenizer = Tokenizer.from_pretrained(BUNDLED_MODEL_PATH)
+    corpus = (Path(BUNDLED_MODEL_PATH).parent / "corpus.txt").read_text()
+    texts = [corpus[i : i + 150] for i in (0, 3000, 7000)] + ["The lighthouse keeper"]
+    prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    outs = bundled_eagle.generate(input_ids=prompts, sampling_params={**GREEDY,
+                                                                     "max_new_tokens": 40})
+    emitted = steps = 0
+    for ids, out in zip(prompts, outs, strict=True):
+        assert out["output_ids"] == reference_greedy(ids, 40, path=BUNDLED_MODEL_PATH)
+        sim_emitted, sim_steps = accept_length(draft, ids, out["output_ids"], 3)
+        assert out["meta_info"]["spec_verify_ct"] == sim_steps
+        emitted, steps = emitted + sim_emitted, steps + sim_steps
+    assert emitted / steps > 1.5, "the bundled draft accepts too little: retrain it?"

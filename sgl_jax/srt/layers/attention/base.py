@@ -42,6 +42,9 @@ class AttentionMetadata:
     page_indices: jax.Array  # [B, max_pages] the pages of each row, in position order
     page_size: int = dataclasses.field(metadata={"static": True})
     is_decode: bool = dataclasses.field(metadata={"static": True})
+    # A verify step (speculative decoding): every row brings at most T / B tokens (its last
+    # token and its drafts), so one query block per row holds them all.
+    is_verify: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @property
     def seq_lens(self) -> jax.Array:
@@ -63,6 +66,7 @@ class AttentionMetadata:
             page_indices=req_to_page[batch.req_pool_indices],
             page_size=page_size,
             is_decode=batch.forward_mode.is_decode,
+            is_verify=batch.forward_mode.is_verify,
         )
 
 

@@ -42,10 +42,15 @@ GROUP_QUERIES = 256  # query positions processed together in an extend batch
 SMALL_GROUP_BLOCKS = 16  # group size of the program for batches with few real blocks
 
 
-def query_block_size(num_tokens: int, num_rows: int, is_decode: bool) -> int:
-    """A power of two near tokens per row, so that blocks x block size stays <= ~2T."""
+def query_block_size(num_tokens: int, num_rows: int, is_decode: bool,
+                     is_verify: bool = False) -> int:
+    """A power of two near tokens per row, so that blocks x block size stays <= ~2T; in a
+    verify step the smallest one that holds a row's tokens (one block per row)."""
     if is_decode:
         return 1
+    if is_verify:
+        per_row = -(-num_tokens // max(num_rows, 1))
+        return 1 << max(per_row - 1, 0).bit_length()
     size = 1
     while size * 2 <= min(MAX_QUERY_BLOCK, max(num_tokens // max(num_rows, 1), 1)):
         size *= 2
@@ -67,6 +72,8 @@ def make_query_blocks(meta: AttentionMetadata, num_tokens: int, q_block: int) ->
     ends = jnp.cumsum(blocks_per_row)
     block_of_row = ends - blocks_per_row
     num_blocks = min(-(-num_tokens // q_block) + batch_size, num_tokens)
+    if meta.is_verify:  # one block per row (query_block_size)
+        num_blocks = batch_size
     j = jnp.arange(num_blocks, dtype=jnp.int32)
     row = jnp.searchsorted(ends, j, side="right").astype(jnp.int32)
     valid = row < batch_size
@@ -117,7 +124,7 @@ class NativeAttention(AttentionBackend):
         num_tokens = q.shape[0]
         page_size = kv_cache.shape[1]
         batch_size = meta.extend_lens.shape[0]
-        q_block = query_block_size(num_tokens, batch_size, meta.is_decode)
+        q_block = query_block_size(num_tokens, batch_size, meta.is_decode, meta.is_verify)
         # Whole pages per loop iteration: a block of positions maps to consecutive page columns.
         kv_block = -(-max(self.kv_block, page_size) // page_size) * page_size
         blocks = make_query_blocks(meta, num_tokens, q_block)
@@ -130,7 +137,8 @@ class NativeAttention(AttentionBackend):
         # small groups runs instead (chosen on the device). Not in deterministic mode, where a
         # request's group size must not depend on its batch-mates.
         num_blocks = blocks.row.shape[0]
-        full = num_blocks if meta.is_decode else max(1, GROUP_QUERIES // q_block)
+        # A decode or verify step: every row at once, as one group.
+        full = num_blocks if meta.is_decode or meta.is_verify else max(1, GROUP_QUERIES // q_block)
         small = min(SMALL_GROUP_BLOCKS, full)
 
         def run(per_group: int) -> jax.Array:

@@ -8,7 +8,8 @@
   reference (and the engine) compute.
 - The draft is trained: a simulated 3-step chain on a few corpus prompts accepts > 1.5 tokens
   per verify step (an untrained or broken draft gets about 1).
-- A very short training run writes a checkpoint the reference loads.
+- A very short training run is deterministic and writes a checkpoint the reference loads.
+- ``ReferenceOutput.hidden`` (what the draft reads) is the target's pre-norm output.
 """
 
 from __future__ import annotations
@@ -78,6 +79,20 @@ def _corpus_prompts(tokenizer: Tokenizer, count: int) -> list[list[int]]:
     return [tokenizer.encode(s).ids for s in openings]
 
 
+def test_reference_hidden_is_the_pre_norm_output(target, tokenizer) -> None:
+    """ReferenceOutput.hidden: the final norm and lm_head of it give the logits; a chunked
+    forward gives the same rows."""
+    from sgl_jax.tools.reference_layers import rms_norm
+
+    tokens = _corpus_prompts(tokenizer, 1)[0]
+    out = target.forward(tokens)
+    assert out.hidden.shape == (len(tokens), 64)
+    logits = rms_norm(out.hidden, target.final_norm, target.eps) @ target.lm_head.T
+    np.testing.assert_allclose(logits, out.logits, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(target.forward(tokens, chunk_size=3).hidden, out.hidden,
+                               rtol=1e-10, atol=1e-10)
+
+
 def test_reference_logits_are_finite_and_chains_are_consistent(target, tokenizer) -> None:
     draft = EagleReference(str(DRAFT), target)
     tokens = _corpus_prompts(tokenizer, 1)[0]
@@ -133,7 +148,7 @@ def test_shipped_draft_is_accepted(target, tokenizer) -> None:
     assert emitted / steps > 1.5, (emitted, steps)
 
 
-def test_short_training_run_writes_a_loadable_checkpoint(target, tokenizer, tmp_path) -> None:
+def test_short_training_run_is_deterministic_and_loadable(target, tokenizer, tmp_path) -> None:
     cfg = train_eagle.TrainConfig(steps=3, batch_size=2, seq_len=32, warmup=1, seed=5)
     corpus = train_tiny.Corpus.build(tokenizer, train_tiny.corpus_text())
     dcfg = train_eagle.draft_config(str(TARGET), cfg)
@@ -142,6 +157,8 @@ def test_short_training_run_writes_a_loadable_checkpoint(target, tokenizer, tmp_
     assert len(result.final) == cfg.levels and np.isfinite(result.final).all()
     initial = train_eagle.init_params(dcfg, cfg)
     assert any(not np.array_equal(params[k], initial[k]) for k in initial)  # it trained
+    again, _ = train_eagle.train(model, corpus, dcfg, cfg, progress=False)  # the target is frozen
+    assert all(np.array_equal(params[k], again[k]) for k in params)
     train_eagle.save_draft(params, dcfg, str(tmp_path))
     draft = EagleReference(str(tmp_path), target)
     tokens = tokenizer.encode("Once upon a time").ids

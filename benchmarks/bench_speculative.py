@@ -40,11 +40,16 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import numpy as np  # noqa: E402
 from bench_routed_experts import model_path_for  # noqa: E402
 from bench_utils import machine_description, markdown_table, median  # noqa: E402
 
 from sgl_jax import Engine  # noqa: E402
-from sgl_jax.srt.configs.model_config import BUNDLED_MODEL_PATH  # noqa: E402
+from sgl_jax.srt.configs.model_config import BUNDLED_MODEL_PATH, ModelConfig  # noqa: E402
+from sgl_jax.srt.forward_batch_info import ForwardMode, ModelWorkerBatch  # noqa: E402
+from sgl_jax.srt.model_executor.model_runner import ModelRunner  # noqa: E402
+from sgl_jax.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sgl_jax.srt.server_args import ServerArgs  # noqa: E402
 
 CORPUS = os.path.join(os.path.dirname(BUNDLED_MODEL_PATH), "corpus.txt")
 CHAT_QUESTIONS = (
@@ -208,6 +213,43 @@ def batch_phase(engines: dict[str, Engine], prompts: list[Prompt], bs: int,
     return [f"batch {bs}", *rate.values(), *ratios(rate), *accept_lengths(res["B"][1]), *step]
 
 
+# -- the steps alone ----------------------------------------------------------------------------
+def step_ceiling(server_kwargs: dict, batch_sizes: list[int], ctx: int,
+                 repeats: int) -> list[list[Any]]:
+    """A decode step against a verify step of ``verify_tokens`` per request, each the jitted
+    forward + sampling alone (this process, no scheduler), on the engine's padded shapes."""
+    sa = ServerArgs(**server_kwargs)
+    runner = ModelRunner(sa, ModelConfig.from_hf(sa.model_path, sa.context_length))
+    width = runner.verify_tokens
+    pool, alloc = runner.req_to_token_pool, runner.token_to_kv_pool_allocator
+    greedy_params = SamplingParams(temperature=0.0).normalize()
+    rows = []
+    for bs in batch_sizes:
+        idx = [pool.alloc() for _ in range(bs)]
+        for i in idx:
+            pool.write(i, 0, alloc.alloc(ctx + width))
+        times = {}
+        for mode, n in ((ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, width)):
+            mwb = ModelWorkerBatch(
+                forward_mode=mode, req_pool_indices=np.array(idx, np.int32),
+                prefix_lens=np.full(bs, ctx - 1, np.int32),
+                extend_lens=np.full(bs, n, np.int32), input_ids=np.ones(bs * n, np.int32),
+                out_cache_loc=alloc.alloc(bs * n), sampling_params=[greedy_params] * bs,
+                seeds=[0] * bs, steps=[0] * bs)
+            walls = []
+            for _ in range(repeats + 2):  # two warm-ups (the first compiles)
+                t0 = time.perf_counter()
+                _, out = runner.run_worker_batch(mwb)
+                np.asarray(out.next_token_ids)
+                walls.append(time.perf_counter() - t0)
+            times[mode] = median(walls[2:])
+        dec, ver = times[ForwardMode.DECODE], times[ForwardMode.TARGET_VERIFY]
+        rows.append([bs, dec * 1e3, ver * 1e3, ver / dec, bs * width])
+        for i in idx:
+            pool.free(i)
+    return rows
+
+
 # -- main ---------------------------------------------------------------------------------------
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -221,29 +263,37 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-tokens", type=int, default=48, help="corpus prompts' length")
     p.add_argument("--corpus-prompts", type=int, default=4)
     p.add_argument("--chat-prompts", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=5, help="single-request rounds per prompt")
+    p.add_argument("--repeats", type=int, default=7, help="single-request rounds per prompt")
     p.add_argument("--prefill-repeats", type=int, default=3)
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[8, 32])
-    p.add_argument("--batch-repeats", type=int, default=4)
+    p.add_argument("--batch-repeats", type=int, default=5)
+    p.add_argument("--no-ceiling", action="store_true",
+                   help="skip timing the decode and verify steps alone (in this process)")
     p.add_argument("--quick", action="store_true",
-                   help="2 + 1 prompts, 64 tokens, 3 repeats, batch 8 only (< 1 minute)")
+                   help="2 + 1 prompts, 64 tokens, 3 repeats, batch 8 only, no step ceiling "
+                        "(< 1 minute)")
     args = p.parse_args()
     if args.quick:
         args.output_len, args.corpus_prompts, args.chat_prompts = 64, 2, 1
         args.repeats, args.prefill_repeats, args.batch_repeats = 3, 2, 2
-        args.batch_sizes = [8]
+        args.batch_sizes, args.no_ceiling = [8], True
     return args
 
 
-def start_engines(args: argparse.Namespace) -> dict[str, Engine]:
-    max_bs = max([1, *args.batch_sizes])
+def engine_kwargs(args: argparse.Namespace) -> tuple[dict, dict]:
+    """The engines' common ServerArgs fields, and B's speculative ones."""
     pads = sorted({1, *args.batch_sizes})
-    common = dict(model_path=model_path_for(args.preset), max_running_requests=max_bs,
+    common = dict(model_path=model_path_for(args.preset), max_running_requests=max(pads),
                   precompile_bs_paddings=pads, precompile_token_paddings=[64, 256, 1024],
                   chunked_prefill_size=1024, log_level="warning")
     spec = dict(speculative_algorithm=args.speculative_algorithm,
                 speculative_num_steps=args.speculative_num_steps,
                 speculative_draft_model_path=args.speculative_draft_model_path)
+    return common, spec
+
+
+def start_engines(args: argparse.Namespace) -> dict[str, Engine]:
+    common, spec = engine_kwargs(args)
     variants = {"A": {}, "A0": {"disable_overlap_schedule": True}, "B": spec}
     if args.no_a0:
         del variants["A0"]
@@ -276,6 +326,11 @@ def main() -> None:
     finally:
         for e in engines.values():
             e.shutdown()
+    ceiling = []
+    if not args.no_ceiling:
+        common, spec = engine_kwargs(args)
+        ceiling = step_ceiling({**common, **spec}, sorted({1, *args.batch_sizes}),
+                               args.prompt_tokens + args.output_len // 2, args.repeats * 10)
 
     names = list(engines)
     plain = [n for n in names if n != "B"]
@@ -303,6 +358,11 @@ def main() -> None:
               "tokens/s over the wall, prefill included):\n")
         print(markdown_table(["workload", *(f"{n} tok/s" for n in names), *ratio_cols,
                               *accept_cols, *(f"{n} step ms" for n in names)], batch_rows))
+    if ceiling:
+        print(f"\nThe steps alone (jitted forward + sampling in this process, median of "
+              f"{args.repeats * 10}, context {args.prompt_tokens + args.output_len // 2}):\n")
+        print(markdown_table(["batch", "decode step ms", "verify step ms", "verify/decode",
+                              "verify tokens"], ceiling))
     print(f"\nServer's avg_spec_accept_length (B, whole run): {server_accept:.3f}")
     print(f"Identity: {identity.compared} output pairs compared with A, "
           f"{len(identity.mismatches)} differ.")

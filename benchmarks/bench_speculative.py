@@ -19,7 +19,10 @@ B A0 A, ...), so the machine's drift hits all alike. Greedy, with
   counts too) and ``(completion_tokens - 1) / spec_verify_ct`` (the tokens a verify step
   gained, what ``/get_server_info`` reports as ``avg_spec_accept_length``).
 - identity: every engine's ``output_ids`` must equal A's token for token (greedy); every
-  mismatch is printed with its prompt and first differing index.
+  mismatch is printed with its prompt and first differing index. With ``--check-rows`` the
+  engines also return routed experts (in the warm-up rounds only, not in the timed ones) and
+  the rows must be equal too: the target's routing of the final sequence, with no rejected
+  draft's row.
 
 Prompts: openings of ``sgl_jax/assets/corpus.txt`` paragraphs (the bundled model's training
 text) and chat prompts through the model's chat template.
@@ -48,6 +51,7 @@ from sgl_jax import Engine  # noqa: E402
 from sgl_jax.srt.configs.model_config import BUNDLED_MODEL_PATH, ModelConfig  # noqa: E402
 from sgl_jax.srt.forward_batch_info import ForwardMode, ModelWorkerBatch  # noqa: E402
 from sgl_jax.srt.model_executor.model_runner import ModelRunner  # noqa: E402
+from sgl_jax.srt.routed_experts_codec import extract_routed_experts_from_meta_info  # noqa: E402
 from sgl_jax.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sgl_jax.srt.server_args import ServerArgs  # noqa: E402
 
@@ -85,14 +89,16 @@ def greedy(max_new: int) -> dict[str, Any]:
     return {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}
 
 
-def run(engine: Engine, prompts: Sequence[list[int]], max_new: int) -> tuple[float, list[dict]]:
+def run(engine: Engine, prompts: Sequence[list[int]], max_new: int,
+        rows: bool = False) -> tuple[float, list[dict]]:
     t0 = time.perf_counter()
-    outs = engine.generate(input_ids=list(prompts), sampling_params=greedy(max_new))
+    outs = engine.generate(input_ids=list(prompts), sampling_params=greedy(max_new),
+                           **({"return_routed_experts": True} if rows else {}))
     return time.perf_counter() - t0, outs
 
 
 def interleaved(engines: dict[str, Engine], prompts: Sequence[list[int]], max_new: int,
-                repeats: int) -> dict[str, tuple[list[float], list[dict]]]:
+                repeats: int, rows: bool = False) -> dict[str, tuple[list[float], list[dict]]]:
     """``repeats`` rounds of the same batch on every engine, the order alternating per round.
     Per engine: its wall times and its last outputs."""
     walls: dict[str, list[float]] = {name: [] for name in engines}
@@ -100,7 +106,7 @@ def interleaved(engines: dict[str, Engine], prompts: Sequence[list[int]], max_ne
     names = list(engines)
     for r in range(repeats):
         for name in names if r % 2 == 0 else names[::-1]:
-            wall, outs = run(engines[name], prompts, max_new)
+            wall, outs = run(engines[name], prompts, max_new, rows)
             walls[name].append(wall)
             last[name] = outs
     return {name: (walls[name], last[name]) for name in names}
@@ -118,7 +124,31 @@ class Identity:
 
     def __init__(self) -> None:
         self.compared = 0
+        self.rows_compared = 0
         self.mismatches: list[str] = []
+
+    def check_rows(self, where: str, labels: Sequence[str], a: list[dict],
+                   b: list[dict]) -> None:
+        """Routed experts: the same number of rows, and equal rows."""
+        for label, oa, ob in zip(labels, a, b, strict=True):
+            ra = extract_routed_experts_from_meta_info(oa)
+            rb = extract_routed_experts_from_meta_info(ob)
+            self.rows_compared += 1
+            if ra.shape != rb.shape:
+                self.mismatches.append(f"{where} {label}: rows {ra.shape} against {rb.shape}")
+                continue
+            bad = np.flatnonzero((ra != rb).reshape(len(ra), -1).any(axis=1))
+            if len(bad):
+                self.mismatches.append(f"{where} {label}: {len(bad)} of {len(ra)} routed-expert "
+                                       f"rows differ, the first at row {bad[0]}")
+
+    def check_all(self, where: str, labels: Sequence[str],
+                  res: dict[str, tuple[list[float], list[dict]]], rows: bool) -> None:
+        for n in res:
+            if n != "A":
+                self.check(f"{where} {n}", labels, res["A"][1], res[n][1])
+                if rows:
+                    self.check_rows(f"{where} {n}", labels, res["A"][1], res[n][1])
 
     def check(self, where: str, labels: Sequence[str], a: list[dict], b: list[dict]) -> None:
         for label, oa, ob in zip(labels, a, b, strict=True):
@@ -169,12 +199,12 @@ def single_phase(engines: dict[str, Engine], prompts: list[Prompt], args: argpar
     rows, rates, spec_outs = [], {n: [] for n in engines}, []
     before = {n: step_stats(e) for n, e in engines.items()}
     for label, ids in prompts:
-        interleaved(engines, [ids], args.output_len, 1)  # warm-up (every engine, each path)
+        # Warm-up (every engine, each path); with --check-rows it returns routed experts.
+        warm = interleaved(engines, [ids], args.output_len, 1, args.check_rows)
+        identity.check_all("single (warm-up)", [label], warm, args.check_rows)
         pre = interleaved(engines, [ids], 1, args.prefill_repeats)
         res = interleaved(engines, [ids], args.output_len, args.repeats)
-        for n in engines:
-            if n != "A":
-                identity.check(f"single {n}", [label], res["A"][1], res[n][1])
+        identity.check_all("single", [label], res, False)
         rate = {n: (args.output_len - 1) / max(median(res[n][0]) - median(pre[n][0]), 1e-9)
                 for n in engines}
         for n in engines:
@@ -198,14 +228,13 @@ def batch_phase(engines: dict[str, Engine], prompts: list[Prompt], bs: int,
                 args: argparse.Namespace, identity: Identity) -> list[Any]:
     batch = [prompts[i % len(prompts)] for i in range(bs)]
     ids = [p[1] for p in batch]
-    interleaved(engines, ids, args.output_len, 1)  # warm-up
+    labels = [f"#{i} {p[0]}" for i, p in enumerate(batch)]
+    warm = interleaved(engines, ids, args.output_len, 1, args.check_rows)
+    identity.check_all(f"batch {bs} (warm-up)", labels, warm, args.check_rows)
     before = {n: step_stats(e) for n, e in engines.items()}
     res = interleaved(engines, ids, args.output_len, args.batch_repeats)
     after = {n: step_stats(e) for n, e in engines.items()}
-    for n in engines:
-        if n != "A":
-            identity.check(f"batch {bs} {n}", [f"#{i} {p[0]}" for i, p in enumerate(batch)],
-                           res["A"][1], res[n][1])
+    identity.check_all(f"batch {bs}", labels, res, False)
     tokens = {n: sum(o["meta_info"]["completion_tokens"] for o in res[n][1]) for n in engines}
     rate = {n: tokens[n] / median(res[n][0]) for n in engines}
     step = [step_ms(before[n], after[n], "target_verify" if n == "B" else "decode")
@@ -267,6 +296,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prefill-repeats", type=int, default=3)
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[8, 32])
     p.add_argument("--batch-repeats", type=int, default=5)
+    p.add_argument("--check-rows", action="store_true",
+                   help="return routed experts in the warm-up rounds and compare them too "
+                        "(the engines start with --enable-return-routed-experts)")
     p.add_argument("--no-ceiling", action="store_true",
                    help="skip timing the decode and verify steps alone (in this process)")
     p.add_argument("--quick", action="store_true",
@@ -285,7 +317,8 @@ def engine_kwargs(args: argparse.Namespace) -> tuple[dict, dict]:
     pads = sorted({1, *args.batch_sizes})
     common = dict(model_path=model_path_for(args.preset), max_running_requests=max(pads),
                   precompile_bs_paddings=pads, precompile_token_paddings=[64, 256, 1024],
-                  chunked_prefill_size=1024, log_level="warning")
+                  chunked_prefill_size=1024, log_level="warning",
+                  enable_return_routed_experts=args.check_rows)
     spec = dict(speculative_algorithm=args.speculative_algorithm,
                 speculative_num_steps=args.speculative_num_steps,
                 speculative_draft_model_path=args.speculative_draft_model_path)
@@ -364,8 +397,8 @@ def main() -> None:
         print(markdown_table(["batch", "decode step ms", "verify step ms", "verify/decode",
                               "verify tokens"], ceiling))
     print(f"\nServer's avg_spec_accept_length (B, whole run): {server_accept:.3f}")
-    print(f"Identity: {identity.compared} output pairs compared with A, "
-          f"{len(identity.mismatches)} differ.")
+    print(f"Identity: {identity.compared} output pairs and {identity.rows_compared} "
+          f"routed-experts pairs compared with A, {len(identity.mismatches)} differ.")
     for m in identity.mismatches:
         print(f"  MISMATCH {m}")
 

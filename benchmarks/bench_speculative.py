@@ -27,7 +27,7 @@ B A0 A, ...), so the machine's drift hits all alike. Greedy, with
 Prompts: openings of ``sgl_jax/assets/corpus.txt`` paragraphs (the bundled model's training
 text) and chat prompts through the model's chat template.
 
-    python benchmarks/bench_speculative.py              # ~5 minutes on 2 cores
+    python benchmarks/bench_speculative.py              # ~2-3 minutes on 2 cores
     python benchmarks/bench_speculative.py --quick      # < 1 minute
     python benchmarks/bench_speculative.py --speculative-num-steps 5
 """

@@ -46,6 +46,7 @@ UNIT = [
 E2E = [
     "tests/test_engine.py",
     "tests/test_trained_model.py",
+    "tests/test_train_eagle.py",
     "tests/test_routed_experts.py",
     "tests/test_scheduler_abort.py",
     "tests/test_routed_experts_gather.py",

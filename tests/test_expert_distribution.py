@@ -138,6 +138,29 @@ def test_per_pass_rows_sum_to_counts_with_modes_and_tokens(tmp_path):
     assert (counts.sum(axis=2) == tokens[:, None] * CFG.num_experts_per_tok).all()
 
 
+# -- speculative decoding: every verified token is counted ---------------------------------------
+def test_recorder_counts_every_verified_token_under_speculation(tmp_path):
+    """Verify steps are passes of mode 2 and record every token the target computed,
+    rejected drafts included; the last record of each position is the returned row."""
+    with Engine(**engine_args(expert_distribution_recorder_mode="per_token",
+                              enable_return_routed_experts=True, speculative_algorithm="NGRAM",
+                              expert_distribution_recorder_dir=str(tmp_path))) as eng:
+        eng.start_expert_distribution_record()
+        prompt = prompt_ids(450, 8) * 4  # NGRAM drafts from the repeated phrase
+        (out,) = eng.generate(input_ids=[prompt], rid=["s"], return_routed_experts=True,
+                              sampling_params=[{**GREEDY, "max_new_tokens": 40}])
+        path = eng.dump_expert_distribution_record()
+    rows = returned_rows([out], CFG)[0]
+    with np.load(path) as f:
+        ids, rid, pos = f["topk_ids"], f["rid"], f["position"]
+    ids, pos = ids[rid == "s"], pos[rid == "s"]
+    assert len(pos) > len(rows)  # rejected drafts were computed (and counted) too
+    for p in range(len(rows)):
+        (where,) = np.nonzero(pos == p)
+        np.testing.assert_array_equal(ids[where[-1]], rows[p])
+    assert pos.max() == len(rows) - 1  # drafts never run past max_new_tokens
+
+
 # -- per_token, on a family with dense layers -----------------------------------------------------
 def test_per_token_ids_rids_positions_with_dense_layers(deepseek_path, tmp_path):
     cfg = ModelConfig.from_hf(deepseek_path)

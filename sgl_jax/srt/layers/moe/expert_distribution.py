@@ -43,7 +43,8 @@ from sgl_jax.srt.layers.moe.routing import RoutingSpec
 MODES = ("stat", "per_pass", "per_token")
 DEFAULT_BUFFER_SIZE = 1000
 # ``forward_mode`` codes in the per_pass dump.
-FORWARD_MODE_CODES = {ForwardMode.EXTEND: 0, ForwardMode.DECODE: 1}
+FORWARD_MODE_CODES = {ForwardMode.EXTEND: 0, ForwardMode.DECODE: 1,
+                      ForwardMode.TARGET_VERIFY: 2}
 
 
 class ExpertDistributionRecorder:

@@ -605,6 +605,9 @@ class ModelRunner:
     ) -> StepPlan:
         """The host inputs of one step: ``mwb`` padded to its bucket, plus the page rows."""
         dp = self.dp_size > 1
+        if self.draft_steps and not mwb.forward_mode.is_decode and mwb.draft_scratch is None:
+            raise ValueError("EAGLE: extend and verify batches need draft_scratch (the chain's "
+                             f"{self.draft_steps - 1} slots per row) and draft_next_ids")
         if dp and mwb.dp_ranks is None:
             raise ValueError("DP attention: the batch must give each row's rank (dp_ranks)")
         # DP attention: every rank is padded to the bucket of the busiest one.

@@ -1,7 +1,8 @@
-"""An HTTP server with ``--speculative-algorithm NGRAM`` answers greedy requests, over the
-native and the OpenAI routes, streaming or not, with the tokens and routed-experts rows of the
-float64 reference (what the server without speculation returns), ``spec_verify_ct`` in
-``meta_info``, and ``avg_spec_accept_length`` in ``/get_server_info``."""
+"""An HTTP server with ``--speculative-algorithm EAGLE`` (the bundled model and its bundled
+draft) or ``NGRAM`` (the test model) answers greedy requests, over the native and the OpenAI
+routes, streaming or not, with the tokens and routed-experts rows of the float64 reference
+(what the server without speculation returns), ``spec_verify_ct`` in ``meta_info``, and
+``avg_spec_accept_length`` in ``/get_server_info``."""
 
 from __future__ import annotations
 
@@ -10,20 +11,25 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from sgl_jax.testing import server_flags
+from sgl_jax.srt.configs.model_config import BUNDLED_MODEL_PATH
+from sgl_jax.testing import TEST_MODEL_PATH, server_flags
 from tests.engine_utils import decoded_rows, expected_rows, prompt_ids, reference_greedy
 from tests.server_utils import server_fixture, sse_events
 
-ARGS = server_flags(
-    speculative_algorithm="NGRAM", speculative_num_steps=3, enable_return_routed_experts=True,
-    chunked_prefill_size=64, precompile_token_paddings=[64], precompile_bs_paddings=[4, 8],
-)
 NEW_TOKENS = 24
+SETUPS = {"EAGLE": BUNDLED_MODEL_PATH, "NGRAM": TEST_MODEL_PATH}  # algorithm -> model
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=list(SETUPS))
 def server(request):
-    yield from server_fixture(request, ARGS)
+    model = SETUPS[request.param]
+    args = server_flags(
+        model_path=model, speculative_algorithm=request.param, speculative_num_steps=3,
+        enable_return_routed_experts=True, chunked_prefill_size=64,
+        precompile_token_paddings=[64], precompile_bs_paddings=[4, 8])
+    for s in server_fixture(request, args):
+        s.model = model
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +55,9 @@ def test_native_route_concurrent_greedy_rows_equal_the_reference(server, shape):
     with ThreadPoolExecutor(len(batch)) as pool:
         results = list(pool.map(generate, batch))
     for ids, result in zip(batch, results, strict=True):
-        assert result["output_ids"] == reference_greedy(ids, NEW_TOKENS)
+        assert result["output_ids"] == reference_greedy(ids, NEW_TOKENS, path=server.model)
         np.testing.assert_array_equal(decoded_rows(result, *shape),
-                                      expected_rows(ids, result["output_ids"]))
+                                      expected_rows(ids, result["output_ids"], server.model))
         assert 1 <= result["meta_info"]["spec_verify_ct"] <= NEW_TOKENS - 1
     assert server.get("/get_server_info").json()["avg_spec_accept_length"] > 1.0
 
@@ -66,5 +72,5 @@ def test_openai_completion_streamed_rows_equal_the_reference(server, shape):
     events = [e for e in sse_events(resp) if isinstance(e, dict)]
     rows = [decoded_rows(e["choices"][0], *shape) for e in events
             if (e["choices"][0].get("meta_info") or {}).get("routed_experts")]
-    want = reference_greedy(ids, NEW_TOKENS)
-    np.testing.assert_array_equal(np.concatenate(rows), expected_rows(ids, want))
+    want = reference_greedy(ids, NEW_TOKENS, path=server.model)
+    np.testing.assert_array_equal(np.concatenate(rows), expected_rows(ids, want, server.model))

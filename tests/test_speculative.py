@@ -380,3 +380,25 @@ def test_bundled_draft_drafts_what_the_reference_draft_drafts(bundled_eagle):
         assert out["meta_info"]["spec_verify_ct"] == sim_steps
         emitted, steps = emitted + sim_emitted, steps + sim_steps
     assert emitted / steps > 1.5, "the bundled draft accepts too little: retrain it?"
+
+
+def test_weight_update_then_outputs_are_the_new_models(small_pool, tmp_path):
+    """After update_weights_from_disk the verify steps (and EAGLE's draft, through the
+    target's embedding and LM head) run on the new weights: greedy output and rows are the
+    new checkpoint's float64 reference; the drafts may get worse, the outputs cannot."""
+    from sgl_jax.tools.make_random_model import write_random_model
+
+    second = str(tmp_path / "second")
+    write_random_model(second, "tiny", seed=5)
+    result = small_pool.update_weights_from_disk(second)
+    assert result["success"], result
+    try:
+        ids = repetitive(123)
+        out = small_pool.generate(input_ids=ids, return_routed_experts=True,
+                                  sampling_params={**GREEDY, "max_new_tokens": 30})
+        assert out["output_ids"] == reference_greedy(ids, 30, path=second)
+        np.testing.assert_array_equal(decoded_rows(out, L, K),
+                                      expected_rows(ids, out["output_ids"], second))
+    finally:
+        assert small_pool.update_weights_from_disk(TEST_MODEL_PATH)["success"]
+

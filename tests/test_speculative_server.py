@@ -74,3 +74,20 @@ def test_openai_completion_streamed_rows_equal_the_reference(server, shape):
             if (e["choices"][0].get("meta_info") or {}).get("routed_experts")]
     want = reference_greedy(ids, NEW_TOKENS, path=server.model)
     np.testing.assert_array_equal(np.concatenate(rows), expected_rows(ids, want, server.model))
+
+
+def test_openai_n_choices_each_equal_the_reference(server, shape):
+    """n = 2 greedy choices are two requests, each with its own verify steps and rows."""
+    ids = prompts()[2]
+    resp = server.post("/v1/completions", json={
+        "model": server.get("/v1/models").json()["data"][0]["id"], "prompt": ids,
+        "max_tokens": NEW_TOKENS, "temperature": 0.0, "n": 2, "return_routed_experts": True,
+        "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    choices = resp.json()["choices"]
+    want = reference_greedy(ids, NEW_TOKENS, path=server.model)
+    assert len(choices) == 2
+    for choice in choices:
+        np.testing.assert_array_equal(decoded_rows(choice, *shape),
+                                      expected_rows(ids, want, server.model))
+        assert choice["meta_info"]["spec_verify_ct"] >= 1

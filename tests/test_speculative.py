@@ -91,7 +91,7 @@ def test_shrink_kv_returns_the_pages_past_the_kept_positions(page):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"speculative_algorithm": "NEXTN"}, "not built yet"),
+    ({"speculative_algorithm": "NEXTN", "speculative_draft_model_path": "/tmp"}, "is for EAGLE"),
     ({"speculative_algorithm": "EAGLE", "model_path": "/tmp"}, "needs --speculative-draft"),
     ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 2}, "chain"),
     ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 3,

@@ -257,7 +257,8 @@ class ServerArgs:
               "drafts never leave the step (docs/speculative.md). NGRAM drafts from the "
               "request's own earlier tokens (prompt lookup); EAGLE runs a one-layer draft head on "
               "the target's hidden states inside the target's step (the bundled model ships "
-              "one); NEXTN is not built yet.", choices=SPECULATIVE_ALGORITHMS)
+              "one); NEXTN runs the multi-token-prediction layer of a DeepSeek-V3 / GLM-4.5 "
+              "checkpoint the same way.", choices=SPECULATIVE_ALGORITHMS)
     speculative_draft_model_path: str | None = _arg(
         None, "EAGLE: the draft head's checkpoint directory (docs/speculative.md has its "
               "format). Default for the bundled model: its bundled draft.")
@@ -442,12 +443,9 @@ class ServerArgs:
         if algo not in SPECULATIVE_ALGORITHMS:
             fail(f"speculative_algorithm={algo!r}; use one of "
                  f"{', '.join(SPECULATIVE_ALGORITHMS)}")
-        if algo == "NEXTN":
-            fail("speculative_algorithm=NEXTN (the checkpoint's MTP layers as the draft) is not "
-                 "built yet; use EAGLE (a draft head) or NGRAM (drafts from the request's own "
-                 "tokens)")
-        if algo == "NGRAM" and self.speculative_draft_model_path:
-            fail("speculative_draft_model_path is for EAGLE; NGRAM drafts need no model")
+        if algo != "EAGLE" and self.speculative_draft_model_path:
+            fail(f"speculative_draft_model_path is for EAGLE; {algo} needs none (NGRAM drafts "
+                 "from the request's tokens, NEXTN from the model's own MTP layer)")
         if algo == "EAGLE" and not self.speculative_draft_model_path:
             from sgl_jax.srt.configs.model_config import (
                 BUNDLED_EAGLE_DRAFT_PATH,

@@ -84,6 +84,7 @@ from sgl_jax.srt.model_loader.loader import abstract_model, load_model
 from sgl_jax.srt.models.backends import ModelBackends
 from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.speculative.eagle import EagleDraft, draft_config, draft_step, load_draft
+from sgl_jax.srt.speculative.nextn import MtpDraft, load_mtp, mtp_config
 
 logger = logging.getLogger(__name__)
 
@@ -259,15 +260,21 @@ class ModelRunner:
         # them (a reference here would keep the old weights alive).
         model = build(model_config, self.mesh, self.dtype, self.expert_placement)
         self.graphdef, params = nnx.split(model)
-        # EAGLE: the draft head, its KV one more layer of the cache (the last), its
+        # EAGLE / NEXTN: the draft head, its KV one more layer of the cache (the last), its
         # parameters an argument of the step beside the target's (not part of weight updates).
         self.draft_steps = 0
         self.draft_graphdef = self.draft_treedef = None
         self.draft_leaves: list | None = None
-        if server_args.speculative_algorithm == "EAGLE":
-            dcfg = draft_config(server_args.speculative_draft_model_path, model_config)
-            draft = (nnx.eval_shape(lambda: EagleDraft(dcfg, self.dtype)) if abstract
-                     else load_draft(dcfg, self.mesh, self.dtype))
+        algorithm = server_args.speculative_algorithm
+        if algorithm in ("EAGLE", "NEXTN"):
+            if algorithm == "EAGLE":
+                dcfg = draft_config(server_args.speculative_draft_model_path, model_config)
+                draft = (nnx.eval_shape(lambda: EagleDraft(dcfg, self.dtype)) if abstract
+                         else load_draft(dcfg, self.mesh, self.dtype))
+            else:
+                dcfg = mtp_config(model_config)
+                draft = (nnx.eval_shape(lambda: MtpDraft(dcfg, self.dtype)) if abstract
+                         else load_mtp(dcfg, model_config, self.mesh, self.dtype))
             self.draft_graphdef, draft_params = nnx.split(draft)
             self.draft_leaves, self.draft_treedef = jax.tree.flatten(draft_params)
             self.draft_steps = int(server_args.speculative_num_steps)
@@ -606,7 +613,7 @@ class ModelRunner:
         """The host inputs of one step: ``mwb`` padded to its bucket, plus the page rows."""
         dp = self.dp_size > 1
         if self.draft_steps and not mwb.forward_mode.is_decode and mwb.draft_scratch is None:
-            raise ValueError("EAGLE: extend and verify batches need draft_scratch (the chain's "
+            raise ValueError("EAGLE / NEXTN: extend and verify batches need draft_scratch (the chain's "
                              f"{self.draft_steps - 1} slots per row) and draft_next_ids")
         if dp and mwb.dp_ranks is None:
             raise ValueError("DP attention: the batch must give each row's rank (dp_ranks)")

@@ -18,9 +18,10 @@ class SpeculativeDecoding:
     def __init__(self, server_args: ServerArgs) -> None:
         self.algorithm = server_args.speculative_algorithm
         self.num_steps = int(server_args.speculative_num_steps)
-        self.eagle = self.algorithm == "EAGLE"
-        # EAGLE's chain writes draft KV past a row's tokens: slots held during a step only.
-        self.scratch = self.num_steps - 1 if self.eagle else 0
+        # EAGLE and NEXTN draft inside the target's step (speculative/eagle.py); their chain
+        # writes draft KV past a row's tokens: slots held during a step only.
+        self.in_step_draft = self.algorithm in ("EAGLE", "NEXTN")
+        self.scratch = self.num_steps - 1 if self.in_step_draft else 0
         self.proposer = NgramProposer(server_args.speculative_ngram_min_match_window_size,
                                       server_args.speculative_ngram_max_match_window_size)
         # Per request and verify step: one count, and the tokens it gained (>= 1 each).
@@ -40,7 +41,7 @@ class SpeculativeDecoding:
                    context_len - req.seq_len - req.inflight - 1)
         if room <= 0:
             return []
-        if self.eagle:  # proposed by the step that computed the request's last token
+        if self.in_step_draft:  # proposed by the step that computed the request's last token
             return req.spec_drafts[:room]
         return self.proposer.propose(req.fill_ids, room)
 

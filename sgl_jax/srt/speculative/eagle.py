@@ -92,6 +92,9 @@ class EagleDraft(nnx.Module):
         self.layers = nnx.List([DecoderLayer(config, 0, dtype, GqaAttention)])
         self.norm = RMSNorm(hidden, config.rms_norm_eps, dtype)
 
+    def output_norm(self, g: jax.Array) -> jax.Array:
+        return self.norm(g)
+
     def __call__(self, embedded: jax.Array, features: jax.Array, batch: ForwardBatch,
                  meta: AttentionMetadata, kv: jax.Array, backends: ModelBackends,
                  ) -> tuple[jax.Array, jax.Array]:
@@ -131,12 +134,13 @@ def accepted_counts(batch: ForwardBatch, token_to_req: jax.Array,
 
 
 def draft_step(
-    draft: EagleDraft, embed: jax.Array, head: jax.Array, batch: ForwardBatch, meta: AttentionMetadata, hidden: jax.Array, next_ids: jax.Array,
+    draft: nnx.Module, embed: jax.Array, head: jax.Array, batch: ForwardBatch, meta: AttentionMetadata, hidden: jax.Array, next_ids: jax.Array,
     kv: jax.Array, req_to_page: jax.Array, backends: ModelBackends, num_steps: int,
     page_size: int, no_req_slot: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The next drafts ``[B, num_steps]`` of every row, the draft's KV layer and the page
-    table (with the scratch positions' pages). ``embed`` / ``head``: the target's."""
+    table (with the scratch positions' pages). ``draft``: an ``EagleDraft`` or a NEXTN
+    ``MtpDraft`` (the same interface); ``embed`` / ``head``: the target's."""
     token_to_req, positions = meta.token_to_req, meta.positions
     rows = batch.batch_size
     starts, lens = batch.extend_starts, batch.extend_lens
@@ -156,7 +160,7 @@ def draft_step(
     g, kv = draft(jnp.take(embed, following, axis=0), hidden, batch, meta, kv, backends)
 
     def propose(g_rows: jax.Array) -> jax.Array:
-        logits = draft.norm(g_rows) @ head
+        logits = draft.output_norm(g_rows) @ head
         return jnp.argmax(logits.astype(jnp.float32), axis=-1).astype(jnp.int32)
 
     feature = jnp.take(g, kept, axis=0)  # [B, H]

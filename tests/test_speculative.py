@@ -402,3 +402,40 @@ def test_weight_update_then_outputs_are_the_new_models(small_pool, tmp_path):
     finally:
         assert small_pool.update_weights_from_disk(TEST_MODEL_PATH)["success"]
 
+
+
+# -- NEXTN: the MTP layer of DeepSeek-V3 / GLM-4.5 checkpoints -----------------------------------
+@pytest.fixture(scope="module", params=["tiny-deepseek-v3", "tiny-glm4-moe"])
+def nextn_engine(request, tmp_path_factory):
+    from sgl_jax.tools.make_random_model import write_random_model
+
+    path = str(tmp_path_factory.mktemp("mtp") / request.param)
+    write_random_model(path, request.param, seed=0)  # with one MTP layer
+    eng = Engine(**engine_args(**{**SETTINGS, "model_path": path}), page_size=4,
+                 speculative_algorithm="NEXTN")
+    eng.path = path
+    yield eng
+    assert_no_leak(eng)
+    eng.shutdown()
+
+
+def test_nextn_output_rows_and_drafts_equal_the_reference(nextn_engine):
+    """MLA (DeepSeek-V3) and GQA (GLM-4.5) targets with their MTP layer as the draft: output
+    and rows are the float64 reference's, and every request takes the verify steps a float64
+    simulation of the MTP chain (reference_nextn) takes."""
+    from sgl_jax.tools.reference_eagle import accept_length
+    from sgl_jax.tools.reference_nextn import NextnReference
+
+    path = nextn_engine.path
+    cfg = ModelConfig.from_hf(path)
+    draft = NextnReference(reference(path))
+    prompts = [repetitive(60 + i) for i in range(2)] + [prompt_ids(70, 90)]
+    outs = nextn_engine.generate(input_ids=prompts, return_routed_experts=True,
+                                 sampling_params={**GREEDY, "max_new_tokens": 24})
+    for ids, out in zip(prompts, outs, strict=True):
+        assert out["output_ids"] == reference_greedy(ids, 24, path=path)
+        np.testing.assert_array_equal(
+            decoded_rows(out, cfg.num_hidden_layers, cfg.num_experts_per_tok),
+            expected_rows(ids, out["output_ids"], path))
+        assert out["meta_info"]["spec_verify_ct"] == accept_length(draft, ids,
+                                                                   out["output_ids"], 3)[1]

@@ -29,6 +29,10 @@ class SpeculativeDecoding:
         self.accepted = 0
         self._steps = 0
         self._window = (0, 0)  # (verify_ct, accepted) at the last log line
+        source = {"EAGLE": f"draft head {server_args.speculative_draft_model_path}",
+                  "NEXTN": "the checkpoint's MTP layer", "NGRAM": "prompt lookup"}
+        logger.info("speculative decoding: %s (%s), %d draft tokens per step; overlap "
+                    "scheduling off", self.algorithm, source[self.algorithm], self.num_steps)
 
     @staticmethod
     def create(server_args: ServerArgs) -> SpeculativeDecoding | None:

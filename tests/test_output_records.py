@@ -146,5 +146,5 @@ def test_an_empty_batch_pickles() -> None:
 
 
 def test_a_record_needs_all_its_values() -> None:
-    with pytest.raises(ValueError, match="11 values for 12 fields"):
-        BatchTokenIDOut.of_values([("r", [1], None, 1, 1, 0, (), True, "", None, None)])
+    with pytest.raises(ValueError, match="12 values for 13 fields"):
+        BatchTokenIDOut.of_values([("r", [1], None, 1, 1, 0, (), True, "", None, None, None)])

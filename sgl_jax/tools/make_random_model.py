@@ -10,6 +10,15 @@ counts but tiny widths (``qwen3-30b-a3b-routing``, ``deepseek-v3-routing``,
 ``mixtral-8x7b-routing``, ``qwen2-57b-a14b-routing``, ``glm-4.5-air-routing``). The families and
 their tensors are in :mod:`sgl_jax.tools.random_model_families`.
 
+DeepSeek-V3 and GLM-4.5 presets (``tiny-deepseek-v3``, ``tiny-glm4-moe``,
+``deepseek-v3-routing``, ``glm-4.5-air-routing``) also hold the released models' one
+multi-token-prediction (MTP) layer, ``model.layers.{L}.*`` with L = num_hidden_layers
+(config.json ``num_nextn_predict_layers: 1``; ``--set num_nextn_predict_layers=0`` writes none and
+leaves the file byte-identical to the one without MTP support). The MTP layer is NEXTN
+speculative decoding's draft (float64 reference: :mod:`sgl_jax.tools.reference_nextn`); the main
+model ignores it, so every other tensor is the same with or without it, and the router search
+(which measures the main model) neither measures nor redraws its router (sub-seed 0).
+
 The output directory holds ``config.json`` (the family's config class keys, architectures and
 model_type), ``model.safetensors`` (HF tensor names; Linear weights are
 ``[out_features, in_features]``), ``tokenizer.json``, ``tokenizer_config.json`` (ChatML chat
@@ -197,6 +206,12 @@ def parse_set(items: list[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key.strip()] = raw
     return out
+
+
+def mtp_note(config: dict[str, Any]) -> str:
+    """" + N MTP layer(s)" for the CLI summary, or ""."""
+    n = int(config.get("num_nextn_predict_layers") or 0)
+    return f" + {n} MTP layer{'s' if n > 1 else ''}" if n else ""
 
 
 def is_moe_layer(config: dict[str, Any], layer: int) -> bool:
@@ -395,7 +410,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         f"wrote {args.out_dir}: preset {args.preset} ({cfg['architectures'][0]}), "
-        f"seed {args.seed}, {cfg['num_hidden_layers']} layers ({moe} MoE), "
+        f"seed {args.seed}, {cfg['num_hidden_layers']} layers ({moe} MoE)"
+        f"{mtp_note(cfg)}, "
         f"{family.num_experts(cfg)} experts, top-{cfg['num_experts_per_tok']}{groups}, "
         f"router {family.router_rule}"
     )

@@ -27,7 +27,9 @@ router logits for the softmax routers) and ``selection_gap`` (the smallest score
 that decides the ids and their order, including the group boundary of grouped routers): a
 float32 engine can only be expected to reproduce the ids where that gap is clearly above
 float32 rounding noise. ``hidden`` is the last decoder layer's output before the final norm
-(the features an EAGLE draft reads, see :mod:`sgl_jax.tools.reference_eagle`).
+(the features an EAGLE draft reads, see :mod:`sgl_jax.tools.reference_eagle`). ``load_layer`` /
+``layer_forward`` run one decoder layer on its own (the MTP layer of
+:mod:`sgl_jax.tools.reference_nextn`).
 
 Usage::
 

@@ -17,7 +17,13 @@ from safetensors.numpy import load_file
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.model_executor.model_runner import make_mesh
 from sgl_jax.srt.model_loader.loader import load_model
-from sgl_jax.tools.make_random_model import BUNDLED_DIR, write_random_model
+from sgl_jax.tools.make_random_model import (
+    BUNDLED_DIR,
+    load_tokenizer,
+    sample_prompts,
+    write_random_model,
+    write_random_model_report,
+)
 from sgl_jax.tools.reference_forward import ReferenceModel
 from sgl_jax.tools.reference_nextn import NextnReference, accept_length
 
@@ -189,3 +195,21 @@ def test_refusals(tmp_path: Path, ckpts) -> None:
     with pytest.raises(ValueError, match="num_nextn_predict_layers"):
         write_random_model(str(tmp_path), "tiny-mixtral", {"num_nextn_predict_layers": 1},
                            check_routing=False)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS.values()))
+def test_router_search_covers_the_mtp_layer(tmp_path: Path, preset: str) -> None:
+    """With the routing check, the MTP router is searched too: the teacher-forced draft's
+    selection gap clears the preset's threshold on the sample prompts, and the main model is
+    the one the search finds without an MTP layer."""
+    report = write_random_model_report(str(tmp_path / "mtp"), preset, seed=0)
+    write_random_model(str(tmp_path / "plain"), preset, {"num_nextn_predict_layers": 0}, seed=0)
+    target = ReferenceModel(str(tmp_path / "mtp"))
+    draft = NextnReference(target)
+    for ids in sample_prompts(load_tokenizer()):
+        gap = draft.routing(ids, target.forward(ids).hidden).selection_gap
+        assert gap.shape == (len(ids) - 1,)
+        assert float(gap.min()) >= report.min_router_gap > 0
+    tensors = load_file(str(tmp_path / "mtp" / "model.safetensors"))
+    for name, t in load_file(str(tmp_path / "plain" / "model.safetensors")).items():
+        np.testing.assert_array_equal(tensors[name], t, err_msg=name)

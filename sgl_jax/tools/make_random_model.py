@@ -16,8 +16,12 @@ multi-token-prediction (MTP) layer, ``model.layers.{L}.*`` with L = num_hidden_l
 (config.json ``num_nextn_predict_layers: 1``; ``--set num_nextn_predict_layers=0`` writes none and
 leaves the file byte-identical to the one without MTP support). The MTP layer is NEXTN
 speculative decoding's draft (float64 reference: :mod:`sgl_jax.tools.reference_nextn`); the main
-model ignores it, so every other tensor is the same with or without it, and the router search
-(which measures the main model) neither measures nor redraws its router (sub-seed 0).
+model ignores it, so every other tensor is the same with or without it. After the main layers,
+the router search treats the (first) MTP layer's router the same way, measuring the selection
+gap of the teacher-forced draft (``NextnReference.routing``: embeddings of the next tokens, the
+target's hidden states) on the same sample prompts; redrawing it changes nothing of the main
+model. (The margin holds for teacher-forced features; a chain's own features are likely, not
+guaranteed, to keep it.)
 
 The output directory holds ``config.json`` (the family's config class keys, architectures and
 model_type), ``model.safetensors`` (HF tensor names; Linear weights are
@@ -69,6 +73,7 @@ import copy
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,6 +87,7 @@ from sgl_jax.tools.random_model_families import (
     base_weights,
     check_config,
     family_of,
+    mtp_layer_ids,
     router_weights,
 )
 from sgl_jax.tools.random_model_presets import GEN_DEFAULTS, PRESETS
@@ -91,6 +97,8 @@ from sgl_jax.tools.random_model_routing import (
     order_gaps,
     sample_prompts,
 )
+from sgl_jax.tools.reference_forward import ReferenceModel
+from sgl_jax.tools.reference_nextn import NextnReference
 from sgl_jax.tools.train_tokenizer import (
     CORPUS_PATH,
     ENDOFTEXT,
@@ -279,6 +287,52 @@ def _save(tensors: dict[str, np.ndarray], path: Path) -> None:
     os.chmod(path, 0o644)
 
 
+def _mtp_gap(target: ReferenceModel, prompts: list[list[int]], hidden: list[np.ndarray]) -> float:
+    """The MTP layer's smallest selection gap of the teacher-forced NEXTN draft (reference
+    float64; features: the target's hidden states) over the sample prompts. Re-reads the MTP
+    layer from the checkpoint (``target`` itself does not change: its routers are fixed)."""
+    draft = NextnReference(target)
+    return min(
+        float(draft.routing(ids, h).selection_gap.min())
+        for ids, h in zip(prompts, hidden, strict=True)
+    )
+
+
+def _search_mtp_router(
+    path: str,
+    layer: int,
+    prompts: list[list[int]],
+    threshold: float,
+    max_attempts: int,
+    attempts: dict[int, int],
+    write: Callable[[], dict[str, np.ndarray]],
+    verbose: bool,
+) -> tuple[int, dict[str, np.ndarray] | None]:
+    """The main search's rule for the MTP layer's router, after the main routers are fixed
+    (its input depends on them; it changes nothing of the main model). Returns (draws, the
+    tensors last written or None when nothing was rewritten). Skipped at threshold 0."""
+    if threshold <= 0:
+        return 0, None
+    target = ReferenceModel(path)
+    hidden = [target.forward(ids).hidden for ids in prompts]
+    tried = [(_mtp_gap(target, prompts, hidden), 0)]  # (gap, sub-seed)
+    written = None
+    while tried[-1][0] < threshold and len(tried) < max_attempts:
+        attempts[layer] = len(tried)
+        written = write()
+        tried.append((_mtp_gap(target, prompts, hidden), attempts[layer]))
+    draws = len(tried) - 1
+    if tried[-1][0] < threshold:
+        best = max(tried, key=lambda t: (t[0], -t[1]))[1]
+        if verbose:
+            print(f"MTP layer {layer}: no router draw reached {threshold}; keeping {best}")
+        if best != attempts.get(layer, 0):
+            attempts[layer] = best
+            written = write()
+            draws += 1
+    return draws, written
+
+
 def write_random_model_report(
     out_dir: str,
     preset: str = "tiny",
@@ -347,6 +401,12 @@ def write_random_model_report(
                     result = measure(str(out), prompts)
                     draws += 1
 
+        for layer in mtp_layer_ids(config)[:1]:  # the draft reads the first MTP layer only
+            n, written = _search_mtp_router(
+                str(out), layer, prompts, threshold, max_attempts, attempts, write, verbose
+            )
+            draws += n
+            tensors = written or tensors
     return WriteReport(
         config=config,
         num_params=sum(int(t.size) for t in tensors.values()),

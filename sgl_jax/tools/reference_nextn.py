@@ -42,6 +42,7 @@ from sgl_jax.tools.reference_checkpoint import load_safetensors_f64
 from sgl_jax.tools.reference_eagle import EagleFeatures, EagleReference, accept_length
 from sgl_jax.tools.reference_forward import ReferenceModel
 from sgl_jax.tools.reference_layers import rms_norm
+from sgl_jax.tools.reference_routing import RouterResult
 
 __all__ = ["NEXTN_FAMILIES", "NextnFeatures", "NextnReference", "accept_length", "mtp_tensors"]
 
@@ -108,9 +109,10 @@ class NextnReference(EagleReference):
         self.embed_copy = w[p + "embed_tokens.weight"]
         self.layer = target.load_layer(w, self.layer_index, moe=True)
 
-    def forward(self, next_tokens: Sequence[int], features: np.ndarray) -> NextnFeatures:
-        """The draft at positions 0..n-1 from ``next_tokens`` [n] (x_{p+1} of each position
-        p) and ``features`` [n, H] (f_p: the target's hidden states, or the layer's own g)."""
+    def _run(
+        self, next_tokens: Sequence[int], features: np.ndarray
+    ) -> tuple[NextnFeatures, RouterResult]:
+        """(NextnFeatures, the MTP layer's RouterResult) at positions 0..n-1."""
         ids = np.asarray(list(next_tokens), dtype=np.int64)
         features = np.asarray(features, dtype=np.float64)
         if features.shape != (len(ids), self.hidden_size):
@@ -118,6 +120,19 @@ class NextnReference(EagleReference):
         e = rms_norm(self.target.embed[ids], self.enorm, self.eps)
         f = rms_norm(features, self.hnorm, self.eps)
         z = np.concatenate([e, f], axis=-1) @ self.eh_proj.T
-        g, _, _ = self.target.layer_forward(self.layer, z)  # routing: computed, not returned
+        g, _, routing = self.target.layer_forward(self.layer, z)
+        assert routing is not None  # the MTP layer is a MoE layer
         logits = rms_norm(g, self.head_norm, self.eps) @ self.target.lm_head.T
-        return NextnFeatures(g, logits)
+        return NextnFeatures(g, logits), routing
+
+    def forward(self, next_tokens: Sequence[int], features: np.ndarray) -> NextnFeatures:
+        """The draft at positions 0..n-1 from ``next_tokens`` [n] (x_{p+1} of each position
+        p) and ``features`` [n, H] (f_p: the target's hidden states, or the layer's own g).
+        The MTP layer's routing is computed but not returned (see ``routing``)."""
+        return self._run(next_tokens, features)[0]
+
+    def routing(self, tokens: Sequence[int], hidden: np.ndarray) -> RouterResult:
+        """The MTP layer's routing of the teacher-forced draft over ``tokens`` (as
+        ``features``): make_random_model's router search reads its ``selection_gap``; it is
+        never a routed-experts row."""
+        return self._run(list(tokens)[1:], self._real_features(tokens, hidden))[1]

@@ -10,6 +10,19 @@ counts but tiny widths (``qwen3-30b-a3b-routing``, ``deepseek-v3-routing``,
 ``mixtral-8x7b-routing``, ``qwen2-57b-a14b-routing``, ``glm-4.5-air-routing``). The families and
 their tensors are in :mod:`sgl_jax.tools.random_model_families`.
 
+DeepSeek-V3 and GLM-4.5 presets (``tiny-deepseek-v3``, ``tiny-glm4-moe``,
+``deepseek-v3-routing``, ``glm-4.5-air-routing``) also hold the released models' one
+multi-token-prediction (MTP) layer, ``model.layers.{L}.*`` with L = num_hidden_layers
+(config.json ``num_nextn_predict_layers: 1``; ``--set num_nextn_predict_layers=0`` writes none and
+leaves the file byte-identical to the one without MTP support). The MTP layer is NEXTN
+speculative decoding's draft (float64 reference: :mod:`sgl_jax.tools.reference_nextn`); the main
+model ignores it, so every other tensor is the same with or without it. After the main layers,
+the router search treats the (first) MTP layer's router the same way, measuring the selection
+gap of the teacher-forced draft (``NextnReference.routing``: embeddings of the next tokens, the
+target's hidden states) on the same sample prompts; redrawing it changes nothing of the main
+model. (The margin holds for teacher-forced features; a chain's own features are likely, not
+guaranteed, to keep it.)
+
 The output directory holds ``config.json`` (the family's config class keys, architectures and
 model_type), ``model.safetensors`` (HF tensor names; Linear weights are
 ``[out_features, in_features]``), ``tokenizer.json``, ``tokenizer_config.json`` (ChatML chat
@@ -60,6 +73,7 @@ import copy
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,6 +87,7 @@ from sgl_jax.tools.random_model_families import (
     base_weights,
     check_config,
     family_of,
+    mtp_layer_ids,
     router_weights,
 )
 from sgl_jax.tools.random_model_presets import GEN_DEFAULTS, PRESETS
@@ -82,6 +97,8 @@ from sgl_jax.tools.random_model_routing import (
     order_gaps,
     sample_prompts,
 )
+from sgl_jax.tools.reference_forward import ReferenceModel
+from sgl_jax.tools.reference_nextn import NextnReference
 from sgl_jax.tools.train_tokenizer import (
     CORPUS_PATH,
     ENDOFTEXT,
@@ -199,6 +216,12 @@ def parse_set(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def mtp_note(config: dict[str, Any]) -> str:
+    """" + N MTP layer(s)" for the CLI summary, or ""."""
+    n = int(config.get("num_nextn_predict_layers") or 0)
+    return f" + {n} MTP layer{'s' if n > 1 else ''}" if n else ""
+
+
 def is_moe_layer(config: dict[str, Any], layer: int) -> bool:
     """Whether a layer has a router, by its family's rule (config.json's model_type)."""
     return family_of(config).is_moe_layer(config, layer)
@@ -262,6 +285,52 @@ def _save(tensors: dict[str, np.ndarray], path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
     # safetensors creates the file 0600; a checkpoint (and the packaged asset) is world-readable.
     os.chmod(path, 0o644)
+
+
+def _mtp_gap(target: ReferenceModel, prompts: list[list[int]], hidden: list[np.ndarray]) -> float:
+    """The MTP layer's smallest selection gap of the teacher-forced NEXTN draft (reference
+    float64; features: the target's hidden states) over the sample prompts. Re-reads the MTP
+    layer from the checkpoint (``target`` itself does not change: its routers are fixed)."""
+    draft = NextnReference(target)
+    return min(
+        float(draft.routing(ids, h).selection_gap.min())
+        for ids, h in zip(prompts, hidden, strict=True)
+    )
+
+
+def _search_mtp_router(
+    path: str,
+    layer: int,
+    prompts: list[list[int]],
+    threshold: float,
+    max_attempts: int,
+    attempts: dict[int, int],
+    write: Callable[[], dict[str, np.ndarray]],
+    verbose: bool,
+) -> tuple[int, dict[str, np.ndarray] | None]:
+    """The main search's rule for the MTP layer's router, after the main routers are fixed
+    (its input depends on them; it changes nothing of the main model). Returns (draws, the
+    tensors last written or None when nothing was rewritten). Skipped at threshold 0."""
+    if threshold <= 0:
+        return 0, None
+    target = ReferenceModel(path)
+    hidden = [target.forward(ids).hidden for ids in prompts]
+    tried = [(_mtp_gap(target, prompts, hidden), 0)]  # (gap, sub-seed)
+    written = None
+    while tried[-1][0] < threshold and len(tried) < max_attempts:
+        attempts[layer] = len(tried)
+        written = write()
+        tried.append((_mtp_gap(target, prompts, hidden), attempts[layer]))
+    draws = len(tried) - 1
+    if tried[-1][0] < threshold:
+        best = max(tried, key=lambda t: (t[0], -t[1]))[1]
+        if verbose:
+            print(f"MTP layer {layer}: no router draw reached {threshold}; keeping {best}")
+        if best != attempts.get(layer, 0):
+            attempts[layer] = best
+            written = write()
+            draws += 1
+    return draws, written
 
 
 def write_random_model_report(
@@ -332,6 +401,12 @@ def write_random_model_report(
                     result = measure(str(out), prompts)
                     draws += 1
 
+        for layer in mtp_layer_ids(config)[:1]:  # the draft reads the first MTP layer only
+            n, written = _search_mtp_router(
+                str(out), layer, prompts, threshold, max_attempts, attempts, write, verbose
+            )
+            draws += n
+            tensors = written or tensors
     return WriteReport(
         config=config,
         num_params=sum(int(t.size) for t in tensors.values()),
@@ -395,7 +470,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         f"wrote {args.out_dir}: preset {args.preset} ({cfg['architectures'][0]}), "
-        f"seed {args.seed}, {cfg['num_hidden_layers']} layers ({moe} MoE), "
+        f"seed {args.seed}, {cfg['num_hidden_layers']} layers ({moe} MoE)"
+        f"{mtp_note(cfg)}, "
         f"{family.num_experts(cfg)} experts, top-{cfg['num_experts_per_tok']}{groups}, "
         f"router {family.router_rule}"
     )

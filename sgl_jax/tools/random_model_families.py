@@ -13,6 +13,10 @@ weights are scaled and seeded). Tensor names and shapes are exactly Hugging Face
   ``first_k_dense_replace`` layers (and those off ``moe_layer_freq``) dense.
 - glm4_moe (Glm4MoeForCausalLM): GQA with optional q/k/v biases and q/k norms, partial rotary,
   the DeepSeek-V3 router and shared experts; the first ``first_k_dense_replace`` layers dense.
+
+DeepSeek-V3 and GLM-4.5 also ship ``num_nextn_predict_layers`` multi-token-prediction (MTP)
+layers after the decoder layers (``mtp_weights``; default 1, ``--set num_nextn_predict_layers=0``
+writes none): the draft of NEXTN speculative decoding (see ``reference_nextn``).
 """
 
 from __future__ import annotations
@@ -116,8 +120,8 @@ MIXTRAL_BASE: dict[str, Any] = {
     "use_cache": True,
 }
 
-# DeepSeek-V3's released values (no quantization_config, no auto_map). The random checkpoints
-# hold no multi-token-prediction layers: num_nextn_predict_layers 0.
+# DeepSeek-V3's released values (no quantization_config, no auto_map), including its one
+# multi-token-prediction (MTP) layer: num_nextn_predict_layers 1 (see mtp_weights).
 DEEPSEEK_V3_BASE: dict[str, Any] = {
     "architectures": ["DeepseekV3ForCausalLM"],
     "model_type": "deepseek_v3",
@@ -132,7 +136,7 @@ DEEPSEEK_V3_BASE: dict[str, Any] = {
     "n_group": 8,
     "n_shared_experts": 1,
     "norm_topk_prob": True,
-    "num_nextn_predict_layers": 0,
+    "num_nextn_predict_layers": 1,
     "pretraining_tp": 1,
     "rms_norm_eps": 1e-6,
     "rope_interleave": True,
@@ -148,7 +152,7 @@ DEEPSEEK_V3_BASE: dict[str, Any] = {
     "use_cache": True,
 }
 
-# GLM-4.5-Air's released values.
+# GLM-4.5-Air's released values (one MTP layer, as DeepSeek-V3).
 GLM4_MOE_BASE: dict[str, Any] = {
     "architectures": ["Glm4MoeForCausalLM"],
     "model_type": "glm4_moe",
@@ -160,7 +164,7 @@ GLM4_MOE_BASE: dict[str, Any] = {
     "n_group": 1,
     "n_shared_experts": 1,
     "norm_topk_prob": True,
-    "num_nextn_predict_layers": 0,
+    "num_nextn_predict_layers": 1,
     "partial_rotary_factor": 0.5,
     "rms_norm_eps": 1e-5,
     "rope_scaling": None,
@@ -304,6 +308,10 @@ def check_config(config: dict[str, Any], vocab_min: int, dtypes: tuple[str, ...]
             raise ValueError("q_lora_rank must be null or >= 1")
         if config["num_key_value_heads"] != config["num_attention_heads"]:
             raise ValueError("MLA: num_key_value_heads must equal num_attention_heads")
+    if num_mtp_layers(config) < 0 or (
+        num_mtp_layers(config) and fam.model_type not in ("deepseek_v3", "glm4_moe")
+    ):
+        raise ValueError("num_nextn_predict_layers: >= 0, and only DeepSeek-V3 / GLM-4.5 have any")
     if rotary_dim(config) % 2 or rotary_dim(config) < 2:
         raise ValueError("the rotary dims of a head must be even (RoPE rotates pairs)")
 
@@ -371,8 +379,56 @@ def _swiglu(wr: _Writer, prefix: str, hidden: int, inter: int) -> None:
     wr.linear(prefix + "down_proj.weight", hidden, inter)
 
 
+def num_mtp_layers(config: dict[str, Any]) -> int:
+    """Multi-token-prediction layers the checkpoint holds (DeepSeek-V3 / GLM-4.5 only)."""
+    return int(config.get("num_nextn_predict_layers") or 0)
+
+
+def mtp_layer_ids(config: dict[str, Any]) -> range:
+    """Indices of the MTP layers: they follow the decoder layers (L, L + 1, ...)."""
+    first = config["num_hidden_layers"]
+    return range(first, first + num_mtp_layers(config))
+
+
+def _decoder_layer(wr: _Writer, config: dict[str, Any], i: int, moe: bool) -> None:
+    """Layer i's tensors except its router (attention, norms, dense MLP or experts)."""
+    fam = family_of(config)
+    h = config["hidden_size"]
+    p = f"model.layers.{i}."
+    wr.norm(p + "input_layernorm.weight", h)
+    wr.norm(p + "post_attention_layernorm.weight", h)
+    if fam.model_type == "deepseek_v3":
+        _mla_attention(wr, config, p)
+    elif fam.model_type == "glm4_moe":
+        _gqa_attention(wr, config, p, config["attention_bias"], config["use_qk_norm"])
+    else:
+        _gqa_attention(wr, config, p, fam.model_type == "qwen2_moe", fam.model_type == "qwen3_moe")
+    if not moe:
+        _swiglu(wr, p + "mlp.", h, config["intermediate_size"])
+        return
+    if fam.model_type == "mixtral":
+        inter = config["intermediate_size"]
+        for e in range(fam.num_experts(config)):
+            q = f"{p}block_sparse_moe.experts.{e}."
+            wr.linear(q + "w1.weight", inter, h)
+            wr.linear(q + "w2.weight", h, inter)
+            wr.linear(q + "w3.weight", inter, h)
+        return
+    for e in range(fam.num_experts(config)):
+        _swiglu(wr, f"{p}mlp.experts.{e}.", h, config["moe_intermediate_size"])
+    if fam.model_type == "qwen2_moe" and config["shared_expert_intermediate_size"] > 0:
+        _swiglu(wr, p + "mlp.shared_expert.", h, config["shared_expert_intermediate_size"])
+        # Normed input ~N(0, 1): the gate's logit is ~N(0, 1), sigmoid spread over (0, 1).
+        wr.linear(p + "mlp.shared_expert_gate.weight", 1, h)
+    if fam.model_type in ("deepseek_v3", "glm4_moe") and config["n_shared_experts"] > 0:
+        inter = config["moe_intermediate_size"] * config["n_shared_experts"]
+        _swiglu(wr, p + "mlp.shared_experts.", h, inter)
+
+
 def base_weights(config: dict[str, Any], gen: dict[str, Any], seed: int) -> Tensors:
-    """Every tensor except the routers (see router_weights), float32, HF names and orientation."""
+    """Every tensor except the routers (see router_weights), float32, HF names and orientation.
+
+    Includes the MTP layers (``mtp_weights``) when the config asks for them."""
     fam = family_of(config)
     h, v = config["hidden_size"], config["vocab_size"]
     wr = _Writer(seed)
@@ -381,41 +437,40 @@ def base_weights(config: dict[str, Any], gen: dict[str, Any], seed: int) -> Tens
     # input_layernorm makes the embedding scale irrelevant to layer 0.
     wr.normal("model.embed_tokens.weight", (v, h), gen["logit_std"] / np.sqrt(h) if tied else 1.0)
     for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        wr.norm(p + "input_layernorm.weight", h)
-        wr.norm(p + "post_attention_layernorm.weight", h)
-        if fam.model_type == "deepseek_v3":
-            _mla_attention(wr, config, p)
-        elif fam.model_type == "glm4_moe":
-            _gqa_attention(wr, config, p, config["attention_bias"], config["use_qk_norm"])
-        else:
-            _gqa_attention(
-                wr, config, p, fam.model_type == "qwen2_moe", fam.model_type == "qwen3_moe"
-            )
-        if not fam.is_moe_layer(config, i):
-            _swiglu(wr, p + "mlp.", h, config["intermediate_size"])
-            continue
-        if fam.model_type == "mixtral":
-            inter = config["intermediate_size"]
-            for e in range(fam.num_experts(config)):
-                q = f"{p}block_sparse_moe.experts.{e}."
-                wr.linear(q + "w1.weight", inter, h)
-                wr.linear(q + "w2.weight", h, inter)
-                wr.linear(q + "w3.weight", inter, h)
-            continue
-        for e in range(fam.num_experts(config)):
-            _swiglu(wr, f"{p}mlp.experts.{e}.", h, config["moe_intermediate_size"])
-        if fam.model_type == "qwen2_moe" and config["shared_expert_intermediate_size"] > 0:
-            _swiglu(wr, p + "mlp.shared_expert.", h, config["shared_expert_intermediate_size"])
-            # Normed input ~N(0, 1): the gate's logit is ~N(0, 1), sigmoid spread over (0, 1).
-            wr.linear(p + "mlp.shared_expert_gate.weight", 1, h)
-        if fam.model_type in ("deepseek_v3", "glm4_moe") and config["n_shared_experts"] > 0:
-            inter = config["moe_intermediate_size"] * config["n_shared_experts"]
-            _swiglu(wr, p + "mlp.shared_experts.", h, inter)
+        _decoder_layer(wr, config, i, fam.is_moe_layer(config, i))
     wr.norm("model.norm.weight", h)
     if not tied:
         # Final-normed hidden entries are ~N(0, 1): logits get std ~logit_std.
         wr.normal("lm_head.weight", (v, h), gen["logit_std"] / np.sqrt(h))
+    return {**wr.w, **mtp_weights(config, seed, wr.w)}
+
+
+def mtp_weights(config: dict[str, Any], seed: int, main: Tensors) -> Tensors:
+    """The MTP layers' tensors but their routers, in DeepSeek-V3's / GLM-4.5's HF layout.
+
+    MTP layer j sits at index L + j (L = num_hidden_layers) and holds ``enorm``, ``hnorm``
+    (norm weights [H]), ``eh_proj`` [H, 2H] (input: the enorm'd embedding then the hnorm'd
+    feature, both ~N(0, 1), so std 1/sqrt(2H)), ``shared_head.norm`` [H], exact copies of the
+    main model's embedding (``embed_tokens``) and LM head (``shared_head.head``), and a full
+    decoder layer named as a main layer would be, always a MoE layer (routers: router_weights).
+    ``main``: the main model's tensors (the copies' sources)."""
+    if not num_mtp_layers(config):
+        return {}
+    fam = family_of(config)
+    if fam.model_type not in ("deepseek_v3", "glm4_moe"):
+        raise ValueError(f"{fam.model_type} checkpoints hold no MTP layers")
+    h = config["hidden_size"]
+    head = main["model.embed_tokens.weight" if config["tie_word_embeddings"] else "lm_head.weight"]
+    wr = _Writer(seed)
+    for i in mtp_layer_ids(config):
+        p = f"model.layers.{i}."
+        wr.norm(p + "enorm.weight", h)
+        wr.norm(p + "hnorm.weight", h)
+        wr.linear(p + "eh_proj.weight", h, 2 * h)
+        wr.norm(p + "shared_head.norm.weight", h)
+        wr.w[p + "shared_head.head.weight"] = head.copy()
+        wr.w[p + "embed_tokens.weight"] = main["model.embed_tokens.weight"].copy()
+        _decoder_layer(wr, config, i, moe=True)
     return wr.w
 
 
@@ -426,13 +481,15 @@ def router_weights(
 
     The router's input is RMS-normalised (entries ~N(0, 1)), so a weight std of
     router_std/sqrt(H) gives router logits of std ~router_std. Sigmoid routers also get their
-    ``e_score_correction_bias`` [E], N(0, score_bias_std^2), redrawn with the weight.
+    ``e_score_correction_bias`` [E], N(0, score_bias_std^2), redrawn with the weight. The MTP
+    layers' routers (always MoE) come last; the router search never redraws them.
     """
     fam = family_of(config)
     hidden, experts = config["hidden_size"], fam.num_experts(config)
     out: Tensors = {}
-    for i in range(config["num_hidden_layers"]):
-        if not fam.is_moe_layer(config, i):
+    mtp = set(mtp_layer_ids(config))
+    for i in range(config["num_hidden_layers"] + len(mtp)):
+        if i not in mtp and not fam.is_moe_layer(config, i):
             continue
         name = fam.router_name(i)
         attempt = attempts.get(i, 0)

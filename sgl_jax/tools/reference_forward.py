@@ -27,7 +27,9 @@ router logits for the softmax routers) and ``selection_gap`` (the smallest score
 that decides the ids and their order, including the group boundary of grouped routers): a
 float32 engine can only be expected to reproduce the ids where that gap is clearly above
 float32 rounding noise. ``hidden`` is the last decoder layer's output before the final norm
-(the features an EAGLE draft reads, see :mod:`sgl_jax.tools.reference_eagle`).
+(the features an EAGLE draft reads, see :mod:`sgl_jax.tools.reference_eagle`). ``load_layer`` /
+``layer_forward`` run one decoder layer on its own (the MTP layer of
+:mod:`sgl_jax.tools.reference_nextn`).
 
 Usage::
 
@@ -164,6 +166,7 @@ class ReferenceModel:
     def __init__(self, path: str) -> None:
         with open(os.path.join(path, "config.json")) as f:
             self.config: dict = json.load(f)
+        self.path: str = path  # the checkpoint directory (reference_nextn reads its MTP layer)
         cfg = self.config
         archs = cfg.get("architectures") or ["Qwen3MoeForCausalLM"]
         if archs[0] not in FAMILIES:
@@ -325,13 +328,36 @@ class ReferenceModel:
         )
         return tuple(np.stack([w[f"{p}experts.{e}.{n}.weight"] for e in range(ne)]) for n in names)
 
-    def _load_layer(self, w: dict[str, np.ndarray], i: int) -> _Layer:
+    def load_layer(self, w: dict[str, np.ndarray], i: int, moe: bool | None = None) -> _Layer:
+        """Decoder layer i from HF tensors ``w`` (``model.layers.{i}.*``, float64), a MoE layer
+        when ``moe`` (default: this model's rule for layer i). For layers the model itself does
+        not load, e.g. the MTP layers past num_hidden_layers (reference_nextn)."""
+        return self._load_layer(w, i, moe)
+
+    def layer_forward(
+        self, layer: _Layer, h: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray | None, RouterResult | None]:
+        """One decoder layer on its own over h [n, H] at positions 0..n-1 (causal, a fresh
+        K/V cache): (output [n, H], router logits [n, E] or None, routing or None on a dense
+        layer). The same operations as a layer of ``forward``."""
+        x = rms_norm(h, layer.input_norm, self.eps)
+        h = h + self._attention(layer, x, _KVCache(), 0, 0)
+        x = rms_norm(h, layer.post_attn_norm, self.eps)
+        if layer.moe is None:
+            assert layer.mlp is not None
+            return h + swiglu(x, layer.mlp.gate, layer.mlp.up, layer.mlp.down), None, None
+        y, router_logits, r = self._moe(layer.moe, x)
+        return h + y, router_logits, r
+
+    def _load_layer(
+        self, w: dict[str, np.ndarray], i: int, moe_layer: bool | None = None
+    ) -> _Layer:
         p = f"model.layers.{i}."
         a = p + "self_attn."
         attn = {n[len(a) :]: t for n, t in w.items() if n.startswith(a)}
         self._check_attention_weights(attn, i)
         mlp = moe = None
-        if self.is_moe_layer(i):
+        if self.is_moe_layer(i) if moe_layer is None else moe_layer:
             mp = p + "mlp."
             if self.family == "mixtral" and p + "block_sparse_moe.gate.weight" in w:
                 mp = p + "block_sparse_moe."

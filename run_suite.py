@@ -52,6 +52,7 @@ E2E = [
     "tests/test_routed_experts_gather.py",
     "tests/test_paged_engine.py",
     "tests/test_speculative.py",
+    "tests/test_nextn_reference.py",
     "tests/test_speculative_server.py",
     "tests/test_http_server.py",
     "tests/test_openai_api.py",

@@ -431,10 +431,14 @@ def test_tiny_preset_loads_and_agrees(preset: str, tmp_path) -> None:
 
     from sgl_jax.tools.make_random_model import write_random_model
 
-    write_random_model(str(tmp_path), preset)
+    cfg = write_random_model(str(tmp_path), preset)
     model, info = AutoModelForCausalLM.from_pretrained(
         str(tmp_path), output_loading_info=True, attn_implementation="eager", **_dtype_kwargs()
     )
+    # DeepSeek-V3 / GLM-4.5 presets hold an MTP layer at index L, which transformers does not
+    # build (it ignores only the released models' layer 61 / 46 / 92 by name).
+    mtp = f"model.layers.{cfg['num_hidden_layers']}."
+    info["unexpected_keys"] = [k for k in info["unexpected_keys"] if not k.startswith(mtp)]
     assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), (
         info
     )

@@ -466,7 +466,9 @@ def _family_expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         shapes[prefix + "up_proj.weight"] = (inter, h)
         shapes[prefix + "down_proj.weight"] = (h, inter)
 
-    for i in range(cfg["num_hidden_layers"]):
+    n_layers = cfg["num_hidden_layers"]
+    n_mtp = cfg.get("num_nextn_predict_layers") or 0  # DeepSeek-V3 / GLM-4.5 MTP layers
+    for i in range(n_layers + n_mtp):
         p = f"model.layers.{i}."
         a = p + "self_attn."
         shapes[p + "input_layernorm.weight"] = (h,)
@@ -496,7 +498,7 @@ def _family_expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
             if kind == "glm4_moe" and cfg["use_qk_norm"]:
                 shapes[a + "q_norm.weight"] = (hd,)
                 shapes[a + "k_norm.weight"] = (hd,)
-        if i not in moe:
+        if i not in moe and i < n_layers:  # an MTP layer is always MoE
             mlp(p + "mlp.", cfg["intermediate_size"])
         elif kind == "mixtral":
             e_count, inter = cfg["num_local_experts"], cfg["intermediate_size"]
@@ -519,6 +521,13 @@ def _family_expected_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
                 if cfg["n_shared_experts"]:
                     width = cfg["moe_intermediate_size"] * cfg["n_shared_experts"]
                     mlp(p + "mlp.shared_experts.", width)
+    for i in range(n_layers, n_layers + n_mtp):
+        p = f"model.layers.{i}."
+        for name in ("enorm", "hnorm", "shared_head.norm"):
+            shapes[f"{p}{name}.weight"] = (h,)
+        shapes[p + "eh_proj.weight"] = (h, 2 * h)
+        shapes[p + "shared_head.head.weight"] = (v, h)
+        shapes[p + "embed_tokens.weight"] = (v, h)
     return shapes
 
 
@@ -571,7 +580,7 @@ def test_family_preset_values() -> None:
         "mscale_all_dim": 1.0,
     }
     assert ds["topk_method"] == "noaux_tc" and ds["scoring_func"] == "sigmoid"
-    assert ds["num_nextn_predict_layers"] == 0  # no MTP tensors are written
+    assert ds["num_nextn_predict_layers"] == 1  # one MTP layer (model.layers.4.*), as released
     assert "score_bias_std" not in ds and gen["score_bias_std"] > 0
     glm, _ = build_config("tiny-glm4-moe")
     assert {k: glm[k] for k in ("first_k_dense_replace", "n_routed_experts",

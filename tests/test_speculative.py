@@ -439,3 +439,42 @@ def test_nextn_output_rows_and_drafts_equal_the_reference(nextn_engine):
             expected_rows(ids, out["output_ids"], path))
         assert out["meta_info"]["spec_verify_ct"] == accept_length(draft, ids,
                                                                    out["output_ids"], 3)[1]
+
+
+def _chi_square_critical(df: int, z: float = 3.09) -> float:
+    """The chi-square value exceeded with probability ~0.001 (Wilson-Hilferty)."""
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def test_sampled_tokens_follow_the_target_distribution(engine):
+    """A statistical check on a small vocabulary (top_k 4): the pair of tokens after the
+    first, given the first, is distributed as the float64 reference says, whether drafts were
+    accepted or rejected (the second token of the pair can be an accepted draft)."""
+    if engine.drafts_guess is False:
+        pytest.skip("a random EAGLE draft is almost never accepted: NGRAM runs it")
+    ids = repetitive(77)
+    n = 400
+    params = [{"temperature": 1.0, "top_k": 4, "ignore_eos": True, "max_new_tokens": 3,
+               "sampling_seed": 1000 + i} for i in range(n)]
+    outs = engine.generate(input_ids=[ids] * n, sampling_params=params)
+    seqs = [tuple(o["output_ids"]) for o in outs]
+    first = max(set(s[0] for s in seqs), key=lambda t: sum(s[0] == t for s in seqs))
+    pairs = [s[1:] for s in seqs if s[0] == first]
+
+    def top4(logits: np.ndarray) -> dict[int, float]:
+        top = np.argsort(-logits)[:4]
+        p = np.exp(logits[top] - logits[top].max())
+        return dict(zip(top.tolist(), (p / p.sum()).tolist(), strict=True))
+
+    ref = reference()
+    second = top4(ref.forward(ids + [first]).logits[-1])
+    want = {(a, b): pa * pb for a, pa in second.items()
+            for b, pb in top4(ref.forward(ids + [first, a]).logits[-1]).items()}
+    assert set(pairs) <= set(want)
+    observed = np.array([pairs.count(c) for c in want], float)
+    expected = np.array(list(want.values())) * len(pairs)
+    keep = expected >= 5  # cells too rare for the test are pooled
+    observed = np.append(observed[keep], observed[~keep].sum())
+    expected = np.append(expected[keep], expected[~keep].sum())
+    stat = float(((observed - expected) ** 2 / np.maximum(expected, 1e-9)).sum())
+    assert len(pairs) >= 60 and stat < _chi_square_critical(len(observed) - 1), (stat, pairs)

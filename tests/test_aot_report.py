@@ -80,6 +80,63 @@ def test_report_json(small_config: Path) -> None:
 
 
 @needs_libtpu
+def test_verify_report_json(small_config: Path) -> None:
+    # --verify-tokens 4: after the decode bucket, the speculative TARGET_VERIFY step of the
+    # same 8 requests x 4 tokens, ending at the decode bucket's 512 positions.
+    proc = run_tool(
+        "--model-config", str(small_config), "--topology", "v5e:2x2", "--tp-size", "4",
+        "--decode-bs", "8", "--prefill-tokens", "64", "--prefill-requests", "2",
+        "--context-len", "512", "--verify-tokens", "4", "--json",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = json.loads(proc.stdout)
+    assert [r["mode"] for r in records] == ["decode", "verify", "prefill"]
+    decode, verify, _ = records
+    assert KEYS <= verify.keys(), KEYS - verify.keys()
+    assert (verify["tokens"], verify["batch_size"], verify["context_len"]) == (32, 8, 512)
+    assert verify["verify_tokens"] == 4 and verify["draft_cost_included"] is False
+    # The ideal counts the LM head at every verified token (each one is sampled), and causal
+    # attention of 4 queries over 508 cached positions and each other.
+    cfg = ModelConfig.from_dict(json.loads((small_config / "config.json").read_text()),
+                                str(small_config), 512)
+    assert verify["ideal_flops"] == aot_report.ideal_flops(
+        cfg, aot_report.Bucket("verify", 32, 8, 8, 4, 508))
+    assert 0.9 <= verify["flops_ratio"] <= 1.2, verify
+    assert verify["kernel_flops"] > 3.9 * decode["kernel_flops"]
+    # The ratios against the decode step of the same batch, per step and per verified token.
+    ratio = verify["bytes_accessed_per_device"] / decode["bytes_accessed_per_device"]
+    assert verify["bytes_vs_decode"] == pytest.approx(ratio, rel=1e-12)
+    assert verify["bytes_per_token_vs_decode"] == pytest.approx(ratio / 4, rel=1e-12)
+    assert verify["roofline_vs_decode"] == pytest.approx(
+        verify["roofline_ms"] / decode["roofline_ms"], rel=1e-12)
+    # 4x the tokens, one read of the weights: more bytes than decode, far below 4x; the
+    # FLOPs per verified token are decode's per token (same layers, LM head per token).
+    assert 1.0 < verify["bytes_vs_decode"] < 2.0, verify["bytes_vs_decode"]
+    assert 3.5 < verify["flops_vs_decode"] < 4.5, verify["flops_vs_decode"]
+    notes = aot_report.format_verify_notes(records)
+    assert f"verify 8 x 4 vs decode 8: bytes {ratio:.3f}x" in notes
+    assert "not included" in notes and "EAGLE" in notes
+
+
+def test_verify_buckets_and_flags() -> None:
+    # No compile: the buckets --verify-tokens adds, and the flags it refuses.
+    rows = aot_report.dp_buckets([64, 256], 2048, 8, 4096, 1, lambda t: min(t, 256), 4)
+    assert [(b.mode, b.tokens, b.requests) for b in rows] == [
+        ("decode", 64, 64), ("verify", 256, 64), ("decode", 256, 256), ("verify", 1024, 256),
+        ("prefill", 2048, 8)]
+    verify = rows[1]
+    assert (verify.context_len, verify.sampled, verify.compiled_sampled) == (4096, 256, 256)
+    assert verify.pairs_per_request == 4093 + 4094 + 4095 + 4096
+    assert rows[0].sampled == 64 and rows[-1].sampled == 8
+    base = ["--model-config", "qwen3-30b-a3b", "--topology", "v5e:2x4"]
+    assert aot_report.parse_args(base).verify_tokens is None
+    for bad in (["--verify-tokens", "1"], ["--verify-tokens", "4", "--context-len", "4"],
+                ["--verify-tokens", "4", "--ep-size", "2", "--dp-size", "2"]):
+        with pytest.raises(SystemExit):
+            aot_report.parse_args(base + bad)
+
+
+@needs_libtpu
 def test_does_not_fit_exits_2() -> None:
     proc = run_tool(
         "--model-config", str(CONFIGS / "qwen3-235b-a22b"), "--topology", "v5e:2x2",

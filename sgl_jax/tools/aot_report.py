@@ -41,14 +41,15 @@ What is reported, per bucket (``--json``: one list, one object per bucket):
   size, all ``T * k`` token-expert rows on every device of the "expert" axis, though only the
   device's own share is in its groups: ``ragged_static_excess_flops`` is that excess
   (``(ep - 1)`` times the ideal expert FLOPs) and ``flops_ratio_local_rows`` the ratio without it.
-- ``ideal_flops``: from the config, ``2 * active_params * tokens + 2 * hidden * vocab * requests
-  + attention``; active parameters per token and layer are the attention projections
+- ``ideal_flops``: from the config, ``2 * active_params * tokens + 2 * hidden * vocab *
+  sampled + attention`` (sampled: one row per request, one per token in a verify step);
+  active parameters per token and layer are the attention projections
   (``attention_params``: GQA q/k/v/o; MLA q_a/q_b or q_proj, kv_a_proj_with_mqa, kv_b_proj,
   which also accounts for the absorbed matmuls, and o_proj) plus, in a MoE layer, the router
   (``hidden * experts``), the top-k experts' three matrices (``k * 3 * hidden *
   moe_intermediate``), the shared experts (``3 * hidden * shared width``) and Qwen2-MoE's
   shared-expert gate, in a dense layer the MLP (``3 * hidden * intermediate``); the LM head
-  counts once per request (the sampled row); attention over the actual context is ``heads *
+  counts once per sampled row; attention over the actual context is ``heads *
   attention_flops_per_pair * sum(q_len * kv_len)`` per layer (GQA ``4 * head_dim`` per pair;
   MLA ``2 * (kv_lora + qk_rope) + 2 * kv_lora``; decode: one query per request over
   ``context_len`` positions; prefill: causal, ``n * (n + 1) / 2`` per request of ``n``
@@ -71,6 +72,15 @@ the total; the analytic attention is the busiest rank's, summed with ``rank_load
 the parameters. Every bucket also reports the bytes a device sends over the interconnect:
 the MoE dispatch per layer from the formula (``dispatch_bytes_per_moe_layer``) and from the
 compiled HLO's collectives (``collective_bytes``), and all of the step's collectives.
+
+``--verify-tokens K`` (speculative decoding; not with ``--dp-size``, which the engine does not
+combine with speculation yet) adds after each decode bucket the TARGET_VERIFY step of the same
+requests: K tokens each (the last token and K - 1 drafts, the engine's
+``--speculative-num-draft-tokens``) over ``context_len - K`` cached positions, logits and
+sampling at every token, compiled by a runner built with ``speculative_algorithm="NGRAM"``.
+Each verify record carries ``bytes_vs_decode``, ``flops_vs_decode``, ``roofline_vs_decode``
+and the same per verified token (``bytes_per_token_vs_decode``, ...). Only the target model's
+step is compiled: a draft model's own step (EAGLE head, NEXTN layer) is not built yet.
 
 A layout that cannot hold parameters + KV cache in HBM (per device) exits with code 2 and says
 what to change (MLA: its latent KV cache is replicated, tp does not split it); a compiled
@@ -246,9 +256,9 @@ class Bucket:
     sub-batch is padded to the same per-rank size, and ``padded_tokens`` / ``rows`` are
     ``dp`` times that size (the shape the step is compiled with)."""
 
-    mode: str  # "decode" | "prefill"
+    mode: str  # "decode" | "verify" | "prefill"
     tokens: int  # real tokens of the step, all ranks
-    requests: int  # real requests (rows sampled), all ranks
+    requests: int  # real requests, all ranks
     rows: int  # padded rows the engine compiles this bucket with, all ranks
     q_len: int  # new tokens per request
     prefix: int  # cached positions per request before the step
@@ -258,6 +268,17 @@ class Bucket:
     @property
     def compiled_tokens(self) -> int:
         return self.padded_tokens or self.tokens
+
+    @property
+    def sampled(self) -> int:
+        """Logits rows the step computes and samples: one per request; in a verify step one
+        per token (each request's last token and every draft)."""
+        return self.tokens if self.mode == "verify" else self.requests
+
+    @property
+    def compiled_sampled(self) -> int:
+        """Logits rows the step is compiled with (padded)."""
+        return self.compiled_tokens if self.mode == "verify" else self.rows
 
     @property
     def context_len(self) -> int:
@@ -288,20 +309,27 @@ class Bucket:
 
 
 def dp_buckets(decode_bs: list[int], prefill_tokens: int, prefill_requests: int,
-               context_len: int, dp: int, rank_rows: Any) -> list[Bucket]:
+               context_len: int, dp: int, rank_rows: Any,
+               verify_tokens: int | None = None) -> list[Bucket]:
     """The report's buckets. ``decode_bs`` and the prefill are GLOBAL: with ``dp`` ranks a
     decode batch of B requests is ``ceil(B / dp)`` rows per rank, and the prefill's requests
     (``prefill_tokens / prefill_requests`` new tokens each, whole requests: a request's KV
     lives on one rank) go round robin to the ranks, each rank padded to the busiest one's
     tokens. ``rank_rows(tokens)``: the rows one rank's extend sub-batch of ``tokens`` is
     compiled with (the engine's ``extend_rows``). dp = 1: exactly the buckets of a report
-    without DP."""
+    without DP. ``verify_tokens`` K (speculative decoding, dp = 1 only): after each decode
+    bucket, the TARGET_VERIFY step of the same requests, K tokens each (its last token and
+    K - 1 drafts) on top of ``context_len - K`` cached positions, so that its last token is
+    at ``context_len`` positions as the decode bucket's is (same KV read per request)."""
     per_req = prefill_tokens // prefill_requests
     buckets = []
     for bs in decode_bs:
         rank = -(-bs // dp)
         buckets.append(Bucket("decode", bs, bs, rank * dp, 1, context_len - 1, dp,
                               0 if rank * dp == bs else rank * dp))
+        if verify_tokens:
+            buckets.append(Bucket("verify", bs * verify_tokens, bs, bs, verify_tokens,
+                                  context_len - verify_tokens))
     rank_tokens = -(-prefill_requests // dp) * per_req
     padded = rank_tokens * dp
     buckets.append(Bucket("prefill", prefill_tokens, prefill_requests,
@@ -359,7 +387,7 @@ def ideal_flops(cfg: Any, b: Bucket) -> int:
     layers, head = active_params_per_token(cfg)
     attention = (cfg.num_attention_heads * attention_flops_per_pair(cfg) * b.q_kv_pairs
                  * cfg.num_hidden_layers)
-    return 2 * layers * b.tokens + 2 * head * b.requests + attention
+    return 2 * layers * b.tokens + 2 * head * b.sampled + attention
 
 
 def kv_bytes_per_token_per_device(cfg: Any, tp: int, itemsize: int) -> float:
@@ -654,7 +682,8 @@ def collective_bytes(hlo: str, n_devices: int) -> tuple[float, float, dict[str, 
 def compile_bucket(runner: Any, b: Bucket, device_kind: str) -> Compiled:
     from sgl_jax.srt.forward_batch_info import ForwardMode
 
-    mode = ForwardMode.DECODE if b.mode == "decode" else ForwardMode.EXTEND
+    mode = {"decode": ForwardMode.DECODE, "verify": ForwardMode.TARGET_VERIFY}.get(
+        b.mode, ForwardMode.EXTEND)
     t0 = time.perf_counter()
     with kernel_tuning_for(device_kind):
         # With DP attention the runner's bucket is per rank (it lays out dp times as much).
@@ -809,6 +838,10 @@ def build_runner(args: argparse.Namespace, model_dir: str, cfg: Any, devices: li
         page_size=args.page_size,
         enable_return_routed_experts=args.enable_return_routed_experts,
         disable_precompile=True,
+        # Speculative decoding: the runner's verify buckets are bs x K tokens. NGRAM is the
+        # algorithm that exists (its drafts need no model); chain drafts: K - 1 steps.
+        **({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": args.verify_tokens,
+            "speculative_num_steps": args.verify_tokens - 1} if args.verify_tokens else {}),
         # Data-parallel attention: the ranks are the rows of the "expert" axis (dp = ep);
         # max_total_tokens stays global, each rank holding 1 / dp of it.
         **({"enable_dp_attention": True, "dp_size": args.dp_size,
@@ -1081,7 +1114,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     args.resolved_moe_backend = full.backends.moe.name
 
     buckets = dp_buckets(args.decode_bs, args.prefill_tokens, args.prefill_requests,
-                         args.context_len, args.dp_size, full.extend_rows)
+                         args.context_len, args.dp_size, full.extend_rows, args.verify_tokens)
 
     full_pattern = tuple(cfg.moe_layers)
     if args.scale_from_layers:
@@ -1114,9 +1147,10 @@ def run(args: argparse.Namespace) -> list[dict]:
                     native_counted[b] = compile_native_attention(runner, b, cfg)
                 c.native_counted_flops, c.native_counted_bytes = native_counted[b]
             if args.sampler_breakdown:  # independent of depth: once per row count
-                if b.rows not in samplers:
-                    samplers[b.rows] = compile_sampler(runner, b.rows, cfg.vocab_size)
-                c.sampler_flops, c.sampler_bytes = samplers[b.rows]
+                n = b.compiled_sampled
+                if n not in samplers:
+                    samplers[n] = compile_sampler(runner, n, cfg.vocab_size)
+                c.sampler_flops, c.sampler_bytes = samplers[n]
             logger.info("  %.0fs: %.3g FLOPs, %.3g bytes per device", c.seconds, c.flops,
                         c.bytes)
             compiled[-1].append(c)
@@ -1136,7 +1170,55 @@ def run(args: argparse.Namespace) -> list[dict]:
                 r["mode"], r["tokens"], r["peak_hbm_bytes_per_device"] / GiB,
                 r["hbm_bytes_per_device"] / GiB, r["temporaries_bytes_per_device"] / GiB,
                 ", extrapolated" if args.scale_from_layers else "")
+    if args.verify_tokens:
+        add_verify_ratios(records)
     return records
+
+
+# The report compiles the target model's verify step only.
+DRAFT_NOT_INCLUDED = (
+    "the draft model's own step (an EAGLE head, DeepSeek-V3's / GLM-4.5's NEXTN layer) is not "
+    "included: those drafts are not built yet (NGRAM drafts cost no device work)")
+
+
+def add_verify_ratios(records: list[dict]) -> None:
+    """Each verify record gets its cost against the decode record of the same batch:
+    ``*_vs_decode`` = verify / decode for the whole step, and ``bytes_per_token_vs_decode``
+    = (verify bytes / verified tokens) / (decode bytes / decoded tokens), i.e. the ratio / K
+    (every verified token is a position decode would have needed a step for, if accepted)."""
+    decode = {r["batch_size"]: r for r in records if r["mode"] == "decode"}
+    for r in records:
+        if r["mode"] != "verify":
+            continue
+        d = decode[r["batch_size"]]
+        k = r["tokens"] // r["batch_size"]
+        r["verify_tokens"] = k
+        r["draft_cost_included"] = False
+        r["bytes_vs_decode"] = r["bytes_accessed_per_device"] / d["bytes_accessed_per_device"]
+        r["flops_vs_decode"] = r["flops_per_device"] / d["flops_per_device"]
+        r["roofline_vs_decode"] = r["roofline_ms"] / d["roofline_ms"]
+        r["peak_hbm_vs_decode"] = (r["peak_hbm_bytes_per_device"]
+                                   / d["peak_hbm_bytes_per_device"])
+        r["bytes_per_token_vs_decode"] = r["bytes_vs_decode"] * d["tokens"] / r["tokens"]
+        r["flops_per_token_vs_decode"] = r["flops_vs_decode"] * d["tokens"] / r["tokens"]
+        r["bytes_per_verified_token_per_device"] = r["bytes_accessed_per_device"] / r["tokens"]
+
+
+def format_verify_notes(records: list[dict]) -> str:
+    """Lines under the table: each verify bucket against the decode bucket of its batch."""
+    lines = []
+    for r in records:
+        if r["mode"] != "verify":
+            continue
+        lines.append(
+            f"verify {r['batch_size']} x {r['verify_tokens']} vs decode {r['batch_size']}: "
+            f"bytes {r['bytes_vs_decode']:.3f}x ({r['bytes_per_token_vs_decode']:.3f}x per "
+            f"verified token), FLOPs {r['flops_vs_decode']:.2f}x "
+            f"({r['flops_per_token_vs_decode']:.3f}x per verified token), roofline "
+            f"{r['roofline_vs_decode']:.3f}x, peak HBM {r['peak_hbm_vs_decode']:.3f}x")
+    if lines:
+        lines.append(f"verify: target model only; {DRAFT_NOT_INCLUDED}")
+    return "\n".join(lines)
 
 
 def describe_pattern(pattern: tuple[bool, ...]) -> str:
@@ -1197,6 +1279,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compile the step with routed-experts capture")
     p.add_argument("--sampler-breakdown", action="store_true",
                    help="also compile the sampler alone and report the roofline without it")
+    p.add_argument("--verify-tokens", type=int, default=None, metavar="K",
+                   help="also compile, for each decode batch size, the speculative TARGET_VERIFY "
+                   "step of K tokens per request (its last token and K - 1 drafts; the "
+                   "engine's --speculative-num-draft-tokens) and report it against decode "
+                   "(the target model's step only: draft models are not built yet)")
     p.add_argument("--scale-from-layers", type=int, nargs=2, metavar=("A", "B"),
                    help="compile A- and B-layer truncations and extrapolate linearly (models "
                    "with dense and MoE layers: A and B MoE layers and 1 dense + A MoE)")
@@ -1211,6 +1298,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--scale-from-layers A B needs 1 <= A < B")
     if min(args.decode_bs) < 1 or args.prefill_requests < 1 or args.context_len < 2:
         p.error("--decode-bs, --prefill-requests must be >= 1 and --context-len >= 2")
+    if args.verify_tokens is not None and args.verify_tokens < 2:
+        p.error("--verify-tokens K needs K >= 2 (the request's last token and >= 1 draft)")
+    if args.verify_tokens and args.verify_tokens >= args.context_len:
+        p.error("--verify-tokens K must be below --context-len (the verified tokens end at "
+                "--context-len positions)")
+    if args.verify_tokens and args.dp_size > 1:
+        p.error("--verify-tokens with --dp-size > 1: the engine does not run speculative "
+                "decoding with DP attention yet")
     if args.dp_size < 1 or (args.dp_size > 1 and args.dp_size != args.ep_size):
         p.error(f"--dp-size {args.dp_size} with --ep-size {args.ep_size}: the attention ranks "
                 "are the rows of the 'expert' axis, so --dp-size must equal --ep-size "
@@ -1245,6 +1340,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(format_table(records, header))
         print(format_notes(records, args.context_len))
+        if args.verify_tokens:
+            print(format_verify_notes(records))
     return 0
 
 

@@ -1202,6 +1202,18 @@ def add_verify_ratios(records: list[dict]) -> None:
         r["bytes_per_token_vs_decode"] = r["bytes_vs_decode"] * d["tokens"] / r["tokens"]
         r["flops_per_token_vs_decode"] = r["flops_vs_decode"] * d["tokens"] / r["tokens"]
         r["bytes_per_verified_token_per_device"] = r["bytes_accessed_per_device"] / r["tokens"]
+        if r["roofline_ms_without_sampler"] is not None:  # --sampler-breakdown
+            # Without the sampler's full-vocabulary sort fallback, which XLA counts in every
+            # step (a cond's costliest branch) at bs x K rows here, though it rarely runs.
+            r["bytes_without_sampler_vs_decode"] = (
+                bytes_without_sampler(r) / bytes_without_sampler(d))
+            r["roofline_without_sampler_vs_decode"] = (
+                r["roofline_ms_without_sampler"] / d["roofline_ms_without_sampler"])
+
+
+def bytes_without_sampler(r: dict) -> float:
+    """Bytes per device of a record's step less its sampler's (``--sampler-breakdown``)."""
+    return r["bytes_accessed_per_device"] - r["sampler_bytes_accessed"] / r["devices"]
 
 
 def format_verify_notes(records: list[dict]) -> str:
@@ -1215,7 +1227,10 @@ def format_verify_notes(records: list[dict]) -> str:
             f"bytes {r['bytes_vs_decode']:.3f}x ({r['bytes_per_token_vs_decode']:.3f}x per "
             f"verified token), FLOPs {r['flops_vs_decode']:.2f}x "
             f"({r['flops_per_token_vs_decode']:.3f}x per verified token), roofline "
-            f"{r['roofline_vs_decode']:.3f}x, peak HBM {r['peak_hbm_vs_decode']:.3f}x")
+            f"{r['roofline_vs_decode']:.3f}x, peak HBM {r['peak_hbm_vs_decode']:.3f}x"
+            + (f"; without the sampler: bytes {r['bytes_without_sampler_vs_decode']:.3f}x, "
+               f"roofline {r['roofline_without_sampler_vs_decode']:.3f}x"
+               if "bytes_without_sampler_vs_decode" in r else ""))
     if lines:
         lines.append(f"verify: target model only; {DRAFT_NOT_INCLUDED}")
     return "\n".join(lines)

@@ -82,16 +82,17 @@ def test_report_json(small_config: Path) -> None:
 @needs_libtpu
 def test_verify_report_json(small_config: Path) -> None:
     # --verify-tokens 4: after the decode bucket, the speculative TARGET_VERIFY step of the
-    # same 8 requests x 4 tokens, ending at the decode bucket's 512 positions.
+    # same 8 requests x 4 tokens, ending at the decode bucket's 512 positions (no prefill
+    # bucket: --prefill-tokens 0).
     proc = run_tool(
         "--model-config", str(small_config), "--topology", "v5e:2x2", "--tp-size", "4",
-        "--decode-bs", "8", "--prefill-tokens", "64", "--prefill-requests", "2",
-        "--context-len", "512", "--verify-tokens", "4", "--json",
+        "--decode-bs", "8", "--prefill-tokens", "0", "--context-len", "512",
+        "--verify-tokens", "4", "--json",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads(proc.stdout)
-    assert [r["mode"] for r in records] == ["decode", "verify", "prefill"]
-    decode, verify, _ = records
+    assert [r["mode"] for r in records] == ["decode", "verify"]
+    decode, verify = records
     assert KEYS <= verify.keys(), KEYS - verify.keys()
     assert (verify["tokens"], verify["batch_size"], verify["context_len"]) == (32, 8, 512)
     assert verify["verify_tokens"] == 4 and verify["draft_cost_included"] is False
@@ -128,6 +129,8 @@ def test_verify_buckets_and_flags() -> None:
     assert (verify.context_len, verify.sampled, verify.compiled_sampled) == (4096, 256, 256)
     assert verify.pairs_per_request == 4093 + 4094 + 4095 + 4096
     assert rows[0].sampled == 64 and rows[-1].sampled == 8
+    assert [b.mode for b in aot_report.dp_buckets([8], 0, 8, 512, 1, min, 4)] == [
+        "decode", "verify"]  # --prefill-tokens 0: no prefill bucket
     base = ["--model-config", "qwen3-30b-a3b", "--topology", "v5e:2x4"]
     assert aot_report.parse_args(base).verify_tokens is None
     for bad in (["--verify-tokens", "1"], ["--verify-tokens", "4", "--context-len", "4"],

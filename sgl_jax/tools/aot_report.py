@@ -332,6 +332,8 @@ def dp_buckets(decode_bs: list[int], prefill_tokens: int, prefill_requests: int,
                                   context_len - verify_tokens))
     rank_tokens = -(-prefill_requests // dp) * per_req
     padded = rank_tokens * dp
+    if not prefill_tokens:  # --prefill-tokens 0: no prefill bucket
+        return buckets
     buckets.append(Bucket("prefill", prefill_tokens, prefill_requests,
                           rank_rows(rank_tokens) * dp, per_req, 0, dp,
                           0 if padded == prefill_tokens else padded))
@@ -820,16 +822,18 @@ def build_runner(args: argparse.Namespace, model_dir: str, cfg: Any, devices: li
     dp = args.dp_size
     # The runner's buckets are per attention rank (with DP: the busiest rank's share).
     rank_bs = sorted({-(-bs // dp) for bs in (*args.decode_bs, max_running)})
-    rank_tokens = -(-args.prefill_requests // dp) * (args.prefill_tokens // args.prefill_requests)
+    # --prefill-tokens 0 (no prefill bucket): the runner still needs an extend bucket.
+    prefill_tokens = args.prefill_tokens or args.prefill_requests
+    rank_tokens = -(-args.prefill_requests // dp) * (prefill_tokens // args.prefill_requests)
     server_args = ServerArgs(
         model_path=model_dir,
         context_length=args.context_len,
         max_running_requests=max_running,
         # KV for every decode request at full context (and a whole prefill batch).
-        max_total_tokens=max(max_running * args.context_len, args.prefill_tokens),
-        chunked_prefill_size=rank_tokens if dp > 1 else args.prefill_tokens,
+        max_total_tokens=max(max_running * args.context_len, prefill_tokens),
+        chunked_prefill_size=rank_tokens if dp > 1 else prefill_tokens,
         precompile_bs_paddings=rank_bs,
-        precompile_token_paddings=[rank_tokens if dp > 1 else args.prefill_tokens],
+        precompile_token_paddings=[rank_tokens if dp > 1 else prefill_tokens],
         tp_size=args.tp_size,
         ep_size=args.ep_size,
         dtype=args.dtype,
@@ -1274,7 +1278,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-bs", type=int, nargs="+", default=[64, 256],
                    help="decode batch sizes (one bucket each)")
     p.add_argument("--prefill-tokens", type=int, default=2048,
-                   help="tokens of the prefill bucket")
+                   help="tokens of the prefill bucket (0: no prefill bucket)")
     p.add_argument("--prefill-requests", type=int, default=8,
                    help="requests the prefill tokens are split over")
     p.add_argument("--context-len", type=int, default=4096,
@@ -1311,6 +1315,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a, b = args.scale_from_layers
         if not 1 <= a < b:
             p.error("--scale-from-layers A B needs 1 <= A < B")
+    if args.prefill_tokens < 0:
+        p.error("--prefill-tokens must be >= 0 (0: no prefill bucket)")
     if min(args.decode_bs) < 1 or args.prefill_requests < 1 or args.context_len < 2:
         p.error("--decode-bs, --prefill-requests must be >= 1 and --context-len >= 2")
     if args.verify_tokens is not None and args.verify_tokens < 2:

@@ -80,7 +80,7 @@ requests: K tokens each (the last token and K - 1 drafts, the engine's
 sampling at every token, compiled by a runner built with ``speculative_algorithm="NGRAM"``.
 Each verify record carries ``bytes_vs_decode``, ``flops_vs_decode``, ``roofline_vs_decode``
 and the same per verified token (``bytes_per_token_vs_decode``, ...). Only the target model's
-step is compiled: a draft model's own step (EAGLE head, NEXTN layer) is not built yet.
+step is compiled (NGRAM): a draft model's work (EAGLE head, NEXTN layer) is not included.
 
 A layout that cannot hold parameters + KV cache in HBM (per device) exits with code 2 and says
 what to change (MLA: its latent KV cache is replicated, tp does not split it); a compiled
@@ -842,8 +842,8 @@ def build_runner(args: argparse.Namespace, model_dir: str, cfg: Any, devices: li
         page_size=args.page_size,
         enable_return_routed_experts=args.enable_return_routed_experts,
         disable_precompile=True,
-        # Speculative decoding: the runner's verify buckets are bs x K tokens. NGRAM is the
-        # algorithm that exists (its drafts need no model); chain drafts: K - 1 steps.
+        # Speculative decoding: the runner's verify buckets are bs x K tokens. NGRAM: its
+        # drafts need no model (no draft work in the step); chain drafts: K - 1 steps.
         **({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": args.verify_tokens,
             "speculative_num_steps": args.verify_tokens - 1} if args.verify_tokens else {}),
         # Data-parallel attention: the ranks are the rows of the "expert" axis (dp = ep);
@@ -1181,8 +1181,8 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 # The report compiles the target model's verify step only.
 DRAFT_NOT_INCLUDED = (
-    "the draft model's own step (an EAGLE head, DeepSeek-V3's / GLM-4.5's NEXTN layer) is not "
-    "included: those drafts are not built yet (NGRAM drafts cost no device work)")
+    "the draft model's work (an EAGLE head, DeepSeek-V3's / GLM-4.5's NEXTN layer) is not "
+    "included: the report builds the runner with NGRAM, whose drafts cost no device work")
 
 
 def add_verify_ratios(records: list[dict]) -> None:
@@ -1302,7 +1302,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also compile, for each decode batch size, the speculative TARGET_VERIFY "
                    "step of K tokens per request (its last token and K - 1 drafts; the "
                    "engine's --speculative-num-draft-tokens) and report it against decode "
-                   "(the target model's step only: draft models are not built yet)")
+                   "(the target model's step only, as with NGRAM: no draft model's work)")
     p.add_argument("--scale-from-layers", type=int, nargs=2, metavar=("A", "B"),
                    help="compile A- and B-layer truncations and extrapolate linearly (models "
                    "with dense and MoE layers: A and B MoE layers and 1 dense + A MoE)")

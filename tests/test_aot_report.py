@@ -119,6 +119,34 @@ def test_verify_report_json(small_config: Path) -> None:
     assert "not included" in notes and "EAGLE" in notes
 
 
+@needs_libtpu
+def test_verify_with_an_eagle_draft_costs_more_than_without(small_config: Path,
+                                                            tmp_path: Path) -> None:
+    # The same verify bucket with an EAGLE head compiled into the step: its draft extend and
+    # chain add FLOPs to the target's verify step.
+    target = json.loads((small_config / "config.json").read_text())
+    draft = tmp_path / "eagle"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({
+        "architectures": ["SglJaxEagleDraft"], "model_type": "sgl_jax_eagle",
+        **{k: target[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                  "head_dim", "vocab_size", "rms_norm_eps", "rope_theta")},
+        "intermediate_size": 1024}))
+    common = ("--model-config", str(small_config), "--topology", "v5e:2x2", "--tp-size", "4",
+              "--decode-bs", "8", "--prefill-tokens", "0", "--context-len", "512",
+              "--verify-tokens", "4", "--json")
+    records = {}
+    for algorithm, extra in (("NGRAM", ()),
+                             ("EAGLE", ("--speculative-draft-model-path", str(draft)))):
+        proc = run_tool(*common, "--speculative-algorithm", algorithm, *extra)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records[algorithm] = json.loads(proc.stdout)[1]
+    ngram, eagle = records["NGRAM"], records["EAGLE"]
+    assert eagle["draft_cost_included"] and not ngram["draft_cost_included"]
+    # (XLA's bytes estimate is not monotonic in added work: other fusions, other counts.)
+    assert eagle["compiled_flops"] > ngram["compiled_flops"]
+
+
 def test_verify_buckets_and_flags() -> None:
     # No compile: the buckets --verify-tokens adds, and the flags it refuses.
     rows = aot_report.dp_buckets([64, 256], 2048, 8, 4096, 1, lambda t: min(t, 256), 4)

@@ -77,10 +77,11 @@ compiled HLO's collectives (``collective_bytes``), and all of the step's collect
 combine with speculation yet) adds after each decode bucket the TARGET_VERIFY step of the same
 requests: K tokens each (the last token and K - 1 drafts, the engine's
 ``--speculative-num-draft-tokens``) over ``context_len - K`` cached positions, logits and
-sampling at every token, compiled by a runner built with ``speculative_algorithm="NGRAM"``.
+sampling at every token, compiled by a runner built with ``--speculative-algorithm`` (NGRAM
+by default: the target's step only; EAGLE with ``--speculative-draft-model-path``, or NEXTN
+with the model's MTP layer: the draft's extend and chain are compiled into the step).
 Each verify record carries ``bytes_vs_decode``, ``flops_vs_decode``, ``roofline_vs_decode``
-and the same per verified token (``bytes_per_token_vs_decode``, ...). Only the target model's
-step is compiled (NGRAM): a draft model's work (EAGLE head, NEXTN layer) is not included.
+and the same per verified token (``bytes_per_token_vs_decode``, ...).
 
 A layout that cannot hold parameters + KV cache in HBM (per device) exits with code 2 and says
 what to change (MLA: its latent KV cache is replicated, tp does not split it); a compiled
@@ -843,9 +844,16 @@ def build_runner(args: argparse.Namespace, model_dir: str, cfg: Any, devices: li
         enable_return_routed_experts=args.enable_return_routed_experts,
         disable_precompile=True,
         # Speculative decoding: the runner's verify buckets are bs x K tokens. NGRAM: its
-        # drafts need no model (no draft work in the step); chain drafts: K - 1 steps.
-        **({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": args.verify_tokens,
-            "speculative_num_steps": args.verify_tokens - 1} if args.verify_tokens else {}),
+        # drafts need no model (no draft work in the step); EAGLE / NEXTN: the draft head or
+        # MTP layer runs inside the step (draft extend + K - 2 chain steps); chain drafts:
+        # K - 1 steps.
+        **({"speculative_algorithm": args.speculative_algorithm,
+            "speculative_num_draft_tokens": args.verify_tokens,
+            "speculative_num_steps": args.verify_tokens - 1,
+            **({"speculative_draft_model_path": resolve_config_path(
+                args.speculative_draft_model_path)[0]}
+               if args.speculative_algorithm == "EAGLE" else {}),
+            } if args.verify_tokens else {}),
         # Data-parallel attention: the ranks are the rows of the "expert" axis (dp = ep);
         # max_total_tokens stays global, each rank holding 1 / dp of it.
         **({"enable_dp_attention": True, "dp_size": args.dp_size,
@@ -1176,13 +1184,18 @@ def run(args: argparse.Namespace) -> list[dict]:
                 ", extrapolated" if args.scale_from_layers else "")
     if args.verify_tokens:
         add_verify_ratios(records)
+        for r in records:
+            if r["mode"] == "verify":
+                r["speculative_algorithm"] = args.speculative_algorithm
+                r["draft_cost_included"] = args.speculative_algorithm != "NGRAM"
     return records
 
 
-# The report compiles the target model's verify step only.
+# With NGRAM the report compiles the target model's verify step only.
 DRAFT_NOT_INCLUDED = (
     "the draft model's work (an EAGLE head, DeepSeek-V3's / GLM-4.5's NEXTN layer) is not "
-    "included: the report builds the runner with NGRAM, whose drafts cost no device work")
+    "included: the runner is built with NGRAM, whose drafts cost no device work "
+    "(--speculative-algorithm EAGLE / NEXTN compiles the draft into the step)")
 
 
 def add_verify_ratios(records: list[dict]) -> None:
@@ -1197,7 +1210,6 @@ def add_verify_ratios(records: list[dict]) -> None:
         d = decode[r["batch_size"]]
         k = r["tokens"] // r["batch_size"]
         r["verify_tokens"] = k
-        r["draft_cost_included"] = False
         r["bytes_vs_decode"] = r["bytes_accessed_per_device"] / d["bytes_accessed_per_device"]
         r["flops_vs_decode"] = r["flops_per_device"] / d["flops_per_device"]
         r["roofline_vs_decode"] = r["roofline_ms"] / d["roofline_ms"]
@@ -1235,8 +1247,13 @@ def format_verify_notes(records: list[dict]) -> str:
             + (f"; without the sampler: bytes {r['bytes_without_sampler_vs_decode']:.3f}x, "
                f"roofline {r['roofline_without_sampler_vs_decode']:.3f}x"
                if "bytes_without_sampler_vs_decode" in r else ""))
-    if lines:
+    algorithms = {r.get("speculative_algorithm", "NGRAM") for r in records
+                  if r["mode"] == "verify"}
+    if lines and algorithms == {"NGRAM"}:
         lines.append(f"verify: target model only; {DRAFT_NOT_INCLUDED}")
+    elif lines:
+        lines.append(f"verify: with the {', '.join(sorted(algorithms))} draft's work in the "
+                     "step (draft extend over every token, then the chain)")
     return "\n".join(lines)
 
 
@@ -1302,7 +1319,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also compile, for each decode batch size, the speculative TARGET_VERIFY "
                    "step of K tokens per request (its last token and K - 1 drafts; the "
                    "engine's --speculative-num-draft-tokens) and report it against decode "
-                   "(the target model's step only, as with NGRAM: no draft model's work)")
+                   "(with --speculative-algorithm EAGLE or NEXTN the draft's work in the step "
+                   "is included)")
+    p.add_argument("--speculative-algorithm", choices=("NGRAM", "EAGLE", "NEXTN"),
+                   default="NGRAM",
+                   help="with --verify-tokens: NGRAM (the target's step only), EAGLE (a draft "
+                   "head: give --speculative-draft-model-path) or NEXTN (the model's MTP layer)")
+    p.add_argument("--speculative-draft-model-path", default=None,
+                   help="EAGLE: the draft's config (a directory, a config.json or a bundled "
+                   "name such as qwen3-30b-a3b-eagle)")
     p.add_argument("--scale-from-layers", type=int, nargs=2, metavar=("A", "B"),
                    help="compile A- and B-layer truncations and extrapolate linearly (models "
                    "with dense and MoE layers: A and B MoE layers and 1 dense + A MoE)")
@@ -1324,6 +1349,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.verify_tokens and args.verify_tokens >= args.context_len:
         p.error("--verify-tokens K must be below --context-len (the verified tokens end at "
                 "--context-len positions)")
+    if args.speculative_algorithm == "EAGLE" and not args.speculative_draft_model_path:
+        p.error("--speculative-algorithm EAGLE needs --speculative-draft-model-path")
     if args.verify_tokens and args.dp_size > 1:
         p.error("--verify-tokens with --dp-size > 1: the engine does not run speculative "
                 "decoding with DP attention yet")

@@ -259,12 +259,16 @@ def step_ceiling(server_kwargs: dict, batch_sizes: list[int], ctx: int,
             pool.write(i, 0, alloc.alloc(ctx + width))
         times = {}
         for mode, n in ((ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, width)):
+            # EAGLE / NEXTN: the draft chain's scratch slots, as the scheduler gives them.
+            draft = {} if not runner.draft_steps or mode.is_decode else {
+                "draft_next_ids": np.full(bs, -1, np.int32),
+                "draft_scratch": alloc.alloc(bs * (runner.draft_steps - 1)).reshape(bs, -1)}
             mwb = ModelWorkerBatch(
                 forward_mode=mode, req_pool_indices=np.array(idx, np.int32),
                 prefix_lens=np.full(bs, ctx - 1, np.int32),
                 extend_lens=np.full(bs, n, np.int32), input_ids=np.ones(bs * n, np.int32),
                 out_cache_loc=alloc.alloc(bs * n), sampling_params=[greedy_params] * bs,
-                seeds=[0] * bs, steps=[0] * bs)
+                seeds=[0] * bs, steps=[0] * bs, **draft)
             walls = []
             for _ in range(repeats + 2):  # two warm-ups (the first compiles)
                 t0 = time.perf_counter()

@@ -134,9 +134,10 @@ def accepted_counts(batch: ForwardBatch, token_to_req: jax.Array,
 
 
 def draft_step(
-    draft: nnx.Module, embed: jax.Array, head: jax.Array, batch: ForwardBatch, meta: AttentionMetadata, hidden: jax.Array, next_ids: jax.Array,
-    kv: jax.Array, req_to_page: jax.Array, backends: ModelBackends, num_steps: int,
-    page_size: int, no_req_slot: int,
+    draft: nnx.Module, embed: jax.Array, head: jax.Array, batch: ForwardBatch,
+    meta: AttentionMetadata, hidden: jax.Array, next_ids: jax.Array, kv: jax.Array,
+    req_to_page: jax.Array, backends: ModelBackends, num_steps: int, page_size: int,
+    no_req_slot: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The next drafts ``[B, num_steps]`` of every row, the draft's KV layer and the page
     table (with the scratch positions' pages). ``draft``: an ``EagleDraft`` or a NEXTN

@@ -477,8 +477,8 @@ class ModelRunner:
         draft_kv = None
         if self.draft_steps:  # EAGLE: the draft's KV layer is the cache's last
             kv_caches, draft_kv = kv_caches[:-1], kv_caches[-1]
-        eagle = self.draft_steps > 0 and not batch.forward_mode.is_decode
-        if eagle:
+        drafting = self.draft_steps > 0 and not batch.forward_mode.is_decode
+        if drafting:
             logits, kv_caches, routing, hidden = model(batch, meta, kv_caches, self.backends,
                                                        return_hidden=True)
         else:
@@ -518,7 +518,7 @@ class ModelRunner:
         if order is not None:
             next_ids, sampled_logits = next_ids[order.rows], sampled_logits[order.rows]
         drafts = None
-        if eagle:
+        if drafting:
             draft = nnx.merge(self.draft_graphdef,
                               jax.tree.unflatten(self.draft_treedef, draft_leaves))
             embed = model.model.embed_tokens[...]
@@ -560,6 +560,8 @@ class ModelRunner:
         if logprobs is not None:
             for leaf in jax.tree.leaves(logprobs):
                 leaf.copy_to_host_async()  # small ([B + P] x 20); read when processed
+        if drafts is not None:
+            drafts.copy_to_host_async()  # [B, steps]: read with the tokens, no second wait
         return StepOutput(next_ids, logits, rows, logprobs, expert_pass, drafts)
 
     def padding_batch(self, mode: ForwardMode, num_tokens: int, batch_size: int) -> ForwardBatch:

@@ -18,12 +18,13 @@ class SpeculativeDecoding:
     def __init__(self, server_args: ServerArgs) -> None:
         self.algorithm = server_args.speculative_algorithm
         self.num_steps = int(server_args.speculative_num_steps)
-        # EAGLE and NEXTN draft inside the target's step (speculative/eagle.py); their chain
-        # writes draft KV past a row's tokens: slots held during a step only.
-        self.in_step_draft = self.algorithm in ("EAGLE", "NEXTN")
-        self.scratch = self.num_steps - 1 if self.in_step_draft else 0
-        self.proposer = NgramProposer(server_args.speculative_ngram_min_match_window_size,
-                                      server_args.speculative_ngram_max_match_window_size)
+        # NGRAM proposes on the host; EAGLE and NEXTN draft inside the target's step
+        # (speculative/eagle.py), whose chain writes draft KV past a row's tokens: slots held
+        # during a step only.
+        self.proposer = None if self.algorithm != "NGRAM" else NgramProposer(
+            server_args.speculative_ngram_min_match_window_size,
+            server_args.speculative_ngram_max_match_window_size)
+        self.scratch = 0 if self.proposer is not None else self.num_steps - 1
         # Per request and verify step: one count, and the tokens it gained (>= 1 each).
         self.verify_ct = 0
         self.accepted = 0
@@ -45,7 +46,7 @@ class SpeculativeDecoding:
                    context_len - req.seq_len - req.inflight - 1)
         if room <= 0:
             return []
-        if self.in_step_draft:  # proposed by the step that computed the request's last token
+        if self.proposer is None:  # proposed by the step that computed the request's last token
             return req.spec_drafts[:room]
         return self.proposer.propose(req.fill_ids, room)
 

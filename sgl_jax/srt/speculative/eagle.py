@@ -177,8 +177,7 @@ def draft_step(
             (first_scratch[:, None] + offsets).reshape(-1), scratch.reshape(-1), page_size)
     for _ in range(num_steps - 1):
         position = position + 1
-        page = jnp.take_along_axis(req_to_page[req_slot], (position // page_size)[:, None],
-                                   axis=1)[:, 0]
+        page = req_to_page[req_slot, position // page_size]
         slots = jnp.where(real_row, page * page_size + position % page_size, 0)
         chain = ForwardBatch(
             input_ids=drafts[-1], out_cache_loc=slots, req_pool_indices=req_slot,

@@ -380,6 +380,42 @@ def test_routing_weights_match_the_reference_streamed_or_not(engine_bs1):
         engine_bs1.generate(input_ids=ids, max_new_tokens=2, return_routed_expert_weights=True)
 
 
+def test_numpy_format_hands_back_arrays_without_base64(engine_bs1):
+    """Engine.generate(routed_experts_format="numpy") (M21): the rows and weights as numpy
+    arrays of the wire dtypes, shaped [rows, layers, k], equal to the reference and to the
+    base64 result; streamed and split alike."""
+    ids = prompt_ids(41, 12)
+    kwargs = dict(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 6},
+                  return_routed_experts=True, return_routed_expert_weights=True,
+                  routed_experts_dtype="uint8")
+    as_base64 = engine_bs1.generate(**kwargs)
+    out = engine_bs1.generate(routed_experts_format="numpy", **kwargs)
+    meta = out["meta_info"]
+    rows, weights = meta["routed_experts"], meta["routed_expert_weights"]
+    assert isinstance(rows, np.ndarray) and isinstance(weights, np.ndarray)
+    assert rows.dtype == np.uint8 and weights.dtype == np.float32
+    assert list(rows.shape) == meta["routed_experts_shape"] == [len(ids) + 6 - 1, L, K]
+    np.testing.assert_array_equal(rows, expected_rows(ids, out["output_ids"]))
+    np.testing.assert_array_equal(rows, extract_routed_experts_from_meta_info(as_base64))
+    np.testing.assert_allclose(weights, extract_routed_expert_weights_from_meta_info(as_base64),
+                               rtol=1e-5, atol=1e-6)
+    assert extract_routed_experts_from_meta_info(out) is not None  # the helper takes arrays
+
+    chunks = list(engine_bs1.generate(stream=True, routed_experts_format="numpy", **kwargs))
+    assert all(isinstance(c["meta_info"]["routed_experts"], np.ndarray) for c in chunks)
+    np.testing.assert_array_equal(
+        np.concatenate([c["meta_info"]["routed_experts"] for c in chunks]), rows)
+
+    split = engine_bs1.generate(input_ids=[ids, ids], max_new_tokens=3, return_routed_experts=True,
+                                routed_experts_split=True, routed_experts_format="numpy")
+    prompt_rows = split[0]["meta_info"]["prompt_routed_experts"]
+    assert isinstance(prompt_rows, np.ndarray) and prompt_rows.dtype == np.int32
+    np.testing.assert_array_equal(prompt_rows, rows[:len(ids)].astype(np.int32))
+    with pytest.raises(ValueError, match="routed_experts_format"):
+        engine_bs1.generate(input_ids=ids, max_new_tokens=1, return_routed_experts=True,
+                            routed_experts_format="npy")
+
+
 def test_routing_weights_need_their_server_flag(engine):
     with pytest.raises(ValueError, match="--enable-return-routed-expert-weights"):
         engine.generate(input_ids=prompt_ids(3, 5), max_new_tokens=2, return_routed_experts=True,

@@ -11,6 +11,10 @@ and ``/generate``) or ``choices[i].meta_info.routed_experts`` (OpenAI routes), d
 k]``). A layer without a router holds -1 in the signed dtypes and the dtype's maximum (255,
 65535) in the unsigned ones. The routing weights of the same rows (when asked for) travel the
 same way as ``float32`` or ``float16`` in ``meta_info["routed_expert_weights"]``.
+
+The same keys hold the same bytes unencoded in a MessagePack response (``Accept:
+application/msgpack``), and numpy arrays with ``Engine.generate(routed_experts_format="numpy")``;
+the ``extract_*`` functions take every form.
 """
 
 from __future__ import annotations
@@ -137,9 +141,27 @@ def _extract_weights(data: Any, prefix: str) -> np.ndarray | None:
         return None
     dt = ROUTED_EXPERT_WEIGHTS_DTYPES[
         _get(meta, f"{prefix}routed_expert_weights_dtype") or DEFAULT_WEIGHTS_DTYPE]
-    raw = pybase64.b64decode(encoded.encode("ascii"), validate=True)
-    flat = np.frombuffer(raw, dtype=dt).astype(dt.newbyteorder("="))
-    shape = _get(meta, f"{prefix}routed_expert_weights_shape")
+    return _shaped(_decode(encoded, dt), _get(meta, f"{prefix}routed_expert_weights_shape"))
+
+
+def _decode(payload: str | bytes | bytearray | memoryview | np.ndarray,
+            dt: np.dtype) -> np.ndarray:
+    """A payload in any of its forms -> its values as a native-endian array of ``dt``:
+    base64 (JSON, the default), raw little-endian bytes (a MessagePack body) or a numpy array
+    (``Engine.generate(routed_experts_format="numpy")``). Raw bytes and arrays are not copied
+    on a little-endian host: the array is a read-only view of the response's buffer."""
+    if isinstance(payload, np.ndarray):
+        return payload.astype(dt.newbyteorder("="), copy=False)
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return np.frombuffer(payload, dtype=dt).astype(dt.newbyteorder("="), copy=False)
+    if not isinstance(payload, str):
+        raise ValueError(f"a routed-experts payload is base64 text, bytes or a numpy array, "
+                         f"not {type(payload).__name__}")
+    raw = pybase64.b64decode(payload.encode("ascii"), validate=True)
+    return np.frombuffer(raw, dtype=dt).astype(dt.newbyteorder("="))
+
+
+def _shaped(flat: np.ndarray, shape: Any) -> np.ndarray:
     return flat if shape is None else flat.reshape(tuple(shape))
 
 
@@ -149,11 +171,11 @@ def encoded_num_bytes(encoded: str) -> int:
     return len(encoded) // 4 * 3 - pad
 
 
-def decode_routed_experts(encoded: str, dtype: str = DEFAULT_DTYPE) -> np.ndarray:
-    """base64 -> the flat ids, as a native-endian array of ``dtype``."""
-    raw = pybase64.b64decode(encoded.encode("ascii"), validate=True)
-    dt = wire_dtype(dtype)
-    return np.frombuffer(raw, dtype=dt).astype(dt.newbyteorder("="))
+def decode_routed_experts(encoded: str | bytes | np.ndarray,
+                          dtype: str = DEFAULT_DTYPE) -> np.ndarray:
+    """base64 (or raw bytes, or an array) -> the flat ids, as a native-endian array of
+    ``dtype``."""
+    return _decode(encoded, wire_dtype(dtype)).reshape(-1)
 
 
 def _get(obj: Any, name: str) -> Any:
@@ -216,7 +238,6 @@ def _extract_ids(data: Any, prefix: str) -> np.ndarray | None:
     meta, encoded = _payload(data, f"{prefix}routed_experts")
     if encoded is None:
         return None
-    flat = decode_routed_experts(
-        encoded, _get(meta, f"{prefix}routed_experts_dtype") or DEFAULT_DTYPE)
-    shape = _get(meta, f"{prefix}routed_experts_shape")
-    return flat if shape is None else flat.reshape(tuple(shape))
+    flat = _decode(encoded, wire_dtype(_get(meta, f"{prefix}routed_experts_dtype")
+                                       or DEFAULT_DTYPE))
+    return _shaped(flat, _get(meta, f"{prefix}routed_experts_shape"))

@@ -82,24 +82,25 @@ class RoutedExpertsOut(NamedTuple):
         weights = None if self.weights is None else self.weights[begin:end]
         return RoutedExpertsOut(self.ids[begin:end], self.start + begin, weights)
 
-    def meta_info(self, split_at: int | None = None) -> dict[str, Any]:
-        """The ``meta_info`` keys: ``routed_experts`` (base64), ``routed_experts_start``,
-        ``routed_experts_dtype`` and ``routed_experts_shape`` ``[rows, layers, k]``; the
-        routing weights likewise (``routed_expert_weights``, ``_dtype``, ``_shape``) when
-        present. With ``routed_experts_split`` (``split_at``: the prompt length) the rows of
-        positions before ``split_at`` take the same keys prefixed ``prompt_``."""
+    def meta_info(self, split_at: int | None = None, raw: bool = False) -> dict[str, Any]:
+        """The ``meta_info`` keys: ``routed_experts`` (base64, or with ``raw`` the array
+        itself), ``routed_experts_start``, ``routed_experts_dtype`` and
+        ``routed_experts_shape`` ``[rows, layers, k]``; the routing weights likewise
+        (``routed_expert_weights``, ``_dtype``, ``_shape``) when present. With
+        ``routed_experts_split`` (``split_at``: the prompt length) the rows of positions before
+        ``split_at`` take the same keys prefixed ``prompt_``."""
         if split_at is None:
-            return self._keys("")
+            return self._keys("", raw)
         cut = min(max(split_at - self.start, 0), self.num_rows)
-        meta = self.rows(0, cut)._keys("prompt_") if cut else {}
-        meta.update(self.rows(cut)._keys(""))
+        meta = self.rows(0, cut)._keys("prompt_", raw) if cut else {}
+        meta.update(self.rows(cut)._keys("", raw))
         return meta
 
-    def _keys(self, prefix: str) -> dict[str, Any]:
+    def _keys(self, prefix: str, raw: bool) -> dict[str, Any]:
         shape = list(self.ids.shape)
         name = dtype_name(self.ids.dtype)
         meta: dict[str, Any] = {
-            f"{prefix}routed_experts": encode_routed_experts(self.ids, name),
+            f"{prefix}routed_experts": self.ids if raw else encode_routed_experts(self.ids, name),
             f"{prefix}routed_experts_start": self.start,
             f"{prefix}routed_experts_dtype": name,
             f"{prefix}routed_experts_shape": shape,
@@ -107,8 +108,8 @@ class RoutedExpertsOut(NamedTuple):
         if self.weights is not None:
             weights_name = dtype_name(self.weights.dtype)
             meta.update({
-                f"{prefix}routed_expert_weights":
-                    encode_routed_expert_weights(self.weights, weights_name),
+                f"{prefix}routed_expert_weights": self.weights if raw
+                    else encode_routed_expert_weights(self.weights, weights_name),
                 f"{prefix}routed_expert_weights_dtype": weights_name,
                 f"{prefix}routed_expert_weights_shape": shape,
             })

@@ -262,7 +262,8 @@ class Engine:
 
         Keywords are request options (``RequestOptions``: ``return_routed_experts`` and
         ``routed_experts_start_len`` are spelt out as in SGLang; also ``routed_experts_dtype``,
-        ``return_routed_expert_weights``, ``routed_expert_weights_dtype``) or sampling
+        ``return_routed_expert_weights``, ``routed_expert_weights_dtype``, and
+        ``routed_experts_format="numpy"`` for numpy arrays instead of base64) or sampling
         parameters, e.g.
         ``generate("Hi", max_new_tokens=16, temperature=0)``. Bad input raises ValueError.
         ``return_routed_experts`` None (not given) follows ``return_routed_experts_default``.

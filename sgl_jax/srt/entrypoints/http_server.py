@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
@@ -61,6 +60,7 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
 from sgl_jax.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sgl_jax.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from sgl_jax.srt.entrypoints.weight_routes import WEIGHT_TENSOR_PATHS, add_weight_tensor_routes
+from sgl_jax.srt.entrypoints.wire import JSON_WIRE
 from sgl_jax.srt.expert_load_plot import PlotUnavailableError, render_expert_load_png
 from sgl_jax.srt.managers import control
 from sgl_jax.srt.managers.io_struct import GenerateReqInput
@@ -143,16 +143,17 @@ class ServerContext:
 class _NativePlan:
     def __init__(self, obj: GenerateReqInput, rids: list[str]) -> None:
         self.obj, self.rids = obj, rids
+        self.wire = JSON_WIRE  # serve() sets the one the client accepts
 
     @property
     def stream(self) -> bool:
         return self.obj.stream
 
     def response(self, results: list[dict[str, Any]]) -> bytes:
-        return orjson.dumps(self.obj.shape_results(results))
+        return self.wire.dumps(self.obj.shape_results(results))
 
     def chunks(self, out: dict[str, Any]) -> list[bytes]:
-        return [orjson.dumps(out)]
+        return [self.wire.dumps(out)]
 
     def tail(self) -> list[bytes]:
         return []

@@ -18,7 +18,6 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
-import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -30,6 +29,7 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
     error_body,
     short_repr,
 )
+from sgl_jax.srt.entrypoints.wire import JSON_WIRE, Wire, negotiate
 from sgl_jax.srt.managers.control import MemoryReleasedError
 from sgl_jax.srt.managers.io_struct import GenerateReqInput
 from sgl_jax.srt.managers.request_options import InvalidRequestError
@@ -51,11 +51,13 @@ T = TypeVar("T")
 
 
 class Plan(Protocol):
-    """A request for the manager and how to format its outputs (JSON as UTF-8 bytes: a large
-    routed-experts body is never turned into a str and encoded back)."""
+    """A request for the manager and how to format its outputs, as bytes in its ``wire``'s
+    format (``serve`` sets it from the Accept header; a large routed-experts body is never
+    turned into a str and encoded back)."""
 
     obj: GenerateReqInput
     rids: list[str]
+    wire: Wire
 
     @property
     def stream(self) -> bool: ...
@@ -128,11 +130,13 @@ async def until_disconnect(request: Request, aw: Awaitable[T]) -> T:
     raise ClientGone()
 
 
-class _SSEResponse(StreamingResponse):
-    """An event stream that runs ``on_close`` however it ends (done, error or disconnect)."""
+class _StreamResponse(StreamingResponse):
+    """A stream (server-sent events, or MessagePack values back to back) that runs
+    ``on_close`` however it ends (done, error or disconnect)."""
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream",
+    def __init__(self, content: AsyncIterator[bytes], media_type: str,
+                 on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type=media_type,
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._on_close = on_close
 
@@ -143,26 +147,24 @@ class _SSEResponse(StreamingResponse):
             self._on_close()
 
 
-def _event(data: bytes) -> bytes:
-    return b"data: " + data + b"\n\n"
-
-
-async def _sse(plan: Plan, gen: Generation, first: dict[str, Any]) -> AsyncIterator[bytes]:
+async def _stream(plan: Plan, gen: Generation, first: dict[str, Any]) -> AsyncIterator[bytes]:
+    frame = plan.wire.frame
     try:
         item: dict[str, Any] | None = first
         while item is not None:
             for data in plan.chunks(item):
-                yield _event(data)
+                yield frame(data)
             item = await gen.next()
         for data in plan.tail():
-            yield _event(data)
-    except Exception as e:  # the status line is sent: report the error as an event
+            yield frame(data)
+    except Exception as e:  # the status line is sent: report the error in the stream
         status, body = _error_for(e)
         logger.warning("stream ended with HTTP-equivalent %d: %s", status, body["error"]["message"])
-        yield _event(orjson.dumps(body))
+        yield frame(plan.wire.dumps(body))
     finally:
         gen.close()
-    yield _event(b"[DONE]")
+    if plan.wire.end is not None:
+        yield plan.wire.end
 
 
 def apply_routed_experts_header(request: Request, obj: GenerateReqInput) -> None:
@@ -180,17 +182,36 @@ def apply_routed_experts_header(request: Request, obj: GenerateReqInput) -> None
     obj.options.setdefault("return_routed_experts", value)
 
 
+def choose_wire(request: Request, obj: GenerateReqInput) -> Wire:
+    """The body format the ``Accept`` header asks for (``wire.negotiate``), and the request's
+    ``routed_experts_format`` to match: MessagePack takes the arrays as numpy (unless the body
+    asks for base64); JSON cannot carry numpy arrays, so asking for them is a 400."""
+    wire = negotiate(request.headers.get("accept"))
+    given = obj.options.get("routed_experts_format")
+    if wire is JSON_WIRE:
+        if "numpy" in (given if isinstance(given, list) else [given]):
+            raise InvalidRequestError(
+                "routed_experts_format='numpy' needs a binary response: send "
+                "'Accept: application/msgpack' for raw arrays, or leave the field out for "
+                "base64 in JSON", "routed_experts_format")
+    elif given is None:
+        obj.options["routed_experts_format"] = wire.routed_experts_format
+    return wire
+
+
 async def serve(request: Request, tm: TokenizerManager, plan: Plan,
                 unavailable: str | None = None) -> Response:
-    """Runs ``plan`` and answers: JSON, or an event stream once the first piece is ready."""
+    """Runs ``plan`` and answers in the body format the client accepts (JSON, or MessagePack
+    on request): one body, or a stream once the first piece is ready."""
     if unavailable is not None:
         raise EngineDeadError(unavailable)
     apply_routed_experts_header(request, plan.obj)
+    plan.wire = wire = choose_wire(request, plan.obj)
     gen = Generation(tm, plan.obj)
     try:
         if not plan.stream:
             return Response(plan.response(await until_disconnect(request, gen.collect())),
-                            media_type="application/json")
+                            media_type=wire.media_type)
         # The first piece is awaited before the status line, so a bad request is a 4xx.
         first = await until_disconnect(request, gen.next())
     except BaseException:
@@ -198,8 +219,8 @@ async def serve(request: Request, tm: TokenizerManager, plan: Plan,
         raise
     if first is None:
         gen.close()
-        return Response(plan.response([]), media_type="application/json")
-    return _SSEResponse(_sse(plan, gen, first), on_close=gen.close)
+        return Response(plan.response([]), media_type=wire.media_type)
+    return _StreamResponse(_stream(plan, gen, first), wire.stream_media_type, on_close=gen.close)
 
 
 # -- errors, bodies, API key ----------------------------------------------------------------------

@@ -25,6 +25,9 @@ from sgl_jax.srt.routed_experts_codec import (
 )
 from sgl_jax.srt.sampling.sampling_params import MAX_TOKEN_IDS_LOGPROB, MAX_TOP_LOGPROBS
 
+# How a response hands over the routed-experts arrays (``routed_experts_format``).
+ROUTED_EXPERTS_FORMATS = ("base64", "numpy")
+
 
 class InvalidRequestError(ValueError):
     """Bad input, with the request field it is about (the ``param`` of an OpenAI error)."""
@@ -54,6 +57,10 @@ class RequestOptions:
     # the request (in the first choice that has it), and per choice only the generated rows;
     # needs return_routed_experts.
     routed_experts_split: bool = False
+    # How the arrays (ids and weights) are handed back: "base64" (the default, SGLang's) or
+    # "numpy" (Engine: numpy arrays; HTTP: raw bytes in a MessagePack body, asked for by
+    # 'Accept: application/msgpack', which sets it). Applies to the routed-experts keys only.
+    routed_experts_format: str | None = None
     # Return the log-probabilities of the generated tokens (meta_info output_token_logprobs),
     # SGLang's spelling; the distribution is log_softmax(logits / temperature).
     return_logprob: bool = False
@@ -90,6 +97,11 @@ class RequestOptions:
     def dtype(self) -> str:
         """The wire dtype of the rows (resolved by ``validate``; int32 before)."""
         return self.routed_experts_dtype or "int32"
+
+    @property
+    def raw_routed_experts(self) -> bool:
+        """The routed-experts arrays go out as numpy arrays, not base64."""
+        return self.routed_experts_format == "numpy"
 
     @property
     def input_logprob_start(self) -> int | None:
@@ -180,6 +192,11 @@ class RequestOptions:
             raise InvalidRequestError(
                 "'routed_experts_split' needs return_routed_experts=true", "routed_experts_split"
             )
+        fmt = self.routed_experts_format
+        if fmt is not None and fmt not in ROUTED_EXPERTS_FORMATS:
+            raise InvalidRequestError(
+                f"routed_experts_format={fmt!r}; use one of {', '.join(ROUTED_EXPERTS_FORMATS)}",
+                "routed_experts_format")
         self._validate_logprobs(prompt_len, vocab_size)
         return dataclasses.replace(
             self, routed_experts_dtype=dtype,

@@ -477,7 +477,7 @@ class TokenizerManager:
         if rec.finish_reason is not None:
             meta["e2e_latency"] = time.monotonic() - state.created
         if rec.routed is not None:
-            meta.update(rec.routed.meta_info(state.split_at))
+            meta.update(rec.routed.meta_info(state.split_at, state.options.raw_routed_experts))
         if rec.logprobs is not None:
             entries = logprobs_meta_info(
                 rec.logprobs, self._token_text if state.options.return_text_in_logprobs else None)

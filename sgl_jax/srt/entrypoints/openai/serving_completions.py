@@ -17,7 +17,6 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-import orjson
 from pydantic import BaseModel
 
 from sgl_jax.srt.entrypoints.openai.logprobs import (
@@ -35,6 +34,7 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
     UsageInfo,
     short_repr,
 )
+from sgl_jax.srt.entrypoints.wire import JSON_WIRE
 from sgl_jax.srt.managers.io_struct import GenerateReqInput, order_results
 from sgl_jax.srt.managers.tokenizer_manager import TokenizerManager
 from sgl_jax.srt.routed_experts_output import routed_experts_keys
@@ -63,13 +63,6 @@ def matched_stop(meta: dict[str, Any]) -> int | str | None:
     return reason.get("matched") if reason else None
 
 
-def _dumps(body: BaseModel) -> bytes:
-    """JSON of a response by orjson over the model's plain dump: pydantic neither revalidates
-    nor re-encodes the large base64 routed-experts strings of ``meta_info`` (its JSON
-    serializer took 150-220 ms for a 32k-token request's 64 MiB string). Bytes, as sent."""
-    return orjson.dumps(body.model_dump())
-
-
 class OpenAIPlan:
     """One OpenAI request as a batch for the manager, plus how to format what comes back.
 
@@ -84,6 +77,13 @@ class OpenAIPlan:
         self.obj, self.rids, self.response_id, self.model = obj, rids, response_id, model
         self.n, self.include_usage = n, include_usage
         self.final_metas: dict[int, dict[str, Any]] = {}  # index -> final meta_info (streaming)
+        self.wire = JSON_WIRE  # serve() sets the one the client accepts
+
+    def _dumps(self, body: BaseModel) -> bytes:
+        """The body in the wire's format, written from the model's plain dump: pydantic
+        neither revalidates nor re-encodes the large routed-experts payloads of ``meta_info``
+        (its JSON serializer took 150-220 ms for a 32k-token request's 64 MiB base64)."""
+        return self.wire.dumps(body.model_dump())
 
     @property
     def stream(self) -> bool:
@@ -102,19 +102,19 @@ class OpenAIPlan:
     def response(self, results: list[dict[str, Any]]) -> bytes:
         ordered = order_results(results)
         body = self.make_response(ordered, self.usage({r["index"]: r["meta_info"] for r in ordered}))
-        return _dumps(body)
+        return self._dumps(body)
 
     def chunks(self, out: dict[str, Any]) -> list[bytes]:
         meta = out["meta_info"]
         final = meta.get("finish_reason") is not None
         if final:
             self.final_metas[out["index"]] = meta
-        return [_dumps(self.make_chunk(out, final))]
+        return [self._dumps(self.make_chunk(out, final))]
 
     def tail(self) -> list[bytes]:
         if not self.include_usage:
             return []
-        return [_dumps(self.make_usage_chunk(self.usage(self.final_metas)))]
+        return [self._dumps(self.make_usage_chunk(self.usage(self.final_metas)))]
 
     # Implemented per route.
     def make_response(self, results: list[dict[str, Any]], usage: UsageInfo) -> BaseModel:

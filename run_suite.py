@@ -55,6 +55,7 @@ E2E = [
     "tests/test_nextn_reference.py",
     "tests/test_speculative_server.py",
     "tests/test_http_server.py",
+    "tests/test_msgpack_route.py",
     "tests/test_openai_api.py",
     "tests/test_reliability.py",
     "tests/test_weight_update.py",

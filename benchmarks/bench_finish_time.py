@@ -5,7 +5,8 @@ routing shape (48 layers, 128 experts, top-8) and tiny widths (``make_random_mod
 a real server (``sgl_jax.launch_server``: HTTP process, scheduler, detokenizer) on CPU, one per
 scenario with as many request slots as the scenario sends at once:
 
-- **long**: one request of ``--long-tokens`` prompt tokens (32k);
+- **long**: one request of ``--long-tokens`` prompt tokens (32k; several sizes may be given, a
+  server each, to show the added time is linear in the payload);
 - **burst**: ``--burst`` concurrent requests of ``--burst-tokens`` prompt tokens (64 x 8k) that
   finish in the same step.
 
@@ -16,8 +17,12 @@ with routed experts, so its KV and rows are in the prefix cache: the measured re
 one token each (their last prompt token), and what differs between asking and not asking is
 the finish-time path alone (gather rows [start_len, seq_len-1), scheduler -> detokenizer ->
 tokenizer manager transport, base64, the JSON response, the client reading it). Variants
-("off": no routed experts; "int32" / "uint8": ``routed_experts_dtype``) are interleaved in
-rounds, order rotated; the figures are medians. "added" = variant minus off.
+("off": no routed experts; "int32" / "uint8": ``routed_experts_dtype`` in JSON;
+"msgpack int32" / "msgpack uint8": the same rows as raw bytes in a MessagePack body, asked for
+with ``Accept: application/msgpack``) are interleaved in rounds, order rotated; the figures are
+medians. "added" = variant minus off. Latency is the client's until the body is read; the
+client's decoding into a numpy array (``extract_routed_experts_from_meta_info`` after
+``json.loads`` / ``msgpack.unpackb``) is reported beside it.
 
 Peak RSS: each server process's high-water mark is reset (``/proc/PID/clear_refs``) before a
 burst round and read (``VmHWM``) after it; reported as the rise over the resident size before
@@ -35,13 +40,29 @@ import tempfile
 import time
 from typing import Any
 
+import msgpack
 import numpy as np
+import orjson
 import requests
 
+from sgl_jax.srt.routed_experts_codec import extract_routed_experts_from_meta_info
 from sgl_jax.testing import ServerProcess, server_flags
 
 LAYERS, TOP_K = 48, 8
-VARIANTS = {"off": None, "int32": "int32", "uint8": "uint8"}
+
+
+class Variant:
+    def __init__(self, dtype: str | None, binary: bool = False) -> None:
+        self.dtype, self.binary = dtype, binary
+        self.headers = {"Accept": "application/msgpack"} if binary else {}
+
+    def decode(self, data: bytes) -> np.ndarray | None:
+        body = msgpack.unpackb(data) if self.binary else orjson.loads(data)
+        return extract_routed_experts_from_meta_info(body)
+
+
+VARIANTS = {"off": Variant(None), "int32": Variant("int32"), "uint8": Variant("uint8"),
+            "msgpack int32": Variant("int32", True), "msgpack uint8": Variant("uint8", True)}
 
 
 def make_model(context: int) -> str:
@@ -93,37 +114,46 @@ def _payload(dtype: str | None, rows: int) -> int:
 MAX_NEW_TOKENS = [1]  # set from --max-new-tokens
 
 
-def _generate(url: str, ids: list[int], dtype: str | None,
-              timeout: float = 600) -> tuple[float, int]:
+def _generate(url: str, ids: list[int], variant: Variant,
+              timeout: float = 600) -> tuple[float, float]:
+    """(seconds until the body is read, seconds the client then takes to decode the rows)."""
     body: dict[str, Any] = {"input_ids": ids, "sampling_params": {
         "max_new_tokens": MAX_NEW_TOKENS[0], "temperature": 0.0, "ignore_eos": True}}
-    if dtype is not None:
-        body.update(return_routed_experts=True, routed_experts_dtype=dtype)
+    if variant.dtype is not None:
+        body.update(return_routed_experts=True, routed_experts_dtype=variant.dtype)
     t0 = time.perf_counter()
-    r = requests.post(url + "/generate", json=body, timeout=timeout)
+    r = requests.post(url + "/generate", json=body, headers=variant.headers, timeout=timeout)
     data = r.content
     secs = time.perf_counter() - t0
     assert r.status_code == 200, r.text[:500]
-    return secs, len(data)
+    rows = variant.decode(data)
+    decode = time.perf_counter() - t0 - secs
+    if variant.dtype is not None:
+        assert rows is not None and rows.dtype == np.dtype(variant.dtype)
+        assert rows.shape[0] == len(ids) + MAX_NEW_TOKENS[0] - 1
+    return secs, decode
 
 
-def _round(url: str, prompt: list[int], n: int, dtype: str | None) -> list[float]:
+def _round(url: str, prompt: list[int], n: int, variant: Variant) -> list[tuple[float, float]]:
     if n == 1:
-        return [_generate(url, prompt, dtype)[0]]
+        return [_generate(url, prompt, variant)]
     with cf.ThreadPoolExecutor(n) as pool:
-        return [s for s, _ in pool.map(lambda _: _generate(url, prompt, dtype), range(n))]
+        return list(pool.map(lambda _: _generate(url, prompt, variant), range(n)))
 
 
 def run(args: argparse.Namespace) -> list[str]:
     MAX_NEW_TOKENS[0] = args.max_new_tokens
-    context = args.long_tokens + 64
+    context = max(args.long_tokens + [args.burst_tokens]) + 64
     path = make_model(context)
     vocab = 512
     rng = np.random.default_rng(0)
-    long_prompt = rng.integers(10, vocab, args.long_tokens).tolist()
-    burst_prompt = rng.integers(10, vocab, args.burst_tokens).tolist()
     lines: list[str] = []
-    scenarios = [("long", long_prompt, 1), ("burst", burst_prompt, args.burst)]
+    scenarios = []
+    if "long" in args.scenarios:
+        scenarios += [("long", rng.integers(10, vocab, t).tolist(), 1) for t in args.long_tokens]
+    if "burst" in args.scenarios:
+        scenarios.append(("burst", rng.integers(10, vocab, args.burst_tokens).tolist(),
+                          args.burst))
     for name, prompt, n in scenarios:
         # One server per scenario, its running requests capped at the scenario's concurrency:
         # the native attention sizes an extend's query blocks from the padded rows of the
@@ -143,12 +173,14 @@ def run(args: argparse.Namespace) -> list[str]:
         try:
             procs = _proc_tree(server.proc.pid)
             t0 = time.perf_counter()
-            _generate(server.url, prompt, "int32", timeout=3600)  # rows into the prefix cache
+            # rows into the prefix cache
+            _generate(server.url, prompt, VARIANTS["int32"], timeout=3600)
             print(f"{name}: warm-up prefill of {len(prompt)} tokens {time.perf_counter() - t0:.0f}"
                   " s", flush=True)
-            for dtype in VARIANTS.values():  # compile every shape the rounds use
-                _round(server.url, prompt, n, dtype)
+            for variant in VARIANTS.values():  # compile every shape the rounds use
+                _round(server.url, prompt, n, variant)
             times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            decodes: dict[str, list[float]] = {v: [] for v in VARIANTS}
             peaks: dict[str, dict[str, list[int]]] = {v: {r: [] for r in procs} for v in VARIANTS}
             order = list(VARIANTS)
             for i in range(args.repeats):
@@ -156,7 +188,9 @@ def run(args: argparse.Namespace) -> list[str]:
                     before = {r: _status(p, "VmRSS") for r, p in procs.items()}
                     for p in procs.values():
                         _reset_peak(p)
-                    times[v] += _round(server.url, prompt, n, VARIANTS[v])
+                    for secs, decode in _round(server.url, prompt, n, VARIANTS[v]):
+                        times[v].append(secs)
+                        decodes[v].append(decode)
                     print(f"{name} round {i} {v}: p50 {statistics.median(times[v][-n:]) * 1e3:.0f}"
                           " ms", flush=True)
                     for r, p in procs.items():
@@ -168,19 +202,26 @@ def run(args: argparse.Namespace) -> list[str]:
         lines.append(f"\n**{name}**: {n} request(s) x {len(prompt)} prompt tokens, "
                      f"{args.repeats} rounds\n")
         lines.append("| variant | payload / request | latency p50 ms | max ms | added p50 ms | "
+                     "added ms / MiB | client decode p50 ms | "
                      + " | ".join(f"peak RSS rise {r} MiB" for r in procs) + " |")
-        lines.append("|---|---:|---:|---:|---:|" + "---:|" * len(procs))
-        for v, dtype in VARIANTS.items():
+        lines.append("|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(procs))
+        for v, variant in VARIANTS.items():
             med = statistics.median(times[v]) * 1e3
+            mib = _payload(variant.dtype, rows) / 2**20
+            per_mib = f"{(med - off) / mib:+.2f}" if mib else "-"
             peak = " | ".join(f"{max(peaks[v][r]) / 2**20:.0f}" for r in procs)
-            lines.append(f"| {v} | {_payload(dtype, rows) / 2**20:.1f} MiB | {med:.1f} | "
-                         f"{max(times[v]) * 1e3:.1f} | {med - off:+.1f} | {peak} |")
+            lines.append(f"| {v} | {mib:.1f} MiB | {med:.1f} | {max(times[v]) * 1e3:.1f} | "
+                         f"{med - off:+.1f} | {per_mib} | "
+                         f"{statistics.median(decodes[v]) * 1e3:.1f} | {peak} |")
         print("\n".join(lines[-(len(VARIANTS) + 3):]), flush=True)
     return lines
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--long-tokens", type=int, default=32768)
+    p.add_argument("--long-tokens", type=int, nargs="+", default=[32768],
+                   help="prompt tokens of the long scenario (a server and table per size)")
+    p.add_argument("--scenarios", nargs="+", choices=["long", "burst"],
+                   default=["long", "burst"])
     p.add_argument("--burst", type=int, default=64)
     p.add_argument("--burst-tokens", type=int, default=8192)
     p.add_argument("--chunk", type=int, default=4096, help="chunked prefill size")

@@ -14,7 +14,13 @@ import msgpack
 import numpy as np
 import pytest
 
-from sgl_jax.srt.entrypoints.wire import JSON_WIRE, MSGPACK_WIRE, negotiate
+from sgl_jax.srt.entrypoints.wire import (
+    JSON_WIRE,
+    MSGPACK_WIRE,
+    SLICE_BYTES,
+    negotiate,
+    payload_slices,
+)
 from sgl_jax.srt.routed_experts_codec import (
     extract_prompt_routed_experts_from_meta_info,
     extract_routed_expert_weights_from_meta_info,
@@ -272,3 +278,28 @@ def test_accept_negotiation(server) -> None:
         "return_routed_experts": True})
     assert res.headers["content-type"] == "application/json"
     assert isinstance(res.json()["meta_info"]["routed_experts"], str)
+
+
+@pytest.mark.parametrize("n", [0, 1, 255, 256, 65535, 65536, 3 * (1 << 20) + 5])
+def test_spliced_body_equals_the_packers_own(n) -> None:
+    """The spliced MessagePack body (arrays' buffers spliced in, not packed) is byte for byte
+    what msgpack writes for the same value with the arrays as bytes, at every bin size
+    (bin8 / bin16 / bin32) and across slices; numpy scalars become numbers."""
+    rng = np.random.default_rng(n)
+    ids = rng.integers(0, 255, n, dtype=np.uint8)
+    weights = rng.random((3, 2), dtype=np.float32)
+    value = {"text": "x", "meta_info": {"routed_experts": ids, "w": weights, "again": ids,
+                                        "n": np.int64(7), "nested": [{"a": weights[:1]}]}}
+    as_bytes = {"text": "x", "meta_info": {
+        "routed_experts": ids.tobytes(), "w": weights.tobytes(), "again": ids.tobytes(),
+        "n": 7, "nested": [{"a": weights[:1].tobytes()}]}}
+    spliced = MSGPACK_WIRE.dumps(value)
+    slices = list(payload_slices(spliced))
+    assert all(len(s) <= SLICE_BYTES for s in slices)
+    assert b"".join(slices) == msgpack.packb(as_bytes, use_bin_type=True)
+    assert spliced.nbytes == sum(len(s) for s in slices)
+
+
+def test_a_value_that_msgpack_cannot_write_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="cannot write a object"):
+        MSGPACK_WIRE.dumps({"x": object()})

@@ -60,7 +60,7 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
 from sgl_jax.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sgl_jax.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from sgl_jax.srt.entrypoints.weight_routes import WEIGHT_TENSOR_PATHS, add_weight_tensor_routes
-from sgl_jax.srt.entrypoints.wire import JSON_WIRE
+from sgl_jax.srt.entrypoints.wire import JSON_WIRE, Payload
 from sgl_jax.srt.expert_load_plot import PlotUnavailableError, render_expert_load_png
 from sgl_jax.srt.managers import control
 from sgl_jax.srt.managers.io_struct import GenerateReqInput
@@ -149,13 +149,13 @@ class _NativePlan:
     def stream(self) -> bool:
         return self.obj.stream
 
-    def response(self, results: list[dict[str, Any]]) -> bytes:
+    def response(self, results: list[dict[str, Any]]) -> Payload:
         return self.wire.dumps(self.obj.shape_results(results))
 
-    def chunks(self, out: dict[str, Any]) -> list[bytes]:
+    def chunks(self, out: dict[str, Any]) -> list[Payload]:
         return [self.wire.dumps(out)]
 
-    def tail(self) -> list[bytes]:
+    def tail(self) -> list[Payload]:
         return []
 
 

@@ -29,7 +29,15 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
     error_body,
     short_repr,
 )
-from sgl_jax.srt.entrypoints.wire import JSON_WIRE, Wire, negotiate
+from sgl_jax.srt.entrypoints.wire import (
+    JSON_WIRE,
+    Buffer,
+    Payload,
+    Spliced,
+    Wire,
+    negotiate,
+    payload_slices,
+)
 from sgl_jax.srt.managers.control import MemoryReleasedError
 from sgl_jax.srt.managers.io_struct import GenerateReqInput
 from sgl_jax.srt.managers.request_options import InvalidRequestError
@@ -61,9 +69,9 @@ class Plan(Protocol):
 
     @property
     def stream(self) -> bool: ...
-    def response(self, results: list[dict[str, Any]]) -> bytes: ...
-    def chunks(self, out: dict[str, Any]) -> list[bytes]: ...
-    def tail(self) -> list[bytes]: ...
+    def response(self, results: list[dict[str, Any]]) -> Payload: ...
+    def chunks(self, out: dict[str, Any]) -> list[Payload]: ...
+    def tail(self) -> list[Payload]: ...
 
 
 class ClientGone(Exception):
@@ -134,7 +142,7 @@ class _StreamResponse(StreamingResponse):
     """A stream (server-sent events, or MessagePack values back to back) that runs
     ``on_close`` however it ends (done, error or disconnect)."""
 
-    def __init__(self, content: AsyncIterator[bytes], media_type: str,
+    def __init__(self, content: AsyncIterator[Buffer], media_type: str,
                  on_close: Callable[[], None]) -> None:
         super().__init__(content, media_type=media_type,
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -147,20 +155,46 @@ class _StreamResponse(StreamingResponse):
             self._on_close()
 
 
-async def _stream(plan: Plan, gen: Generation, first: dict[str, Any]) -> AsyncIterator[bytes]:
+class _SplicedResponse(Response):
+    """A MessagePack body sent as its parts (``wire.Spliced``), in slices: its arrays are
+    never copied into one body."""
+
+    def __init__(self, body: Spliced, media_type: str) -> None:
+        self._spliced = body
+        super().__init__(None, media_type=media_type,
+                         headers={"content-length": str(body.nbytes)})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        for piece in self._spliced.slices():
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _respond(payload: Payload, wire: Wire) -> Response:
+    if isinstance(payload, Spliced):
+        return _SplicedResponse(payload, wire.media_type)
+    return Response(payload, media_type=wire.media_type)
+
+
+async def _stream(plan: Plan, gen: Generation, first: dict[str, Any]) -> AsyncIterator[Buffer]:
     frame = plan.wire.frame
     try:
         item: dict[str, Any] | None = first
         while item is not None:
             for data in plan.chunks(item):
-                yield frame(data)
+                for piece in payload_slices(frame(data)):
+                    yield piece
             item = await gen.next()
         for data in plan.tail():
-            yield frame(data)
+            for piece in payload_slices(frame(data)):
+                yield piece
     except Exception as e:  # the status line is sent: report the error in the stream
         status, body = _error_for(e)
         logger.warning("stream ended with HTTP-equivalent %d: %s", status, body["error"]["message"])
-        yield frame(plan.wire.dumps(body))
+        for piece in payload_slices(frame(plan.wire.dumps(body))):
+            yield piece
     finally:
         gen.close()
     if plan.wire.end is not None:
@@ -210,8 +244,7 @@ async def serve(request: Request, tm: TokenizerManager, plan: Plan,
     gen = Generation(tm, plan.obj)
     try:
         if not plan.stream:
-            return Response(plan.response(await until_disconnect(request, gen.collect())),
-                            media_type=wire.media_type)
+            return _respond(plan.response(await until_disconnect(request, gen.collect())), wire)
         # The first piece is awaited before the status line, so a bad request is a 4xx.
         first = await until_disconnect(request, gen.next())
     except BaseException:
@@ -219,7 +252,7 @@ async def serve(request: Request, tm: TokenizerManager, plan: Plan,
         raise
     if first is None:
         gen.close()
-        return Response(plan.response([]), media_type=wire.media_type)
+        return _respond(plan.response([]), wire)
     return _StreamResponse(_stream(plan, gen, first), wire.stream_media_type, on_close=gen.close)
 
 

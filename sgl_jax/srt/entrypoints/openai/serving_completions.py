@@ -34,7 +34,7 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
     UsageInfo,
     short_repr,
 )
-from sgl_jax.srt.entrypoints.wire import JSON_WIRE
+from sgl_jax.srt.entrypoints.wire import JSON_WIRE, Payload
 from sgl_jax.srt.managers.io_struct import GenerateReqInput, order_results
 from sgl_jax.srt.managers.tokenizer_manager import TokenizerManager
 from sgl_jax.srt.routed_experts_output import routed_experts_keys
@@ -79,7 +79,7 @@ class OpenAIPlan:
         self.final_metas: dict[int, dict[str, Any]] = {}  # index -> final meta_info (streaming)
         self.wire = JSON_WIRE  # serve() sets the one the client accepts
 
-    def _dumps(self, body: BaseModel) -> bytes:
+    def _dumps(self, body: BaseModel) -> Payload:
         """The body in the wire's format, written from the model's plain dump: pydantic
         neither revalidates nor re-encodes the large routed-experts payloads of ``meta_info``
         (its JSON serializer took 150-220 ms for a 32k-token request's 64 MiB base64)."""
@@ -99,19 +99,19 @@ class OpenAIPlan:
             prompt_tokens_details={"cached_tokens": cached},
         )
 
-    def response(self, results: list[dict[str, Any]]) -> bytes:
+    def response(self, results: list[dict[str, Any]]) -> Payload:
         ordered = order_results(results)
         body = self.make_response(ordered, self.usage({r["index"]: r["meta_info"] for r in ordered}))
         return self._dumps(body)
 
-    def chunks(self, out: dict[str, Any]) -> list[bytes]:
+    def chunks(self, out: dict[str, Any]) -> list[Payload]:
         meta = out["meta_info"]
         final = meta.get("finish_reason") is not None
         if final:
             self.final_metas[out["index"]] = meta
         return [self._dumps(self.make_chunk(out, final))]
 
-    def tail(self) -> list[bytes]:
+    def tail(self) -> list[Payload]:
         if not self.include_usage:
             return []
         return [self._dumps(self.make_usage_chunk(self.usage(self.final_metas)))]

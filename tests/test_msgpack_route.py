@@ -224,18 +224,32 @@ def test_openai_routes_carry_raw_arrays(server) -> None:
 
 
 def test_httpx_client_as_in_the_docs(server) -> None:
-    """The client of docs/routed_experts.md: httpx + msgpack -> numpy."""
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        res = client.post("/generate", headers={"Accept": "application/msgpack"}, json={
-            "text": "Waves", "sampling_params": {"max_new_tokens": 3, "temperature": 0},
-            "return_routed_experts": True})
-        res.raise_for_status()
-        out = msgpack.unpackb(res.content)
+    """The client of docs/routed_experts.md: httpx + msgpack -> numpy, whole and streamed."""
+    url = server.url
+    res = httpx.post(url + "/generate", headers={"Accept": "application/msgpack"}, timeout=60,
+                     json={"text": "Waves", "sampling_params": {"max_new_tokens": 3,
+                                                                "temperature": 0},
+                           "return_routed_experts": True})
+    res.raise_for_status()
+    out = msgpack.unpackb(res.content)
     meta = out["meta_info"]
-    rows = np.frombuffer(meta["routed_experts"], dtype="<" + "i4").reshape(
-        meta["routed_experts_shape"])
+    rows = np.frombuffer(meta["routed_experts"],
+                         dtype=np.dtype(meta["routed_experts_dtype"]).newbyteorder("<"))
+    rows = rows.reshape(meta["routed_experts_shape"])
     np.testing.assert_array_equal(rows, extract_routed_experts_from_meta_info(out))
     assert rows.shape[0] == meta["prompt_tokens"] + meta["completion_tokens"] - 1
+
+    parts = []
+    with httpx.stream("POST", url + "/generate", headers={"Accept": "application/msgpack"},
+                      timeout=60,
+                      json={"text": "Waves", "stream": True, "return_routed_experts": True,
+                            "sampling_params": {"max_new_tokens": 3, "temperature": 0}}) as r:
+        unpacker = msgpack.Unpacker()
+        for data in r.iter_bytes():
+            unpacker.feed(data)
+            for chunk in unpacker:
+                parts.append(extract_routed_experts_from_meta_info(chunk))
+    np.testing.assert_array_equal(np.concatenate(parts), rows)
 
 
 def test_bad_format_is_a_400_and_the_server_keeps_serving(server) -> None:

@@ -20,7 +20,8 @@ tokenizer manager transport, base64, the JSON response, the client reading it). 
 ("off": no routed experts; "int32" / "uint8": ``routed_experts_dtype`` in JSON;
 "msgpack int32" / "msgpack uint8": the same rows as raw bytes in a MessagePack body, asked for
 with ``Accept: application/msgpack``) are interleaved in rounds, order rotated; the figures are
-medians. "added" = variant minus off. Latency is the client's until the body is read; the
+medians. "added" = variant minus off; "paired" = the median over rounds of each round's
+variant minus that round's off (adjacent runs, so the machine's drift cancels). Latency is the client's until the body is read; the
 client's decoding into a numpy array (``extract_routed_experts_from_meta_info`` after
 ``json.loads`` / ``msgpack.unpackb``) is reported beside it.
 
@@ -40,10 +41,10 @@ import tempfile
 import time
 from typing import Any
 
+import httpx
 import msgpack
 import numpy as np
 import orjson
-import requests
 
 from sgl_jax.srt.routed_experts_codec import extract_routed_experts_from_meta_info
 from sgl_jax.testing import ServerProcess, server_flags
@@ -114,6 +115,10 @@ def _payload(dtype: str | None, rows: int) -> int:
 MAX_NEW_TOKENS = [1]  # set from --max-new-tokens
 
 
+# One client for every request (connections kept alive, enough for a burst's concurrency).
+_CLIENT = [httpx.Client(timeout=3600, limits=httpx.Limits(max_connections=256))]
+
+
 def _generate(url: str, ids: list[int], variant: Variant,
               timeout: float = 600) -> tuple[float, float]:
     """(seconds until the body is read, seconds the client then takes to decode the rows)."""
@@ -122,7 +127,7 @@ def _generate(url: str, ids: list[int], variant: Variant,
     if variant.dtype is not None:
         body.update(return_routed_experts=True, routed_experts_dtype=variant.dtype)
     t0 = time.perf_counter()
-    r = requests.post(url + "/generate", json=body, headers=variant.headers, timeout=timeout)
+    r = _CLIENT[0].post(url + "/generate", json=body, headers=variant.headers, timeout=timeout)
     data = r.content
     secs = time.perf_counter() - t0
     assert r.status_code == 200, r.text[:500]
@@ -180,6 +185,7 @@ def run(args: argparse.Namespace) -> list[str]:
             for variant in VARIANTS.values():  # compile every shape the rounds use
                 _round(server.url, prompt, n, variant)
             times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            round_medians: dict[str, list[float]] = {v: [] for v in VARIANTS}
             decodes: dict[str, list[float]] = {v: [] for v in VARIANTS}
             peaks: dict[str, dict[str, list[int]]] = {v: {r: [] for r in procs} for v in VARIANTS}
             order = list(VARIANTS)
@@ -188,9 +194,11 @@ def run(args: argparse.Namespace) -> list[str]:
                     before = {r: _status(p, "VmRSS") for r, p in procs.items()}
                     for p in procs.values():
                         _reset_peak(p)
-                    for secs, decode in _round(server.url, prompt, n, VARIANTS[v]):
+                    results = _round(server.url, prompt, n, VARIANTS[v])
+                    for secs, decode in results:
                         times[v].append(secs)
                         decodes[v].append(decode)
+                    round_medians[v].append(statistics.median(s for s, _ in results))
                     print(f"{name} round {i} {v}: p50 {statistics.median(times[v][-n:]) * 1e3:.0f}"
                           " ms", flush=True)
                     for r, p in procs.items():
@@ -202,16 +210,20 @@ def run(args: argparse.Namespace) -> list[str]:
         lines.append(f"\n**{name}**: {n} request(s) x {len(prompt)} prompt tokens, "
                      f"{args.repeats} rounds\n")
         lines.append("| variant | payload / request | latency p50 ms | max ms | added p50 ms | "
-                     "added ms / MiB | client decode p50 ms | "
+                     "added, paired p50 ms | paired ms / MiB | client decode p50 ms | "
                      + " | ".join(f"peak RSS rise {r} MiB" for r in procs) + " |")
-        lines.append("|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(procs))
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(procs))
         for v, variant in VARIANTS.items():
             med = statistics.median(times[v]) * 1e3
+            # Each round's median minus the same round's "off" (run next to it): the drift of
+            # this machine's speed between rounds cancels.
+            paired = statistics.median(
+                a - b for a, b in zip(round_medians[v], round_medians["off"], strict=True)) * 1e3
             mib = _payload(variant.dtype, rows) / 2**20
-            per_mib = f"{(med - off) / mib:+.2f}" if mib else "-"
+            per_mib = f"{paired / mib:+.2f}" if mib else "-"
             peak = " | ".join(f"{max(peaks[v][r]) / 2**20:.0f}" for r in procs)
             lines.append(f"| {v} | {mib:.1f} MiB | {med:.1f} | {max(times[v]) * 1e3:.1f} | "
-                         f"{med - off:+.1f} | {per_mib} | "
+                         f"{med - off:+.1f} | {paired:+.1f} | {per_mib} | "
                          f"{statistics.median(decodes[v]) * 1e3:.1f} | {peak} |")
         print("\n".join(lines[-(len(VARIANTS) + 3):]), flush=True)
     return lines

@@ -98,7 +98,9 @@ class SglJaxRollout(base_rollout.BaseRollout):
         ids = [self._tokenizer.encode(p) for p in prompts]
         outs = self._engine.generate(
             input_ids=ids, sampling_params=_sampling_params(rollout_config, len(ids)),
-            return_logprob=True, return_routed_experts=self._with_experts or None)
+            return_logprob=True, return_routed_experts=self._with_experts or None,
+            # The rows as numpy arrays: no base64 round trip inside the process.
+            **({"routed_experts_format": "numpy"} if self._with_experts else {}))
         if self._with_experts:
             self._routed_experts.extend(extract_routed_experts_from_meta_info(o) for o in outs)
         return base_rollout.RolloutOutput(

@@ -59,9 +59,9 @@ T = TypeVar("T")
 
 
 class Plan(Protocol):
-    """A request for the manager and how to format its outputs, as bytes in its ``wire``'s
-    format (``serve`` sets it from the Accept header; a large routed-experts body is never
-    turned into a str and encoded back)."""
+    """A request for the manager and how to format its outputs in its ``wire``'s format
+    (``serve`` sets it from the Accept header): JSON bytes (a large routed-experts body is
+    never turned into a str and encoded back), or a spliced MessagePack body."""
 
     obj: GenerateReqInput
     rids: list[str]
@@ -228,6 +228,9 @@ def choose_wire(request: Request, obj: GenerateReqInput) -> Wire:
                 "routed_experts_format='numpy' needs a binary response: send "
                 "'Accept: application/msgpack' for raw arrays, or leave the field out for "
                 "base64 in JSON", "routed_experts_format")
+    elif isinstance(given, list):  # one per prompt: those not given follow the wire
+        obj.options["routed_experts_format"] = [
+            wire.routed_experts_format if g is None else g for g in given]
     elif given is None:
         obj.options["routed_experts_format"] = wire.routed_experts_format
     return wire

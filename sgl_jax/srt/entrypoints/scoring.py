@@ -111,8 +111,10 @@ async def score(
         sampling_params=params,
         options={"return_logprob": True, "logprob_start_len": [len(p) for p in prompts],
                  "return_routed_experts": want,
-                 # int32 whatever the server's default: -1 marks a layer without a router.
-                 **({"routed_experts_dtype": "int32"} if want else {})})))
+                 # int32 whatever the server's default: -1 marks a layer without a router;
+                 # arrays as they are, no base64 round trip.
+                 **({"routed_experts_dtype": "int32", "routed_experts_format": "numpy"}
+                    if want else {})})))
     records = []
     for out, completion in zip(outs, completion_ids, strict=True):
         meta = out["meta_info"]

@@ -267,6 +267,15 @@ def test_bad_format_is_a_400_and_the_server_keeps_serving(server) -> None:
     m = msgpack.unpackb(server.post("/generate", json={**base, "routed_experts_format": "base64"},
                                     headers=MSGPACK).content)
     assert isinstance(m["meta_info"]["routed_experts"], str)
+    # Per prompt: a prompt without the field follows the Accept header.
+    both = msgpack.unpackb(server.post("/generate", headers=MSGPACK, json={
+        **base, "input_ids": [[1, 2, 3], [4, 5, 6]],
+        "routed_experts_format": [None, "base64"]}).content)
+    assert isinstance(both[0]["meta_info"]["routed_experts"], bytes)
+    assert isinstance(both[1]["meta_info"]["routed_experts"], str)
+    assert server.post("/generate", json={**base, "input_ids": [[1, 2], [3, 4]],
+                                          "routed_experts_format": ["base64", "numpy"]}
+                       ).status_code == 400
     assert server.post("/generate", json=base).status_code == 200
     info = server.get("/get_server_info").json()
     assert info["num_running_reqs"] == 0 and info["free_req_slots"] == info["total_req_slots"]

@@ -117,13 +117,17 @@ def step_bench(args: argparse.Namespace) -> None:
     print(markdown_table(["step", "off ms", "on ms", "on/off (speed)", "paired"], results))
 
 
-def _stage_times(n_rows: int, repeats: int) -> dict[str, float]:
+def _stage_times(n_rows: int, repeats: int, side: bool = False) -> dict[str, float]:
     """Median milliseconds of each stage of one finishing request's rows (``n_rows`` rows of
     the 48-layer preset's shape), from the host table to ``meta_info``, on the real pieces:
     the host table (``RoutedExpertsHostCache``), the wire cast (``to_wire_dtype``), the
     scheduler -> detokenizer and detokenizer -> tokenizer manager hops (``send_obj`` /
     ``recv_obj`` of a real ``BatchTokenIDOut`` over ``ipc://`` PUSH/PULL sockets, the
     detokenizer's ``with_text`` between them) and the base64 of ``RoutedExpertsOut.meta_info``.
+    With ``side`` the rows take the side channel (``transport.SideSender`` -> ``SideReceiver``,
+    flushed before the message, as ``OutputSender`` does): the message through the detokenizer
+    carries a reference, and the tokenizer manager's receive takes the rows from the side socket
+    (their transfer overlaps the first hop).
     """
     import time
 
@@ -131,7 +135,7 @@ def _stage_times(n_rows: int, repeats: int) -> dict[str, float]:
     import zmq
 
     from sgl_jax.srt.managers.io_struct import BatchStrOut, BatchTokenIDOut
-    from sgl_jax.srt.managers.transport import recv_obj, send_obj
+    from sgl_jax.srt.managers.transport import SideReceiver, SideSender, recv_obj, send_obj
     from sgl_jax.srt.mem_cache.routed_experts_host_cache import RoutedExpertsHostCache
     from sgl_jax.srt.routed_experts_codec import to_wire_dtype
 
@@ -152,6 +156,8 @@ def _stage_times(n_rows: int, repeats: int) -> dict[str, float]:
         pull.bind(f"ipc://{tmp}/{hop}")
         push.connect(f"ipc://{tmp}/{hop}")
         pairs.append((push, pull))
+    side_out = SideSender(ctx, f"ipc://{tmp}/tm") if side else None
+    side_in = SideReceiver(ctx, f"ipc://{tmp}/tm") if side else None
 
     def record(ids: np.ndarray) -> tuple:
         return ("rid", [1] * 32, {"type": "length", "length": 32}, n_rows - 31, 32, 0, (), True,
@@ -170,12 +176,17 @@ def _stage_times(n_rows: int, repeats: int) -> dict[str, float]:
         t = lap("gather (host table)", t)
         ids = to_wire_dtype(raw, "int32")
         t = lap("cast to int32", t)
-        send_obj(pairs[0][0], BatchTokenIDOut.of_values([record(ids)]))
+        if side_out is not None:
+            msg = BatchTokenIDOut.of_values([record(side_out.put(ids))])
+            side_out.flush()
+            send_obj(pairs[0][0], msg)
+        else:
+            send_obj(pairs[0][0], BatchTokenIDOut.of_values([record(ids)]))
         msg = recv_obj(pairs[0][1])
         t = lap("hop scheduler -> detokenizer", t)
         send_obj(pairs[1][0], msg.with_text([""]))
-        out = recv_obj(pairs[1][1])
-        t = lap("hop detokenizer -> tokenizer manager", t)
+        out = recv_obj(pairs[1][1], side=side_in)
+        t = lap("hop detokenizer -> tokenizer manager" + (" (+ side rows)" if side else ""), t)
         assert isinstance(out, BatchStrOut)
         meta = out.outputs[0].routed.meta_info()
         t = lap("meta_info (base64)", t)
@@ -184,14 +195,18 @@ def _stage_times(n_rows: int, repeats: int) -> dict[str, float]:
     for push, pull in pairs:
         push.close(linger=0)
         pull.close(linger=0)
+    if side_out is not None and side_in is not None:
+        side_out.close()
+        side_in.close()
     ctx.term()
     return {name: median(ts[1:]) for name, ts in times.items()}
 
 
 def stages_bench(args: argparse.Namespace) -> None:
-    results = {n: _stage_times(n, args.repeats) for n in args.rows}
+    results = {n: _stage_times(n, args.repeats, side=args.side) for n in args.rows}
     names = list(next(iter(results.values())))
-    print("\n### Finish path per stage, one request, 48 layers x top-8, int32 wire\n")
+    route = "side channel" if args.side else "through the detokenizer"
+    print(f"\n### Finish path per stage, one request, 48 layers x top-8, int32 wire, {route}\n")
     print(f"`{' '.join(['python', *sys.argv])}` — {machine_description()}\n")
     header = ["stage", *(f"{n:,} rows ({n * 48 * 8 * 4 / 2**20:.2f} MiB) ms" for n in results)]
     print(markdown_table(header, [[name, *(results[n][name] for n in results)]
@@ -216,6 +231,8 @@ def main() -> None:
                    help="time each stage of one request's finish path (no engine)")
     p.add_argument("--rows", type=int, nargs="+", default=[1024, 8192],
                    help="--stages: rows of the request")
+    p.add_argument("--side", action="store_true",
+                   help="--stages: the rows take the side channel (transport.SideSender)")
     args = p.parse_args()
     if args.stages:
         stages_bench(args)

@@ -32,14 +32,17 @@ from sgl_jax import Engine  # noqa: E402
 from sgl_jax.srt.configs.model_config import ModelConfig  # noqa: E402
 
 
-def model_path_for(preset: str | None) -> str | None:
+def model_path_for(preset: str | None, context: int | None = None) -> str | None:
+    """The preset's random checkpoint (written once); ``context``: with that many positions."""
     if preset is None:
         return None
-    path = os.path.join(tempfile.gettempdir(), f"sgl_jax_bench_{preset}")
+    name = f"sgl_jax_bench_{preset}" + (f"_ctx{context}" if context else "")
+    path = os.path.join(tempfile.gettempdir(), name)
     if not os.path.exists(os.path.join(path, "model.safetensors")):
         from sgl_jax.tools.make_random_model import write_random_model
 
-        write_random_model(path, preset)
+        overrides = {"max_position_embeddings": context} if context else None
+        write_random_model(path, preset, overrides, check_routing=context is None)
     return path
 
 
@@ -135,9 +138,13 @@ def _stage_times(n_rows: int, repeats: int, side: bool = False) -> dict[str, flo
     import zmq
 
     from sgl_jax.srt.managers.io_struct import BatchStrOut, BatchTokenIDOut
-    from sgl_jax.srt.managers.transport import SideReceiver, SideSender, recv_obj, send_obj
+    from sgl_jax.srt.managers.transport import recv_obj, send_obj
     from sgl_jax.srt.mem_cache.routed_experts_host_cache import RoutedExpertsHostCache
-    from sgl_jax.srt.routed_experts_codec import to_wire_dtype
+
+    try:  # the OutputSender's cast (M21); an older tree (PYTHONPATH=<tree>) has the codec's
+        from sgl_jax.srt.managers.output_sender import _to_wire as to_wire_dtype
+    except ImportError:
+        from sgl_jax.srt.routed_experts_codec import to_wire_dtype
 
     layers, k, experts = 48, 8, 128
     slots_total = 4 * n_rows + 1024
@@ -156,8 +163,11 @@ def _stage_times(n_rows: int, repeats: int, side: bool = False) -> dict[str, flo
         pull.bind(f"ipc://{tmp}/{hop}")
         push.connect(f"ipc://{tmp}/{hop}")
         pairs.append((push, pull))
-    side_out = SideSender(ctx, f"ipc://{tmp}/tm") if side else None
-    side_in = SideReceiver(ctx, f"ipc://{tmp}/tm") if side else None
+    side_out = side_in = None
+    if side:
+        from sgl_jax.srt.managers.transport import SideReceiver, SideSender
+
+        side_out, side_in = SideSender(ctx, f"ipc://{tmp}/tm"), SideReceiver(ctx, f"ipc://{tmp}/tm")
 
     def record(ids: np.ndarray) -> tuple:
         return ("rid", [1] * 32, {"type": "length", "length": 32}, n_rows - 31, 32, 0, (), True,
@@ -185,7 +195,7 @@ def _stage_times(n_rows: int, repeats: int, side: bool = False) -> dict[str, flo
         msg = recv_obj(pairs[0][1])
         t = lap("hop scheduler -> detokenizer", t)
         send_obj(pairs[1][0], msg.with_text([""]))
-        out = recv_obj(pairs[1][1], side=side_in)
+        out = recv_obj(pairs[1][1], side=side_in) if side else recv_obj(pairs[1][1])
         t = lap("hop detokenizer -> tokenizer manager" + (" (+ side rows)" if side else ""), t)
         assert isinstance(out, BatchStrOut)
         meta = out.outputs[0].routed.meta_info()
@@ -213,6 +223,47 @@ def stages_bench(args: argparse.Namespace) -> None:
                                   for name in names]))
 
 
+def finish_bench(args: argparse.Namespace) -> None:
+    """``--finish N``: the time one request over a cached N-token prompt takes with and without
+    its rows (int32, N - 1 rows), through ``Engine.generate`` (base64 in ``meta_info``), the
+    two interleaved on one engine; medians and the added time."""
+    import time
+
+    n = args.finish
+    path = model_path_for(args.preset)
+    cfg = ModelConfig.from_hf(path)
+    if n + 64 > cfg.context_len:  # the same weights' shape with room for the prompt
+        path = model_path_for(args.preset, context=n + 64)
+        cfg = ModelConfig.from_hf(path)
+    engine = Engine(model_path=path, precompile_bs_paddings=[1], max_running_requests=1,
+                    precompile_token_paddings=[64, 1024, 4096], chunked_prefill_size=4096,
+                    log_level="warning", enable_return_routed_experts=True)
+    prompt = random_prompts(1, n, cfg.vocab_size, seed=n)[0]
+    params = {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+
+    def one(want: bool) -> float:
+        t0 = time.perf_counter()
+        out = engine.generate(input_ids=prompt, sampling_params=params, return_routed_experts=want)
+        secs = time.perf_counter() - t0
+        assert (out["meta_info"].get("routed_experts") is not None) == want
+        return secs
+
+    try:
+        for want in (True, False, True, False):  # cache the prompt with its rows; warm up
+            one(want)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for i in range(args.repeats):
+            for want in (False, True) if i % 2 == 0 else (True, False):
+                times[want].append(one(want))
+    finally:
+        engine.shutdown()
+    off, on = median(times[False]) * 1e3, median(times[True]) * 1e3
+    mib = (n - 1) * cfg.num_hidden_layers * cfg.num_experts_per_tok * 4 / 2**20
+    print(f"\n`{' '.join(['python', *sys.argv])}` — {machine_description()}\n")
+    print(markdown_table(["prompt tokens", "rows MiB (int32)", "without rows ms", "with rows ms",
+                          "added ms"], [[n, mib, off, on, on - off]]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default=None, help="make_random_model preset (default: bundled)")
@@ -233,7 +284,12 @@ def main() -> None:
                    help="--stages: rows of the request")
     p.add_argument("--side", action="store_true",
                    help="--stages: the rows take the side channel (transport.SideSender)")
+    p.add_argument("--finish", type=int, default=0,
+                   help="time one request over a cached prompt of N tokens with / without rows")
     args = p.parse_args()
+    if args.finish:
+        finish_bench(args)
+        return
     if args.stages:
         stages_bench(args)
         return

@@ -9,7 +9,9 @@ scheduler to the tokenizer manager unchanged.
 
 It reads nothing of a record but its ids, stop strings and ``skip_special_tokens``: every
 feature's payload passes through as it came, its numpy arrays out of band in both directions
-(``transport.py``), never pickled into the message, encoded or copied here.
+(``transport.py``), never pickled into the message, encoded or copied here. Large arrays
+the scheduler sent on the side channel (straight to the tokenizer manager) are not here at
+all: the records hold ``transport.SideArray`` references, unpickled and pickled again as such.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ one ``ReqOutput`` record per request, each optional feature its payload."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +12,7 @@ import zmq
 
 from sgl_jax.srt.managers.io_struct import BatchTokenIDOut
 from sgl_jax.srt.managers.schedule_batch import Req
-from sgl_jax.srt.managers.transport import send_obj
+from sgl_jax.srt.managers.transport import SideSender, send_obj
 from sgl_jax.srt.routed_experts_codec import (
     ROUTED_EXPERT_WEIGHTS_DTYPES,
     to_wire_dtype,
@@ -31,14 +32,20 @@ class OutputSender:
     them), read through ``routed_rows_of(req, start)``; any other request's rows go with its
     final message only. Routing weights (``return_routed_expert_weights``) go alongside their
     rows, by the same rules, in their wire float dtype.
+
+    With a ``side`` channel (``transport.SideSender`` to the tokenizer manager), large arrays
+    go there, straight to the tokenizer manager, and the message through the detokenizer
+    carries references to them (sent first, by ``send``).
     """
 
     def __init__(
         self, socket: zmq.Socket, stream_interval: int,
         routed_rows_of: Callable[..., np.ndarray] | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES, speculative: bool = False,
+        side: SideSender | None = None,
     ) -> None:
         self.socket = socket
+        self.side = side
         self.speculative = speculative  # each record carries its request's spec_verify_ct
         self.max_message_bytes = max_message_bytes
         self.stream_interval = stream_interval
@@ -51,9 +58,15 @@ class OutputSender:
         )
 
     def pack(self, reqs: list[Req]) -> BatchTokenIDOut | None:
-        """The message for those of ``reqs`` that are due (None if none is); marks them sent."""
+        """The message for those of ``reqs`` that are due (None if none is); marks them sent.
+        Its side arrays (if any) are sent now: send the message after."""
         due = [r for r in reqs if self.due(r)]
-        return self._message(due) if due else None
+        if not due:
+            return None
+        msg = self._message(due)
+        if self.side is not None:
+            self.side.flush()
+        return msg
 
     def _message(self, due: list[Req]) -> BatchTokenIDOut:
         return BatchTokenIDOut.of_values(map(self._record, due), self.weight_version)
@@ -103,9 +116,13 @@ class OutputSender:
         else:
             return None
         req.routed_sent += len(rows)
+        ids = _to_wire(rows, opts.dtype)
         if weights is not None:
             weights = weights.astype(ROUTED_EXPERT_WEIGHTS_DTYPES[opts.weights_dtype], copy=False)
-        return to_wire_dtype(rows, opts.dtype), start, weights
+        if self.side is not None:  # large ones skip the detokenizer
+            ids = self.side.put(ids)
+            weights = None if weights is None else self.side.put(weights)
+        return ids, start, weights
 
     def send(self, reqs: list[Req]) -> None:
         """Sends the due ones of ``reqs`` in messages of at most ``max_message_bytes`` of
@@ -119,12 +136,18 @@ class OutputSender:
             # Only gathered rows count (see _routed_nbytes); most requests hold none.
             n = 0 if r.routed_experts is None else _routed_nbytes(r)
             if group and size + n > self.max_message_bytes:
-                send_obj(self.socket, self._message(group))
+                self._send_message(group)
                 group, size = [], 0
             group.append(r)
             size += n
         if group:
-            send_obj(self.socket, self._message(group))
+            self._send_message(group)
+
+    def _send_message(self, group: list[Req]) -> None:
+        msg = self._message(group)
+        if self.side is not None:
+            self.side.flush()  # before the message that refers to them
+        send_obj(self.socket, msg)
 
     def send_control(self, msg: Any) -> None:
         """A reply to a control request (flush, server info), passed on by the detokenizer."""
@@ -139,3 +162,16 @@ def _routed_nbytes(req: Req) -> int:
         return 0
     ids = rows.size * wire_dtype(req.options.dtype).itemsize  # as sent, not as stored
     return ids + (0 if weights is None else weights.nbytes)
+
+
+def _to_wire(rows: np.ndarray, name: str) -> np.ndarray:
+    """Rows as gathered (``RoutedExpertsHostCache.gather(raw=True)``) -> the wire dtype
+    ``name``, in at most one pass: a signed row dtype (no router = -1) reinterpreted as the
+    unsigned wire dtype of its size is already that dtype's encoding (-1 reads as the maximum,
+    its no-router marker; ids are below it), so it is a view; every other pair is
+    ``to_wire_dtype``'s one cast."""
+    wire = wire_dtype(name)
+    if (rows.dtype.kind == "i" and wire.kind == "u" and rows.dtype.itemsize == wire.itemsize
+            and (wire.itemsize == 1 or sys.byteorder == "little")):  # the wire is little-endian
+        return rows.view(wire)
+    return to_wire_dtype(rows, name)

@@ -10,7 +10,10 @@ Storage is the narrowest unsigned dtype that holds every expert id and the no-ro
 requests x 32k slots x 48 layers x top-8 that is 3 GiB instead of 12). The table is written
 lazily: ``np.empty`` reserves address space only, so pages are committed as slots are first
 written, never at start-up; a slot's row is read only after a step wrote it (``valid``).
-Reads convert back to int32 with -1 for the marker, the wire's semantics.
+Reads convert back to int32 with -1 for the marker, the wire's semantics. A raw read (for the
+wire) is the storage dtype's signed twin when every id fits it (up to 128 experts in int8, 32768
+in int16): a view in which the marker already reads -1, so the one cast to the wire dtype is a
+plain C cast (``to_wire_dtype``'s signed -> signed path), with no pass to find the markers.
 
 ``valid[slot]`` says whether the step that last wrote the slot's KV captured its row: a batch
 in which no request asked for routed experts skips the device-to-host copy, and a batch in
@@ -59,6 +62,9 @@ class RoutedExpertsHostCache:
             np.empty((num_slots, num_hidden_layers, num_experts_per_tok), np.float32)
             if weights else None
         )
+        # The signed twin of the storage dtype, if every id fits it (see gather(raw=True)).
+        signed = np.dtype(f"i{self.dtype.itemsize}")
+        self._signed = signed if num_experts <= np.iinfo(signed).max + 1 else None
         # Storage value -> int32 id in one pass (the marker maps to -1).
         self._to_ids = np.arange(self.marker + 1, dtype=ROW_DTYPE)
         self._to_ids[self.marker] = NO_ROUTER
@@ -82,10 +88,16 @@ class RoutedExpertsHostCache:
 
     def gather(self, slots: np.ndarray, raw: bool = False) -> np.ndarray:
         """The rows of ``slots`` as int32 (-1 = no router), copied: safe to keep after they are
-        freed. ``raw``: in the storage dtype (marker = its maximum), for a single conversion to
-        the wire dtype later (``routed_experts_codec.to_wire_dtype``)."""
+        freed. ``raw``: in a narrow dtype, for a single conversion to the wire dtype later
+        (``routed_experts_codec.to_wire_dtype``): the storage dtype's signed twin (-1 = no
+        router; a view of the gathered copy) when every id fits it, else the storage dtype
+        (marker = its maximum)."""
         rows = self.rows[slots]
-        return rows if raw else self._to_ids[rows]
+        if raw:
+            # The marker (the unsigned maximum) reads -1 in the signed twin; ids are below
+            # its maximum.
+            return rows if self._signed is None else rows.view(self._signed)
+        return self._to_ids[rows]
 
     def valid_prefix_len(self, slots: np.ndarray) -> int:
         """Length of the leading run of ``slots`` whose rows are known."""

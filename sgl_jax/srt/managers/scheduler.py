@@ -51,6 +51,7 @@ from sgl_jax.srt.managers.multi_node import LeaderRunner, exit_on_fatal, open_le
 from sgl_jax.srt.managers.output_sender import OutputSender
 from sgl_jax.srt.managers.req_memory import RankedMemory, ReqMemory
 from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch, finish_abort, finish_length
+from sgl_jax.srt.managers.transport import SideSender
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, StepOutput
 from sgl_jax.srt.model_executor.weight_updater import check_compatible
@@ -150,9 +151,12 @@ class Scheduler:
         self.recv_socket.bind(port_args.scheduler_ipc)
         self.send_socket = ctx.socket(zmq.PUSH)
         self.send_socket.connect(port_args.detokenizer_ipc)
+        # Large routed-experts arrays go straight to the tokenizer manager (transport.py).
+        self.side = (SideSender(ctx, port_args.tokenizer_ipc)
+                     if server_args.enable_return_routed_experts else None)
         self.outputs = OutputSender(self.send_socket, server_args.stream_interval,
                                     routed_rows_of=self.memory.routed_rows_of,
-                                    speculative=self.speculation is not None)
+                                    speculative=self.speculation is not None, side=self.side)
         self._step_started = time.perf_counter()
 
     # -- loop -----------------------------------------------------------------------------------
@@ -167,6 +171,8 @@ class Scheduler:
         self.node.close()
         self.recv_socket.close(linger=0)
         self.send_socket.close(linger=0)
+        if self.side is not None:
+            self.side.close()
         self.ctx.term()
 
     def run_step(self) -> ScheduleBatch | None:

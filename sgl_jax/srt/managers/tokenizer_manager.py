@@ -44,7 +44,7 @@ from sgl_jax.srt.managers.io_struct import (
 )
 from sgl_jax.srt.managers.logprob_record import logprobs_meta_info
 from sgl_jax.srt.managers.request_options import InvalidRequestError, RequestOptions
-from sgl_jax.srt.managers.transport import recv_obj
+from sgl_jax.srt.managers.transport import SideReceiver, recv_obj
 from sgl_jax.srt.metrics import RequestObserver, create_observer
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
@@ -118,6 +118,8 @@ class TokenizerManager:
         self._send_lock = threading.Lock()
         self._recv = self._ctx.socket(zmq.PULL)
         self._recv.bind(port_args.tokenizer_ipc)
+        # Large routed-experts arrays come straight from the scheduler (transport.py).
+        self._side = SideReceiver(self._ctx, port_args.tokenizer_ipc)
         self._closing = False
         self._receiver = threading.Thread(target=self._receive_loop, name="tm-recv", daemon=True)
         self._receiver.start()
@@ -437,7 +439,7 @@ class TokenizerManager:
             try:
                 if not self._recv.poll(timeout=100):
                     continue
-                msg = recv_obj(self._recv)
+                msg = recv_obj(self._recv, side=self._side)
             except zmq.ZMQError:
                 return
             if isinstance(msg, BatchStrOut):
@@ -518,6 +520,7 @@ class TokenizerManager:
         self._receiver.join(timeout=2)
         self._send.close(linger=0)
         self._recv.close(linger=0)
+        self._side.close()
         self._ctx.term()
 
 

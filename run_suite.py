@@ -37,6 +37,8 @@ UNIT = [
     "tests/test_sglang_fields.py",
     "tests/test_routed_experts_transport.py",
     "tests/test_output_records.py",
+    "tests/test_side_channel.py",
+    "tests/test_finish_cast.py",
     "tests/test_expert_load_tool.py",
     "tests/test_eplb.py",
     "tests/test_eplb_parallel.py",

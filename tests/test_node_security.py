@@ -488,7 +488,9 @@ def test_engine_ipc_directory_is_private_and_removed_at_shutdown():
     try:
         ipc_dir = eng._procs.port_args.ipc_dir
         assert stat.S_IMODE(os.stat(ipc_dir).st_mode) == 0o700
-        assert sorted(os.listdir(ipc_dir)) == ["detokenizer", "scheduler", "tokenizer"]
+        # tokenizer_side: the side channel of large routed-experts arrays (transport.py).
+        assert sorted(os.listdir(ipc_dir)) == ["detokenizer", "scheduler", "tokenizer",
+                                               "tokenizer_side"]
         out = eng.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
         assert len(out["output_ids"]) == 2
     finally:

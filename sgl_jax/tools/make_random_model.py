@@ -315,22 +315,45 @@ def _search_mtp_router(
         return 0, None
     target = ReferenceModel(path)
     hidden = [target.forward(ids).hidden for ids in prompts]
-    tried = [(_mtp_gap(target, prompts, hidden), 0)]  # (gap, sub-seed)
-    written = None
+    written: list[dict[str, np.ndarray]] = []
+
+    def redraw() -> None:
+        written[:] = [write()]
+
+    draws = _search_router(layer, threshold, max_attempts, attempts, redraw,
+                           lambda: _mtp_gap(target, prompts, hidden), verbose, "MTP layer")
+    return draws, (written[0] if written else None)
+
+
+def _search_router(
+    layer: int,
+    threshold: float,
+    max_attempts: int,
+    attempts: dict[int, int],
+    redraw: Callable[[], None],
+    gap: Callable[[], float],
+    verbose: bool,
+    what: str = "layer",
+) -> int:
+    """Redraws ``layer``'s router (sub-seed ``attempts[layer]``; ``redraw`` writes the
+    checkpoint and refreshes what ``gap`` reads) until its smallest selection gap reaches
+    ``threshold`` or ``max_attempts`` draws were tried; then keeps the best draw (the lowest
+    sub-seed among equals), rewriting it if it is not the last. Returns the rewrites made."""
+    tried = [(gap(), 0)]  # (gap, sub-seed)
     while tried[-1][0] < threshold and len(tried) < max_attempts:
         attempts[layer] = len(tried)
-        written = write()
-        tried.append((_mtp_gap(target, prompts, hidden), attempts[layer]))
+        redraw()
+        tried.append((gap(), attempts[layer]))
     draws = len(tried) - 1
     if tried[-1][0] < threshold:
         best = max(tried, key=lambda t: (t[0], -t[1]))[1]
         if verbose:
-            print(f"MTP layer {layer}: no router draw reached {threshold}; keeping {best}")
+            print(f"{what} {layer}: no router draw reached {threshold}; keeping {best}")
         if best != attempts.get(layer, 0):
             attempts[layer] = best
-            written = write()
+            redraw()
             draws += 1
-    return draws, written
+    return draws
 
 
 def write_random_model_report(
@@ -381,25 +404,15 @@ def write_random_model_report(
             assert result is not None and result.selection_gap is not None
             return float(result.selection_gap[:, layer].min())
 
+        def redraw() -> None:
+            nonlocal tensors, result
+            tensors = write()
+            result = measure(str(out), prompts)
+
         for layer in range(config["num_hidden_layers"]):
-            if not is_moe_layer(config, layer):
-                continue
-            tried = [(layer_gap(layer), 0)]  # (gap, sub-seed)
-            while tried[-1][0] < threshold and len(tried) < max_attempts:
-                attempts[layer] = len(tried)
-                tensors = write()
-                result = measure(str(out), prompts)
-                draws += 1
-                tried.append((layer_gap(layer), attempts[layer]))
-            if tried[-1][0] < threshold:
-                best = max(tried, key=lambda t: (t[0], -t[1]))[1]
-                if verbose:
-                    print(f"layer {layer}: no router draw reached {threshold}; keeping {best}")
-                if best != attempts.get(layer, 0):
-                    attempts[layer] = best
-                    tensors = write()
-                    result = measure(str(out), prompts)
-                    draws += 1
+            if is_moe_layer(config, layer):
+                draws += _search_router(layer, threshold, max_attempts, attempts, redraw,
+                                        lambda layer=layer: layer_gap(layer), verbose)
 
         for layer in mtp_layer_ids(config)[:1]:  # the draft reads the first MTP layer only
             n, written = _search_mtp_router(

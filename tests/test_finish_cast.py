@@ -1,6 +1,6 @@
 """The finish path's one cast (M21 item 3): a request's rows gathered raw from the host table
 (the storage dtype's signed twin when every id fits it) and cast once to the wire dtype by the
-OutputSender equal, bit for bit, the table's int32 rows converted by the codec, for every table
+OutputSender (``to_wire_dtype``) equal, bit for bit, the table's int32 rows converted by the codec, for every table
 dtype and every wire dtype that holds the experts; and the gather is the only copy for a wire
 dtype of the table's width."""
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sgl_jax.srt.managers.output_sender import _to_wire
 from sgl_jax.srt.mem_cache.routed_experts_host_cache import RoutedExpertsHostCache
 from sgl_jax.srt.routed_experts_codec import (
     ROUTED_EXPERTS_DTYPES,
@@ -36,7 +35,7 @@ def test_one_cast_equals_the_codec_on_int32_rows(num_experts: int) -> None:
     for name in ROUTED_EXPERTS_DTYPES:
         if num_experts > max_num_experts(name):
             continue  # refused at the request (too narrow)
-        got = _to_wire(raw, name)
+        got = to_wire_dtype(raw, name)
         want = to_wire_dtype(rows, name)
         assert got.dtype == want.dtype, name
         np.testing.assert_array_equal(got, want, err_msg=name)

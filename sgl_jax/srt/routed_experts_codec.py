@@ -19,6 +19,7 @@ the ``extract_*`` functions take every form.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -69,11 +70,17 @@ def _no_router_mask(rows: np.ndarray) -> np.ndarray:
 
 def to_wire_dtype(rows: np.ndarray, name: str) -> np.ndarray:
     """Rows of ids in any integer dtype -> the wire dtype ``name`` (the no-router marker
-    translated). Done once, where rows leave the engine, before base64."""
+    translated). Done once, where rows leave the engine, before base64.
+
+    Signed rows to the unsigned wire dtype of their width are a view, not a copy: -1 (no
+    router) reads as the dtype's maximum, its marker, and every id is below it."""
     dt = wire_dtype(name)
     rows = np.asarray(rows)
     if rows.dtype == dt:
         return rows
+    if (rows.dtype.kind == "i" and dt.kind == "u" and rows.dtype.itemsize == dt.itemsize
+            and (dt.itemsize == 1 or sys.byteorder == "little")):  # the wire is little-endian
+        return rows.view(dt)
     if rows.dtype.kind != dt.kind or rows.dtype.kind == "u":
         mask = _no_router_mask(rows)
         out = rows.astype(dt)

@@ -77,7 +77,6 @@ class Wire:
     """How one response is written: its media types, how a value becomes bytes and how a
     stream frames those bytes."""
 
-    name: str
     media_type: str
     stream_media_type: str
     dumps: Callable[[Any], Payload]
@@ -144,14 +143,10 @@ def _bin_header(n: int) -> bytes:
     return b"\xc6" + n.to_bytes(4, "big")
 
 
-def msgpack_value(payload: Payload) -> bytes:
-    """A payload as one bytes object (for tests and small bodies)."""
-    return b"".join(payload_slices(payload))
 
-
-JSON_WIRE = Wire("json", JSON_MEDIA_TYPE, "text/event-stream", orjson.dumps, _sse_event,
+JSON_WIRE = Wire(JSON_MEDIA_TYPE, "text/event-stream", orjson.dumps, _sse_event,
                  _sse_event(b"[DONE]"), "base64")
-MSGPACK_WIRE = Wire("msgpack", MSGPACK_MEDIA_TYPE, MSGPACK_MEDIA_TYPE, msgpack_dumps,
+MSGPACK_WIRE = Wire(MSGPACK_MEDIA_TYPE, MSGPACK_MEDIA_TYPE, msgpack_dumps,
                     lambda data: data, None, "numpy")
 
 

@@ -3,7 +3,6 @@ one ``ReqOutput`` record per request, each optional feature its payload."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -116,7 +115,7 @@ class OutputSender:
         else:
             return None
         req.routed_sent += len(rows)
-        ids = _to_wire(rows, opts.dtype)
+        ids = to_wire_dtype(rows, opts.dtype)
         if weights is not None:
             weights = weights.astype(ROUTED_EXPERT_WEIGHTS_DTYPES[opts.weights_dtype], copy=False)
         if self.side is not None:  # large ones skip the detokenizer
@@ -163,15 +162,3 @@ def _routed_nbytes(req: Req) -> int:
     ids = rows.size * wire_dtype(req.options.dtype).itemsize  # as sent, not as stored
     return ids + (0 if weights is None else weights.nbytes)
 
-
-def _to_wire(rows: np.ndarray, name: str) -> np.ndarray:
-    """Rows as gathered (``RoutedExpertsHostCache.gather(raw=True)``) -> the wire dtype
-    ``name``, in at most one pass: a signed row dtype (no router = -1) reinterpreted as the
-    unsigned wire dtype of its size is already that dtype's encoding (-1 reads as the maximum,
-    its no-router marker; ids are below it), so it is a view; every other pair is
-    ``to_wire_dtype``'s one cast."""
-    wire = wire_dtype(name)
-    if (rows.dtype.kind == "i" and wire.kind == "u" and rows.dtype.itemsize == wire.itemsize
-            and (wire.itemsize == 1 or sys.byteorder == "little")):  # the wire is little-endian
-        return rows.view(wire)
-    return to_wire_dtype(rows, name)

@@ -141,10 +141,9 @@ def _stage_times(n_rows: int, repeats: int, side: bool = False) -> dict[str, flo
     from sgl_jax.srt.managers.transport import recv_obj, send_obj
     from sgl_jax.srt.mem_cache.routed_experts_host_cache import RoutedExpertsHostCache
 
-    try:  # the OutputSender's cast (M21); an older tree (PYTHONPATH=<tree>) has the codec's
-        from sgl_jax.srt.managers.output_sender import _to_wire as to_wire_dtype
-    except ImportError:
-        from sgl_jax.srt.routed_experts_codec import to_wire_dtype
+    # The OutputSender's cast (its view for a same-width wire dtype is in the codec since M21,
+    # so an older tree run with PYTHONPATH=<tree> measures its own cast).
+    from sgl_jax.srt.routed_experts_codec import to_wire_dtype
 
     layers, k, experts = 48, 8, 128
     slots_total = 4 * n_rows + 1024

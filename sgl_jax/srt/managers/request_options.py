@@ -14,6 +14,7 @@ the Engine raises it to the caller, HTTP answers 400 with an OpenAI-style error 
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,14 @@ from sgl_jax.srt.routed_experts_codec import (
     max_num_experts,
 )
 from sgl_jax.srt.sampling.sampling_params import MAX_TOKEN_IDS_LOGPROB, MAX_TOP_LOGPROBS
+
+# Bad values are echoed in errors through a bounded repr: a value of a 32 MiB body is neither
+# rendered whole nor sent back whole.
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = 6
+_REPR.maxlevel = 2
+_shown = _REPR.repr
 
 # How a response hands over the routed-experts arrays (``routed_experts_format``).
 ROUTED_EXPERTS_FORMATS = ("base64", "numpy")
@@ -128,7 +137,7 @@ class RequestOptions:
         if start is not None:
             if isinstance(start, bool) or not isinstance(start, int):
                 raise InvalidRequestError(
-                    f"'routed_experts_start_len' must be an integer, not {start!r}",
+                    f"'routed_experts_start_len' must be an integer, not {_shown(start)}",
                     "routed_experts_start_len",
                 )
             if not want:
@@ -147,7 +156,7 @@ class RequestOptions:
         what = "routed_experts_dtype" if given is not None else "the server's --routed-experts-dtype"
         if not isinstance(dtype, str) or dtype not in ROUTED_EXPERTS_DTYPES:
             raise InvalidRequestError(
-                f"{what}={dtype!r} is not a routed-experts dtype; use one of "
+                f"{what}={_shown(dtype)} is not a routed-experts dtype; use one of "
                 f"{', '.join(ROUTED_EXPERTS_DTYPES)}",
                 "routed_experts_dtype",
             )
@@ -179,7 +188,7 @@ class RequestOptions:
         if wdtype is not None:
             if not isinstance(wdtype, str) or wdtype not in ROUTED_EXPERT_WEIGHTS_DTYPES:
                 raise InvalidRequestError(
-                    f"routed_expert_weights_dtype={wdtype!r}; use one of "
+                    f"routed_expert_weights_dtype={_shown(wdtype)}; use one of "
                     f"{', '.join(ROUTED_EXPERT_WEIGHTS_DTYPES)}",
                     "routed_expert_weights_dtype",
                 )
@@ -195,7 +204,7 @@ class RequestOptions:
         fmt = self.routed_experts_format
         if fmt is not None and fmt not in ROUTED_EXPERTS_FORMATS:
             raise InvalidRequestError(
-                f"routed_experts_format={fmt!r}; use one of {', '.join(ROUTED_EXPERTS_FORMATS)}",
+                f"routed_experts_format={_shown(fmt)}; use one of {', '.join(ROUTED_EXPERTS_FORMATS)}",
                 "routed_experts_format")
         self._validate_logprobs(prompt_len, vocab_size)
         return dataclasses.replace(
@@ -221,12 +230,12 @@ class RequestOptions:
             not _is_int(start) or not (start == -1 or 0 <= start < prompt_len)
         ):
             raise InvalidRequestError(
-                f"logprob_start_len={start!r} must be -1 (no input logprobs) or in "
+                f"logprob_start_len={_shown(start)} must be -1 (no input logprobs) or in "
                 f"[0, {prompt_len}) (a position of the prompt)", "logprob_start_len")
         top = self.top_logprobs_num
         if not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS:
             raise InvalidRequestError(
-                f"top_logprobs_num={top!r} must be an integer in [0, {MAX_TOP_LOGPROBS}]",
+                f"top_logprobs_num={_shown(top)} must be an integer in [0, {MAX_TOP_LOGPROBS}]",
                 "top_logprobs_num")
         ids = self.token_ids_logprob
         if ids is not None:
@@ -261,7 +270,7 @@ def _boolean(options: RequestOptions, name: str) -> bool:
     """The option ``name``, which must be a JSON boolean (no 0/1 or "true" coercion)."""
     value = getattr(options, name)
     if not isinstance(value, bool):
-        raise InvalidRequestError(f"'{name}' must be true or false, not {value!r}", name)
+        raise InvalidRequestError(f"'{name}' must be true or false, not {_shown(value)}", name)
     return value
 
 

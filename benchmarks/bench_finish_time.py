@@ -172,6 +172,7 @@ def run(args: argparse.Namespace) -> list[str]:
             # round evicts the prompt (a 32k-token prefill takes minutes on a CPU).
             max_total_tokens=len(prompt) + n * 512 + 4096,
             disable_precompile=True,
+            routed_experts_shm_mb=args.routed_experts_shm_mb,
             log_level="warning",
         )
         server = ServerProcess(flags, startup_timeout=600)
@@ -239,6 +240,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk", type=int, default=4096, help="chunked prefill size")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=1)
+    p.add_argument("--routed-experts-shm-mb", type=int, default=256,
+                   help="the server's shared memory for large rows (0: the socket side channel)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -196,6 +196,11 @@ class ServerArgs:
                  "without a router with their maximum, 65535 / 255). A dtype too narrow for "
                  "the model's experts is a 400 for the requests that use it.",
         choices=ROUTED_EXPERTS_DTYPES)
+    routed_experts_shm_mb: int = _arg(
+        256, "Shared memory (MiB, taken as used) through which a finishing "
+             "request's routed experts (1 MiB or more) go from the scheduler to the HTTP "
+             "process without a socket copy; arrays that find no room take a socket. 0: always "
+             "a socket. Used with --enable-return-routed-experts.")
 
     # Expert distribution recorder (docs/expert_load.md)
     expert_distribution_recorder_mode: str | None = _arg(
@@ -344,6 +349,9 @@ class ServerArgs:
         if self.return_routed_experts_default and not self.enable_return_routed_experts:
             fail("return_routed_experts_default needs enable_return_routed_experts (without "
                  "it no request can have routed experts); add --enable-return-routed-experts")
+        if self.routed_experts_shm_mb < 0:
+            fail(f"routed_experts_shm_mb={self.routed_experts_shm_mb}; use 0 (no shared "
+                 "memory) or a size in MiB")
         if self.routed_experts_dtype not in ROUTED_EXPERTS_DTYPES:
             fail(f"routed_experts_dtype={self.routed_experts_dtype!r}; use one of "
                  f"{', '.join(ROUTED_EXPERTS_DTYPES)}")

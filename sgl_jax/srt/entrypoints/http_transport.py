@@ -89,9 +89,10 @@ class Generation:
 
     _END = object()
 
-    def __init__(self, tm: TokenizerManager, obj: GenerateReqInput) -> None:
+    def __init__(self, tm: TokenizerManager, obj: GenerateReqInput,
+                 borrow_arrays: bool = False) -> None:
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._task = asyncio.create_task(self._pump(tm.generate_request(obj)))
+        self._task = asyncio.create_task(self._pump(tm.generate_request(obj, borrow_arrays)))
 
     async def _pump(self, agen: AsyncIterator[dict[str, Any]]) -> None:
         try:
@@ -244,7 +245,9 @@ async def serve(request: Request, tm: TokenizerManager, plan: Plan,
         raise EngineDeadError(unavailable)
     apply_routed_experts_header(request, plan.obj)
     plan.wire = wire = choose_wire(request, plan.obj)
-    gen = Generation(tm, plan.obj)
+    # A binary body sends numpy results as they are, and drops them once sent: it may borrow
+    # them from shared memory (shm_arena.py) instead of copying them out.
+    gen = Generation(tm, plan.obj, borrow_arrays=wire is not JSON_WIRE)
     try:
         if not plan.stream:
             return _respond(plan.response(await until_disconnect(request, gen.collect())), wire)

@@ -51,6 +51,7 @@ from sgl_jax.srt.managers.multi_node import LeaderRunner, exit_on_fatal, open_le
 from sgl_jax.srt.managers.output_sender import OutputSender
 from sgl_jax.srt.managers.req_memory import RankedMemory, ReqMemory
 from sgl_jax.srt.managers.schedule_batch import Req, ScheduleBatch, finish_abort, finish_length
+from sgl_jax.srt.managers.shm_arena import ArenaWriter
 from sgl_jax.srt.managers.transport import SideSender
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
 from sgl_jax.srt.model_executor.model_runner import ModelRunner, StepOutput
@@ -152,7 +153,8 @@ class Scheduler:
         self.send_socket = ctx.socket(zmq.PUSH)
         self.send_socket.connect(port_args.detokenizer_ipc)
         # Large routed-experts arrays go straight to the tokenizer manager (transport.py).
-        self.side = (SideSender(ctx, port_args.tokenizer_ipc)
+        self.side = (SideSender(ctx, port_args.tokenizer_ipc,
+                                arena=ArenaWriter.create(server_args.routed_experts_shm_mb))
                      if server_args.enable_return_routed_experts else None)
         self.outputs = OutputSender(self.send_socket, server_args.stream_interval,
                                     routed_rows_of=self.memory.routed_rows_of,

@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import zmq
 
 from sgl_jax.srt.configs.model_config import ModelConfig
@@ -44,6 +45,7 @@ from sgl_jax.srt.managers.io_struct import (
 )
 from sgl_jax.srt.managers.logprob_record import logprobs_meta_info
 from sgl_jax.srt.managers.request_options import InvalidRequestError, RequestOptions
+from sgl_jax.srt.managers.shm_arena import is_borrowed
 from sgl_jax.srt.managers.transport import SideReceiver, recv_obj
 from sgl_jax.srt.metrics import RequestObserver, create_observer
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
@@ -81,6 +83,10 @@ class ReqState:
     split_at: int | None = None
     logprobs: dict[str, list] = field(default_factory=dict)  # every entry so far, by key
     progress: Any = None  # the RequestObserver's record of it (metrics, --log-requests)
+    # Numpy results may be views of the shared-memory arena (shm_arena.py), lent until the
+    # caller drops them: only for a caller that drops them soon (the binary HTTP route);
+    # everyone else gets copies.
+    borrow_arrays: bool = False
 
 
 class TokenizerManager:
@@ -218,11 +224,15 @@ class TokenizerManager:
         )
 
     # -- generation -----------------------------------------------------------------------------
-    async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
+    async def generate_request(
+        self, obj: GenerateReqInput, borrow_arrays: bool = False,
+    ) -> AsyncIterator[dict[str, Any]]:
         """Yields the result (or, when streaming, the chunks) of every prompt of ``obj``.
 
         A batch yields dicts with an ``index`` key. Everything is validated before anything
-        is sent, so a bad prompt in a batch rejects the whole batch.
+        is sent, so a bad prompt in a batch rejects the whole batch. ``borrow_arrays``: numpy
+        results (``routed_experts_format="numpy"``) may be read-only views of shared memory
+        that stays taken until they are dropped (for a caller that drops them soon).
         """
         self._check_alive()
         self._check_memory()
@@ -242,7 +252,7 @@ class TokenizerManager:
             self._check_rids_free(tokenized)
             self._check_memory()
             for i, t in enumerate(tokenized):
-                keys.append(self._submit(t, loop, split_at.get(i)))
+                keys.append(self._submit(t, loop, split_at.get(i), borrow_arrays=borrow_arrays))
             if obj.is_single:
                 async for out in self._wait_one(tokenized[0]):
                     yield out
@@ -266,11 +276,13 @@ class TokenizerManager:
             )
 
     def _submit(self, req: TokenizedGenerateReqInput, loop: asyncio.AbstractEventLoop,
-                split_at: int | None = None, observe: bool = True) -> str:
+                split_at: int | None = None, observe: bool = True,
+                borrow_arrays: bool = False) -> str:
         """Registers ``req``'s state and sends it; returns its per-submission key.
         ``observe``: a caller's request (counted by the metrics), not an internal one."""
         state = ReqState(rid=req.rid, key=f"{req.rid}#{next(self._keys)}", loop=loop,
-                         event=asyncio.Event(), options=req.options, split_at=split_at)
+                         event=asyncio.Event(), options=req.options, split_at=split_at,
+                         borrow_arrays=borrow_arrays)
         if observe:
             self.observer.start(state)
         self.states[req.rid] = self._by_key[state.key] = state
@@ -479,7 +491,10 @@ class TokenizerManager:
         if rec.finish_reason is not None:
             meta["e2e_latency"] = time.monotonic() - state.created
         if rec.routed is not None:
-            meta.update(rec.routed.meta_info(state.split_at, state.options.raw_routed_experts))
+            routed = rec.routed.meta_info(state.split_at, state.options.raw_routed_experts)
+            if not state.borrow_arrays:
+                routed = {k: np.array(v) if is_borrowed(v) else v for k, v in routed.items()}
+            meta.update(routed)
         if rec.logprobs is not None:
             entries = logprobs_meta_info(
                 rec.logprobs, self._token_text if state.options.return_text_in_logprobs else None)

@@ -19,6 +19,10 @@ detokenizer unpickles it as a reference and passes it on unchanged; the tokenize
 side frame. So the rows cross one socket instead of two. Side data is sent before the message
 that refers to it, so a receiver waits for it only while it is in flight; data of several
 senders (schedulers) is kept by key until its message comes.
+
+With a shared-memory arena (``shm_arena.py``, the default on Linux), a
+large array does not cross a socket at all: ``put`` copies it into the arena and the reference
+(an ``ArenaRef``) names its range; the socket carries only arrays the arena has no room for.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from typing import Any
 
 import numpy as np
 import zmq
+
+from sgl_jax.srt.managers.shm_arena import ArenaReader, ArenaRef, ArenaWriter
 
 
 def send_obj(socket: zmq.Socket, obj: Any, flags: int = 0) -> None:
@@ -101,13 +107,20 @@ def _side_array(key: bytes, index: int, dtype: str, shape: tuple[int, ...]) -> A
     return array
 
 
+def _arena_array(*ref: Any) -> Any:  # ArenaRef's fields
+    side: SideReceiver | None = getattr(_resolving, "side", None)
+    return ArenaRef(*ref) if side is None else side.arena.array(*ref)
+
+
 class SideSender:
     """The sending end: ``put`` large arrays while building a message, ``flush`` before sending
     it. Owns its PUSH socket (connected to the receiver's ``side_address``)."""
 
-    def __init__(self, ctx: zmq.Context, address: str, min_bytes: int | None = None) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, min_bytes: int | None = None,
+                 arena: ArenaWriter | None = None) -> None:
         # Smaller arrays stay in the message (default: SIDE_MIN_BYTES).
         self.min_bytes = SIDE_MIN_BYTES if min_bytes is None else min_bytes
+        self.arena = arena  # tried first; the socket takes what it has no room for
         self.socket = ctx.socket(zmq.PUSH)
         self.socket.connect(side_address(address))
         # Unique per sender (several schedulers, maybe threads of one process, share a receiver).
@@ -120,11 +133,13 @@ class SideSender:
         self._count += 1
         return self._prefix + self._count.to_bytes(8, "little")
 
-    def put(self, array: np.ndarray) -> np.ndarray | SideArray:
-        """``array`` itself if it is small (or not contiguous), else its reference, to be sent
-        by the next ``flush``."""
+    def put(self, array: np.ndarray) -> np.ndarray | SideArray | ArenaRef:
+        """``array`` itself if it is small (or not contiguous), else its reference: a range of
+        the arena it was copied into, or one to be sent by the next ``flush``."""
         if array.nbytes < self.min_bytes or not array.flags.c_contiguous:
             return array
+        if self.arena is not None and (in_arena := self.arena.put(array)) is not None:
+            return in_arena
         ref = SideArray(self._key, len(self._pending), array.dtype.str, array.shape, array)
         self._pending.append(ref)
         return ref
@@ -142,6 +157,8 @@ class SideSender:
 
     def close(self) -> None:
         self.socket.close(linger=0)
+        if self.arena is not None:
+            self.arena.close()
 
 
 class SideReceiver:
@@ -154,6 +171,7 @@ class SideReceiver:
         self.socket.bind(side_address(address))
         self._stash: dict[bytes, list[Any]] = {}
         self._left: dict[bytes, int] = {}  # arrays of a key not yet taken
+        self.arena = ArenaReader()  # maps the senders' arenas as their references come
 
     def take(self, key: bytes, index: int) -> Any:
         """Array ``index`` of side message ``key`` (a read-only buffer), waiting for it if it

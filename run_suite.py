@@ -40,6 +40,7 @@ UNIT = [
     "tests/test_side_channel.py",
     "tests/test_finish_cast.py",
     "tests/test_shm_arena.py",
+    "tests/test_native_attention.py",
     "tests/test_expert_load_tool.py",
     "tests/test_eplb.py",
     "tests/test_eplb_parallel.py",

@@ -40,6 +40,9 @@ DEFAULT_KV_BLOCK = 128
 MAX_QUERY_BLOCK = 64
 GROUP_QUERIES = 256  # query positions processed together in an extend batch
 SMALL_GROUP_BLOCKS = 16  # group size of the program for batches with few real blocks
+# An extend in which no row brings more than this many tokens (a turn appended to a cached
+# context, the last prompt token of a cached prompt): query blocks of this size, one per group.
+SHORT_EXTEND = 8
 
 
 def query_block_size(num_tokens: int, num_rows: int, is_decode: bool,
@@ -122,9 +125,32 @@ class NativeAttention(AttentionBackend):
     ) -> jax.Array:
         """``v_dim`` None: GQA over the combined K/V layout; else latent attention."""
         num_tokens = q.shape[0]
-        page_size = kv_cache.shape[1]
         batch_size = meta.extend_lens.shape[0]
         q_block = query_block_size(num_tokens, batch_size, meta.is_decode, meta.is_verify)
+        if (meta.is_decode or meta.is_verify or self.batch_invariant
+                or q_block <= SHORT_EXTEND):
+            return self._attend_blocked(q, kv_cache, meta, scale, v_dim, q_block)
+        # A few new tokens per row over a long cached context would otherwise cost as much as
+        # a whole query block per row (q_block rows of queries, mostly padding, each reading
+        # the context): with every row <= SHORT_EXTEND tokens, one small block per row, each
+        # its own group, reads every context once, as a decode step does (chosen on the
+        # device; not in deterministic mode, where a row's program must not depend on its
+        # batch-mates).
+        return jax.lax.cond(
+            jnp.max(meta.extend_lens) <= SHORT_EXTEND,
+            lambda: self._attend_blocked(q, kv_cache, meta, scale, v_dim, SHORT_EXTEND, 1),
+            lambda: self._attend_blocked(q, kv_cache, meta, scale, v_dim, q_block),
+        )
+
+    def _attend_blocked(
+        self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float,
+        v_dim: int | None, q_block: int, per_group: int | None = None,
+    ) -> jax.Array:
+        """The attention of every token, its queries cut into blocks of ``q_block`` and
+        processed ``per_group`` blocks at a time (None: chosen below)."""
+        num_tokens = q.shape[0]
+        page_size = kv_cache.shape[1]
+        batch_size = meta.extend_lens.shape[0]
         # Whole pages per loop iteration: a block of positions maps to consecutive page columns.
         kv_block = -(-max(self.kv_block, page_size) // page_size) * page_size
         blocks = make_query_blocks(meta, num_tokens, q_block)
@@ -145,7 +171,9 @@ class NativeAttention(AttentionBackend):
             return self._attend_groups(q, kv_cache, meta, scale, blocks, q_block, kv_block,
                                        per_group, v_dim)[: num_blocks * q_block]
 
-        if small < full and not self.batch_invariant:
+        if per_group is not None:
+            out = run(per_group)
+        elif small < full and not self.batch_invariant:
             few = jnp.sum(blocks.count > 0) <= small
             out = jax.lax.cond(few, lambda: run(small), lambda: run(full))
         else:

@@ -19,7 +19,8 @@ the finish-time path alone (gather rows [start_len, seq_len-1), scheduler -> det
 tokenizer manager transport, base64, the JSON response, the client reading it). Variants
 ("off": no routed experts; "int32" / "uint8": ``routed_experts_dtype`` in JSON;
 "msgpack int32" / "msgpack uint8": the same rows as raw bytes in a MessagePack body, asked for
-with ``Accept: application/msgpack``) are interleaved in rounds, order rotated; the figures are
+with ``Accept: application/msgpack``; ", buffered": the client streams the body into one numpy
+buffer instead of httpx's ``response.content``) are interleaved in rounds, order rotated; the figures are
 medians. "added" = variant minus off; "paired" = the median over rounds of each round's
 variant minus that round's off (adjacent runs, so the machine's drift cancels). Latency is the client's until the body is read; the
 client's decoding into a numpy array (``extract_routed_experts_from_meta_info`` after
@@ -53,8 +54,12 @@ LAYERS, TOP_K = 48, 8
 
 
 class Variant:
-    def __init__(self, dtype: str | None, binary: bool = False) -> None:
-        self.dtype, self.binary = dtype, binary
+    """What a request asks for and how the client reads the body: ``buffered`` streams it
+    into one numpy buffer of its Content-Length (docs/routed_experts.md) instead of letting
+    httpx join its 64 KiB reads into a ``bytes``."""
+
+    def __init__(self, dtype: str | None, binary: bool = False, buffered: bool = False) -> None:
+        self.dtype, self.binary, self.buffered = dtype, binary, buffered
         self.headers = {"Accept": "application/msgpack"} if binary else {}
 
     def decode(self, data: bytes) -> np.ndarray | None:
@@ -63,7 +68,20 @@ class Variant:
 
 
 VARIANTS = {"off": Variant(None), "int32": Variant("int32"), "uint8": Variant("uint8"),
-            "msgpack int32": Variant("int32", True), "msgpack uint8": Variant("uint8", True)}
+            "msgpack int32": Variant("int32", True), "msgpack uint8": Variant("uint8", True),
+            "off, buffered": Variant(None, True, True),
+            "msgpack int32, buffered": Variant("int32", True, True)}
+
+
+def read_into_buffer(response: httpx.Response) -> memoryview:
+    """The body of a streamed response, read into one numpy buffer of its Content-Length
+    (numpy asks for huge pages for it: no page fault per 4 KiB, unlike a 48 MiB ``bytes``)."""
+    buf = np.empty(int(response.headers["content-length"]), np.uint8)
+    view, pos = memoryview(buf), 0
+    for chunk in response.iter_raw():
+        view[pos:pos + len(chunk)] = chunk
+        pos += len(chunk)
+    return view[:pos]
 
 
 def make_model(context: int) -> str:
@@ -127,8 +145,15 @@ def _generate(url: str, ids: list[int], variant: Variant,
     if variant.dtype is not None:
         body.update(return_routed_experts=True, routed_experts_dtype=variant.dtype)
     t0 = time.perf_counter()
-    r = _CLIENT[0].post(url + "/generate", json=body, headers=variant.headers, timeout=timeout)
-    data = r.content
+    if variant.buffered:
+        with _CLIENT[0].stream("POST", url + "/generate", json=body, headers=variant.headers,
+                               timeout=timeout) as r:
+            assert r.status_code == 200, r.read()[:500]
+            data = read_into_buffer(r)
+    else:
+        r = _CLIENT[0].post(url + "/generate", json=body, headers=variant.headers,
+                            timeout=timeout)
+        data = r.content
     secs = time.perf_counter() - t0
     assert r.status_code == 200, r.text[:500]
     rows = variant.decode(data)

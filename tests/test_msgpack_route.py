@@ -251,6 +251,24 @@ def test_httpx_client_as_in_the_docs(server) -> None:
                 parts.append(extract_routed_experts_from_meta_info(chunk))
     np.testing.assert_array_equal(np.concatenate(parts), rows)
 
+    # The buffered read for long bodies (the docs' read_into_buffer).
+    def read_into_buffer(response: httpx.Response) -> memoryview:
+        buf = np.empty(int(response.headers["content-length"]), np.uint8)
+        view, pos = memoryview(buf), 0
+        for chunk in response.iter_raw():
+            view[pos:pos + len(chunk)] = chunk
+            pos += len(chunk)
+        return view[:pos]
+
+    with httpx.stream("POST", url + "/generate", headers={"Accept": "application/msgpack"},
+                      timeout=60,
+                      json={"text": "Waves", "return_routed_experts": True,
+                            "sampling_params": {"max_new_tokens": 3, "temperature": 0}}) as res:
+        res.raise_for_status()
+        buffered = msgpack.unpackb(read_into_buffer(res))
+    assert buffered["output_ids"] == out["output_ids"]
+    np.testing.assert_array_equal(extract_routed_experts_from_meta_info(buffered), rows)
+
 
 def test_bad_format_is_a_400_and_the_server_keeps_serving(server) -> None:
     base = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2},

@@ -111,9 +111,11 @@ def estimate(m: int, k: int, n: int, groups: int, tiling: tuple[int, int, int],
 
 
 def modelled_seconds(cost: dict[str, float]) -> float:
-    """Roofline time of one call: the pipelined bytes or the padded MXU work, whichever is
-    larger, plus the fixed cost of each grid step (``STEP_SECONDS``)."""
-    roofline = max(cost["pipelined_bytes"] / HBM_BANDWIDTH, cost["mxu_flops"] / PEAK_FLOPS)
+    """Roofline time of one call: the kernel's estimated bytes or its padded MXU work,
+    whichever is larger, plus the fixed cost of each grid step (``STEP_SECONDS``). The
+    estimate is an upper bound of the bytes (``pipelined_bytes`` is lower with tk = K) and is
+    what XLA's cost analysis, hence ``aot_report``, counts."""
+    roofline = max(cost["bytes"] / HBM_BANDWIDTH, cost["mxu_flops"] / PEAK_FLOPS)
     return roofline + cost["steps"] * STEP_SECONDS
 
 
@@ -163,11 +165,24 @@ def grouped_matmul(lhs: jax.Array, w: jax.Array, group_sizes: jax.Array, rows: i
                    interpret: bool) -> jax.Array:
     """[M_pad, K] rows sorted by group x [G, K, N] -> float32 [M_pad, N]; ``rows`` the unpadded
     M the tiling is chosen for. Rows past ``sum(group_sizes)`` are unspecified."""
-    tiling = gmm_tiling(rows, lhs.shape[1], w.shape[2], w.shape[0], w.dtype.itemsize)
+    groups, k, n = w.shape
+    tiling = gmm_tiling(rows, k, n, groups, w.dtype.itemsize)
     if lhs.shape[0] % tiling[0]:
         raise ValueError(f"{lhs.shape[0]} rows are not a multiple of tm={tiling[0]}")
-    return megablox_gmm(lhs, w, group_sizes, preferred_element_type=jnp.float32,
-                        tiling=tiling, interpret=interpret)
+    transpose = k_minor(k, n)
+    rhs = w.swapaxes(1, 2) if transpose else w  # a bitcast of the K-minor layout: no copy
+    return megablox_gmm(lhs, rhs, group_sizes, preferred_element_type=jnp.float32,
+                        tiling=tiling, transpose_rhs=transpose, interpret=interpret)
+
+
+def k_minor(k: int, n: int) -> bool:
+    """Whether XLA:TPU lays a ``[G, K, N]`` weight out K-minor (``{1,2,0}``): when N is not a
+    multiple of 128 and K is (measured on compile-only v6e: ``bf16[128,2048,192]`` parameters
+    get ``{1,2,0}``, which avoids padding 192 lanes to 256). The Mosaic kernel reads its RHS
+    row-major, so such a weight must be passed as ``[G, N, K]`` with ``transpose_rhs``;
+    otherwise XLA inserts a relayout copy of the whole weight array before every call (it does
+    so for ``ragged_dot`` too: ``benchmarks/bench_gmm_tiles.py``)."""
+    return n % LANE != 0 and k % LANE == 0
 
 
 def row_tile(rows: int, w_gate: jax.Array, w_down: jax.Array) -> int:
@@ -177,6 +192,22 @@ def row_tile(rows: int, w_gate: jax.Array, w_down: jax.Array) -> int:
     groups, item = w_gate.shape[0], w_gate.dtype.itemsize
     return max(gmm_tiling(rows, hidden, inter, groups, item)[0],
                gmm_tiling(rows, inter, hidden, groups, w_down.dtype.itemsize)[0])
+
+
+def take_rows(a: jax.Array, indices: jax.Array) -> jax.Array:
+    """``a[indices]`` for a [N, D] array, gathering whole (8, 128) tiles where D allows it.
+
+    XLA:TPU tiles the two minor dimensions; a gather of single rows of a [N, D] array moves a
+    tile of 8 (16 for bfloat16) rows per row fetched (the compile-only v6e estimates ~10x the
+    row bytes). Viewed as [N, D / 128, 128], one row is whole tiles (``benchmarks/
+    bench_gmm_tiles.py``: about half the estimated bytes). Indices are in bounds by
+    construction ("clip": no out-of-bounds mask).
+    """
+    n, d = a.shape
+    if d % LANE:
+        return jnp.take(a, indices, axis=0, mode="clip")
+    rows = jnp.take(a.reshape(n, d // LANE, LANE), indices, axis=0, mode="clip")
+    return rows.reshape(indices.shape[0], d)
 
 
 def gmm_experts(
@@ -200,7 +231,7 @@ def gmm_experts(
     order, group_sizes = group_assignments(local_ids, num_rows)
     m = order.shape[0]
     m_pad = pad_rows(m, row_tile(m, w_gate, w_down))
-    xs = jnp.take(x, order // top_k, axis=0)  # [M, H]: token row of each sorted assignment
+    xs = take_rows(x, order // top_k)  # [M, H]: token row of each sorted assignment
     # Padding rows sit after every group (past sum(group_sizes)): never computed or stored.
     xs = jnp.pad(xs, ((0, m_pad - m), (0, 0)))
 
@@ -215,7 +246,7 @@ def gmm_experts(
     inverse = jnp.zeros_like(order).at[order].set(
         jnp.arange(m, dtype=order.dtype), unique_indices=True
     )
-    return jnp.take(rows, inverse, axis=0).reshape(num_tokens, top_k, -1).sum(axis=1)
+    return take_rows(rows, inverse).reshape(num_tokens, top_k, -1).sum(axis=1)
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax._src import config as jax_config  # _check_vma: see grouped_matmul
 from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
 
 from sgl_jax.srt.layers.moe.ragged import group_assignments
@@ -171,8 +172,25 @@ def grouped_matmul(lhs: jax.Array, w: jax.Array, group_sizes: jax.Array, rows: i
         raise ValueError(f"{lhs.shape[0]} rows are not a multiple of tm={tiling[0]}")
     transpose = k_minor(k, n)
     rhs = w.swapaxes(1, 2) if transpose else w  # a bitcast of the K-minor layout: no copy
-    return megablox_gmm(lhs, rhs, group_sizes, preferred_element_type=jnp.float32,
-                        tiling=tiling, transpose_rhs=transpose, interpret=interpret)
+    # Megablox builds its output type without the mesh axes it varies over, which
+    # ``shard_map``'s default check_vma=True refuses (ep_moe's shard_map). The kernel is traced
+    # with the check off, and its output is then marked varying over every mesh axis any
+    # operand varies over (what the type would have said: the output depends on all three).
+    with jax_config._check_vma(False):
+        out = megablox_gmm(lhs, rhs, group_sizes, preferred_element_type=jnp.float32,
+                           tiling=tiling, transpose_rhs=transpose, interpret=interpret)
+    missing = varying_axes(lhs, rhs, group_sizes) - varying_axes(out)
+    return jax.lax.pcast(out, tuple(sorted(missing)), to="varying") if missing else out
+
+
+def varying_axes(*arrays: jax.Array) -> frozenset[str]:
+    """The manual mesh axes (inside ``shard_map``) any of ``arrays`` varies over."""
+    axes: frozenset[str] = frozenset()
+    for a in arrays:
+        manual = jax.typeof(a).manual_axis_type
+        if manual is not None:
+            axes |= manual.varying
+    return axes
 
 
 def k_minor(k: int, n: int) -> bool:

@@ -53,7 +53,7 @@ MOE_BACKENDS: dict[str, ExpertCompute] = {
 MOE_BACKEND_CHOICES: tuple[str, ...] = ("auto", *MOE_BACKENDS)  # the --moe-backend choices
 
 # What "auto" means per JAX platform (jax.default_backend(); "cuda"/"rocm" are GPUs too).
-_AUTO = {"tpu": "ragged", "cpu": "dense", "gpu": "dense", "cuda": "dense", "rocm": "dense"}
+_AUTO = {"tpu": "gmm", "cpu": "dense", "gpu": "dense", "cuda": "dense", "rocm": "dense"}
 
 
 def resolve_moe_backend(name: str, platform: str) -> str:
@@ -62,8 +62,15 @@ def resolve_moe_backend(name: str, platform: str) -> str:
     "dense", "ragged" and "gmm" are taken as given, on any platform (gmm off TPU: the Pallas
     kernel in interpret mode, far slower, for tests). "auto" picks:
 
-    - TPU: ``ragged``. XLA:TPU lowers ``ragged_dot`` to a grouped matmul, so the expert FLOPs
-      drop from ``2*3*T*E*H*I`` to ``2*3*T*k*H*I`` (E/k = 16x for Qwen3-30B-A3B's 128/8).
+    - TPU: ``gmm``. Both grouped backends cost ``2*3*T*k*H*I`` expert FLOPs instead of
+      dense's ``2*3*T*E*H*I`` (E/k = 16x for Qwen3-30B-A3B's 128/8); gmm moves fewer bytes by
+      XLA's and the kernel's estimates at every shape measured (``benchmarks/
+      bench_gmm_tiles.py``, v6e, one MoE layer per device, ragged -> gmm: Qwen3-30B-A3B tp 4
+      decode 64 / 256 / prefill 8192 tokens 0.86 -> 0.38, 1.12 -> 0.57, 12.2 -> 8.5 GB;
+      Qwen3-235B-A22B tp 4 x ep 4 0.48 -> 0.46, 1.00 -> 0.86, 22.7 -> 16.7 GB; table in
+      ``docs/moe_backends.md``). Where the expert width per device is not a multiple of 128
+      (30B at tp 4: 192) XLA relayouts the gate/up weights before every ``ragged_dot``; gmm
+      reads them in place.
     - CPU: ``dense``. XLA:CPU has no grouped matmul: JAX lowers ``ragged_dot`` to a dense dot
       over a group-masked ``[E, T*k, H]`` copy of the rows, ``k`` times the dense backend's
       FLOPs (measured in ``docs/moe_backends.md``).

@@ -193,26 +193,37 @@ def test_resolve_gmm_backend():
 
 
 # -- expert and tensor parallelism (4 fake CPU devices, one subprocess) -------------------------
-PARALLEL = {"ep2": (2, 1), "ep4": (4, 1), "tp2_ep2": (2, 2)}
-PARALLEL_TOKENS = (1, 37)
+# name -> (ep, tp, dispatch): None = replicated tokens, one psum; "all_gather" / "all_to_all"
+# = DP attention (tokens split over "expert", ``ep_moe_forward(tokens_split=True)``).
+PARALLEL: dict[str, tuple[int, int, str | None]] = {
+    "ep2": (2, 1, None), "ep4": (4, 1, None), "tp2_ep2": (2, 2, None),
+    "dp2_all_gather": (2, 1, "all_gather"), "dp2_tp2_all_to_all": (2, 2, "all_to_all"),
+}
+
+
+def parallel_tokens(name: str) -> tuple[int, ...]:
+    return (38,) if PARALLEL[name][2] else (1, 37)  # split tokens: a multiple of ep
 
 
 def _worker(out_dir: str) -> None:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from sgl_jax.srt.layers.moe.dispatch import emulated_ragged_all_to_all
     from sgl_jax.srt.layers.moe.ep_moe import W_DOWN_SPEC, W_GATE_UP_SPEC
 
     specs = {"w_gate": W_GATE_UP_SPEC, "w_up": W_GATE_UP_SPEC, "w_down": W_DOWN_SPEC}
     results: dict[str, np.ndarray] = {}
-    for name, (ep, tp) in PARALLEL.items():
+    for name, (ep, tp, dispatch) in PARALLEL.items():
         mesh = Mesh(np.array(jax.devices()[: ep * tp]).reshape(ep, tp), ("expert", "tensor"))
-        fn = jax.jit(lambda a: ep_moe_forward(
+        a2a = emulated_ragged_all_to_all if dispatch == "all_to_all" else None
+        fn = jax.jit(lambda a, split=dispatch is not None, a2a=a2a: ep_moe_forward(
             a["x"], a["topk_ids"], a["topk_weights"], a["w_gate"], a["w_up"], a["w_down"],
-            SHUFFLED, backend=get_moe_backend("gmm"),
+            SHUFFLED, backend=get_moe_backend("gmm"), tokens_split=split, all_to_all=a2a,
         ))
-        for tokens in PARALLEL_TOKENS:
-            args = {k: jax.device_put(v, NamedSharding(mesh, P(*specs.get(k, ()))))
+        token_spec = ("expert",) if dispatch else ()
+        for tokens in parallel_tokens(name):
+            args = {k: jax.device_put(v, NamedSharding(mesh, P(*specs.get(k, token_spec))))
                     for k, v in physical(make_case(tokens, tokens), SHUFFLED).items()}
             with jax.set_mesh(mesh):
                 results[f"{name}/{tokens}"] = np.asarray(fn(args))
@@ -231,7 +242,7 @@ def test_parallel_gmm_matches_reference():
         with np.load(os.path.join(tmp, "parallel.npz")) as z:
             got = dict(z)
     for name in PARALLEL:
-        for tokens in PARALLEL_TOKENS:
+        for tokens in parallel_tokens(name):
             case = make_case(tokens, tokens)
             assert rel_err(got[f"{name}/{tokens}"], reference_moe(case)) < REL_TOL, name
 

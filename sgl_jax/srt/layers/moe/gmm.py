@@ -27,7 +27,7 @@ Gate and up are NOT fused into one ``[E_l, H, 2I]`` matmul: the model stores the
 arrays, so a fused call would concatenate the weights inside the step, a copy of both
 projections' weights on every step (read + write of ``2 * E_l * H * I`` elements), more
 than the second read of the ``[M_pad, H]`` rows it saves at every measured shape
-(``benchmarks/bench_gmm_tiles.py --fused``, ``docs/moe_backends.md``).
+(``benchmarks/bench_gmm_tiles.py``, column "fused"; ``docs/moe_backends.md``).
 
 Off TPU the kernel runs in Pallas interpret mode (slow, for tests): the platform is the one
 the program is compiled for (:func:`interpret_on`), which the runner passes in.
@@ -53,8 +53,9 @@ VMEM_BUDGET = 12 * 1024 * 1024
 ROW_TILES = (512, 256, 128, 64, 32, 16)  # tm candidates: multiples of 16 (bf16 sublane packing)
 LANE = 128  # tk / tn must be multiples of the lane width, or the whole dimension
 # Roofline of one chip used to weigh the tiles' bytes against their padded MXU work: v6e
-# (918 TFLOP/s bf16, 1.64 TB/s HBM). The ratio (~560 FLOP/byte) is what matters; v5p's
-# (459e12 / 2.765e12 = 166) picks the same tiles at the shapes of docs/moe_backends.md.
+# (918 TFLOP/s bf16, 1.64 TB/s HBM), the chip the table of docs/moe_backends.md is for. With
+# v5p's figures (459e12, 2.765e12: less compute per byte) the rule picks tm one step smaller
+# at 7 of the table's 12 shapes; the tiles are not chosen per chip (yet).
 PEAK_FLOPS = 918e12
 HBM_BANDWIDTH = 1.64e12
 STEP_SECONDS = 0.35e-6  # fixed cost of one Pallas TPU grid step (pipeline bookkeeping)

@@ -129,9 +129,11 @@ def gmm_tiling(m: int, k: int, n: int, groups: int, itemsize: int = 2) -> tuple[
     ``docs/moe_backends.md``): among the tilings that fit ``VMEM_BUDGET`` (tk, tn: the whole
     dimension or a multiple of 128 dividing it; tm: 16..512, at most the padded rows), the one
     with the least modelled time (:func:`modelled_seconds`); times within ``TIE`` of the best
-    are a tie, broken by the least padded MXU work, then by the larger tk, tn, tm. In practice: tk = K (one k step: a group's weight block is fetched once for all its
-    consecutive m tiles), tn = N unless the float32 output block does not fit, and tm small at
-    decode (most groups hold a few rows: a large tile is mostly padding) and large in prefill.
+    are a tie, broken by the least padded MXU work, then by the larger tk, tn, tm. In
+    practice: tk = K (one k step: a group's weight block is fetched once for all its
+    consecutive m tiles) unless VMEM forbids it, tn = N unless the float32 output block does
+    not fit, tm smaller at decode (most groups hold a few rows: a large tile is mostly
+    padding) than in prefill.
     """
     candidates: list[tuple[float, float, tuple[int, int, int]]] = []
     row_cap = pad_rows(m, 16)

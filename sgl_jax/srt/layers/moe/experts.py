@@ -15,6 +15,8 @@ consumes the same (topk_ids, topk_weights), so the routed experts never depend o
 - ``dense`` (``dense.py``): every expert on every token, combined with ``[T, E_l]`` weights.
 - ``ragged`` (``ragged.py``): each token-expert assignment once, grouped by expert,
   ``jax.lax.ragged_dot``.
+- ``gmm`` (``gmm.py``): the same grouping, with JAX's Megablox grouped-matmul TPU kernel
+  (tiles chosen per shape; Pallas interpret mode off TPU, for tests).
 
 The runner builds the :class:`MoEBackend` once at start-up (:func:`create_moe_backend`:
 ``--moe-backend auto`` resolved for the platform, the dense reference in batch-invariant mode)
@@ -29,6 +31,7 @@ from typing import Protocol
 import jax
 
 from sgl_jax.srt.layers.moe.dense import combine_weights, dense_experts, experts_forward
+from sgl_jax.srt.layers.moe.gmm import GmmExperts
 from sgl_jax.srt.layers.moe.ragged import ragged_experts
 
 __all__ = [
@@ -44,20 +47,30 @@ class ExpertCompute(Protocol):
     ) -> jax.Array: ...
 
 
-MOE_BACKENDS: dict[str, ExpertCompute] = {"dense": dense_experts, "ragged": ragged_experts}
+MOE_BACKENDS: dict[str, ExpertCompute] = {
+    "dense": dense_experts, "ragged": ragged_experts, "gmm": GmmExperts(),  # platform: default
+}
 MOE_BACKEND_CHOICES: tuple[str, ...] = ("auto", *MOE_BACKENDS)  # the --moe-backend choices
 
 # What "auto" means per JAX platform (jax.default_backend(); "cuda"/"rocm" are GPUs too).
-_AUTO = {"tpu": "ragged", "cpu": "dense", "gpu": "dense", "cuda": "dense", "rocm": "dense"}
+_AUTO = {"tpu": "gmm", "cpu": "dense", "gpu": "dense", "cuda": "dense", "rocm": "dense"}
 
 
 def resolve_moe_backend(name: str, platform: str) -> str:
-    """``--moe-backend`` -> the backend that runs: "dense" or "ragged".
+    """``--moe-backend`` -> the backend that runs: "dense", "ragged" or "gmm".
 
-    "dense" and "ragged" are taken as given, on any platform. "auto" picks:
+    "dense", "ragged" and "gmm" are taken as given, on any platform (gmm off TPU: the Pallas
+    kernel in interpret mode, far slower, for tests). "auto" picks:
 
-    - TPU: ``ragged``. XLA:TPU lowers ``ragged_dot`` to a grouped matmul, so the expert FLOPs
-      drop from ``2*3*T*E*H*I`` to ``2*3*T*k*H*I`` (E/k = 16x for Qwen3-30B-A3B's 128/8).
+    - TPU: ``gmm``. Both grouped backends cost ``2*3*T*k*H*I`` expert FLOPs instead of
+      dense's ``2*3*T*E*H*I`` (E/k = 16x for Qwen3-30B-A3B's 128/8); gmm moves fewer bytes by
+      XLA's and the kernel's estimates at every shape measured (``benchmarks/
+      bench_gmm_tiles.py``, v6e, one MoE layer per device, ragged -> gmm: Qwen3-30B-A3B tp 4
+      decode 64 / 256 / prefill 8192 tokens 0.86 -> 0.38, 1.12 -> 0.57, 12.2 -> 8.5 GB;
+      Qwen3-235B-A22B tp 4 x ep 4 0.48 -> 0.46, 1.00 -> 0.86, 22.7 -> 16.7 GB; table in
+      ``docs/moe_backends.md``). Where the expert width per device is not a multiple of 128
+      (30B at tp 4: 192) XLA relayouts the gate/up weights before every ``ragged_dot``; gmm
+      reads them in place.
     - CPU: ``dense``. XLA:CPU has no grouped matmul: JAX lowers ``ragged_dot`` to a dense dot
       over a group-masked ``[E, T*k, H]`` copy of the rows, ``k`` times the dense backend's
       FLOPs (measured in ``docs/moe_backends.md``).
@@ -80,8 +93,9 @@ def resolve_moe_backend(name: str, platform: str) -> str:
 
 @dataclass(frozen=True)
 class MoEBackend:
-    """A resolved expert backend: its name ("dense" or "ragged") and its per-device compute.
-    Part of the compiled program (a static of the step), like the attention backend."""
+    """A resolved expert backend: its name ("dense", "ragged" or "gmm") and its per-device
+    compute. Part of the compiled program (a static of the step), like the attention
+    backend."""
 
     name: str
     compute: ExpertCompute
@@ -93,8 +107,12 @@ class MoEBackend:
         return self.compute(x, local_ids, topk_weights, w_gate, w_up, w_down)
 
 
-def get_moe_backend(name: str) -> MoEBackend:
-    """The backend of a resolved name ("dense" or "ragged")."""
+def get_moe_backend(name: str, platform: str | None = None) -> MoEBackend:
+    """The backend of a resolved name ("dense", "ragged" or "gmm") for programs compiled for
+    ``platform`` (None: JAX's default backend). Only ``gmm`` depends on it: its Pallas kernel
+    runs in interpret mode off TPU."""
+    if name == "gmm":
+        return MoEBackend(name, GmmExperts(platform))
     try:
         return MoEBackend(name, MOE_BACKENDS[name])
     except KeyError:
@@ -107,5 +125,7 @@ def get_moe_backend(name: str) -> MoEBackend:
 def create_moe_backend(name: str, platform: str, batch_invariant: bool = False) -> MoEBackend:
     """The backend ``--moe-backend name`` runs on ``platform``. ``batch_invariant``
     (``--enable-deterministic-inference``): the dense reference, whose rows never depend on
-    the batch (ragged groups do; ``ServerArgs`` refuses an explicit ``ragged`` there)."""
-    return get_moe_backend("dense" if batch_invariant else resolve_moe_backend(name, platform))
+    the batch (ragged and gmm groups do; ``ServerArgs`` refuses an explicit ``ragged``
+    there)."""
+    resolved = "dense" if batch_invariant else resolve_moe_backend(name, platform)
+    return get_moe_backend(resolved, platform)

@@ -1,0 +1,282 @@
+"""The ``gmm`` expert backend: dropless grouped matmuls with JAX's Megablox TPU kernel.
+
+Same computation as ``ragged`` (``ragged.py``), with each grouped matmul done by
+``jax.experimental.pallas.ops.tpu.megablox.gmm`` instead of ``jax.lax.ragged_dot``:
+
+1. the ``M = T * k`` assignments are sorted by expert row (``ragged.group_assignments``: the
+   sentinel row ``E_l`` of experts held elsewhere sorts last and is counted in no group), the
+   token rows gathered in that order and padded to ``M_pad``, a multiple of the row tile ``tm``
+   (the kernel tiles rows in whole ``tm`` blocks); padded rows are past ``sum(group_sizes)``,
+   like the sentinel rows, so no group holds them;
+2. gate, up and down are three ``gmm`` calls with the per-expert group sizes, each with its
+   own ``(tm, tk, tn)`` tiling (:func:`gmm_tiling`), float32 outputs (the kernel accumulates
+   in a float32 VMEM scratch whatever the output dtype);
+3. rows past ``sum(group_sizes)`` are masked with a select (the kernel never visits a tile
+   that holds no group row and does not store the rows of a partly visited tile that belong
+   to no group: they hold whatever the output buffer held), then weighted, un-permuted and
+   summed over the k experts of each token exactly as ``ragged`` does.
+
+The kernel's grid has one step per (n tile, m tile of some group, k tile), and the number of
+m tiles is data: tiles holding only sentinel or padding rows are skipped at run time (under
+EP most of the ``M`` rows of a device are the sentinel). Its cost estimate (what XLA's
+``cost_analysis`` adds for the custom call) is static: ``2 * M_pad * K * N`` FLOPs and
+``lhs_bytes * N / tn + K * N * itemsize * (M_pad / tm + E_l - 1) + M_pad * N * 4`` bytes
+(one [K, N] weight block per possible m tile, the LHS once per n tile).
+
+Gate and up are NOT fused into one ``[E_l, H, 2I]`` matmul: the model stores them as two
+arrays, so a fused call would concatenate the weights inside the step, a copy of both
+projections' weights on every step (read + write of ``2 * E_l * H * I`` elements), more
+than the second read of the ``[M_pad, H]`` rows it saves at every measured shape
+(``benchmarks/bench_gmm_tiles.py``, column "fused"; ``docs/moe_backends.md``).
+
+Off TPU the kernel runs in Pallas interpret mode (slow, for tests): the platform is the one
+the program is compiled for (:func:`interpret_on`), which the runner passes in.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax._src import config as jax_config  # _check_vma: see grouped_matmul
+from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
+
+from sgl_jax.srt.layers.moe.ragged import group_assignments
+
+# VMEM the kernel's blocks may use: double-buffered lhs [tm, tk] and rhs [tk, tn] input
+# blocks, the double-buffered float32 output block [tm, tn] and the float32 accumulator. Below
+# the smallest default scoped VMEM limit of the TPUs we target (16 MiB on v5e / v5p; v6e has
+# 32 MiB), leaving room for Mosaic's own scratch.
+VMEM_BUDGET = 12 * 1024 * 1024
+ROW_TILES = (512, 256, 128, 64, 32, 16)  # tm candidates: multiples of 16 (bf16 sublane packing)
+LANE = 128  # tk / tn must be multiples of the lane width, or the whole dimension
+# Roofline of one chip used to weigh the tiles' bytes against their padded MXU work: v6e
+# (918 TFLOP/s bf16, 1.64 TB/s HBM), the chip the table of docs/moe_backends.md is for. With
+# v5p's figures (459e12, 2.765e12: less compute per byte) the rule picks tm one step smaller
+# at 7 of the table's 12 shapes; the tiles are not chosen per chip (yet).
+PEAK_FLOPS = 918e12
+HBM_BANDWIDTH = 1.64e12
+STEP_SECONDS = 0.35e-6  # fixed cost of one Pallas TPU grid step (pipeline bookkeeping)
+TIE = 0.05  # modelled times within 5% of the best are a tie
+
+
+def _lane_tiles(dim: int) -> list[int]:
+    """Tile sizes along a lane dimension (K or N): the whole dimension, and every multiple of
+    128 that divides it (largest first)."""
+    tiles = [dim] + [t for t in range(dim - dim % LANE, 0, -LANE) if t != dim and dim % t == 0]
+    return tiles
+
+
+def vmem_bytes(tm: int, tk: int, tn: int, itemsize: int) -> int:
+    """VMEM of one tiling: 2 lhs + 2 rhs input blocks, 2 float32 output blocks, 1 accumulator."""
+    return 2 * (tm * tk + tk * tn) * itemsize + 3 * tm * tn * 4
+
+
+def pad_rows(m: int, tm: int) -> int:
+    return -(-m // tm) * tm
+
+
+def estimate(m: int, k: int, n: int, groups: int, tiling: tuple[int, int, int],
+             itemsize: int) -> dict[str, float]:
+    """One gmm call's cost at tiling (tm, tk, tn), rows padded to a multiple of tm.
+
+    - ``bytes`` and ``flops``: the kernel's own ``CostEstimate`` (what XLA's cost analysis
+      reports for the custom call): the LHS once per n tile, one group's [K, N] weights per
+      m tile the grid may visit (``M_pad / tm + groups - 1``: a group starting inside a tile
+      visits it again), the float32 output once; ``2 * M_pad * K * N`` FLOPs.
+    - ``pipelined_bytes``: what the pipeline fetches. Pallas skips a block's copy when its
+      index is unchanged from the previous grid step; with one k tile (tk = K) the weight
+      block of consecutive m tiles of the same group is the same, so the weights are read
+      once per n tile (``groups * K * N``), not once per m tile as the estimate assumes.
+    - ``mxu_flops``: the padded work of the most m tiles the grid can visit (whole tiles
+      are computed whatever rows they hold: at decode most of a tile is other groups' rows).
+    - ``steps``: grid steps at most (n tiles x m tiles x k tiles).
+    """
+    tm, tk, tn = tiling
+    m_pad = pad_rows(m, tm)
+    tiles_n, tiles_k = -(-n // tn), -(-k // tk)
+    max_tiles = m_pad // tm + groups - 1
+    lhs_bytes = m_pad * k * itemsize
+    rhs_bytes = k * n * itemsize
+    out_bytes = m_pad * n * 4
+    weight_reads = groups if tiles_k == 1 else max_tiles
+    return {
+        "bytes": lhs_bytes * tiles_n + rhs_bytes * max_tiles + out_bytes,
+        "pipelined_bytes": lhs_bytes * tiles_n + rhs_bytes * weight_reads + out_bytes,
+        "flops": 2 * m_pad * k * n,
+        "mxu_flops": 2 * max_tiles * tm * k * n,
+        "steps": tiles_n * max_tiles * tiles_k,
+        "vmem": vmem_bytes(tm, tk, tn, itemsize),
+    }
+
+
+def modelled_seconds(cost: dict[str, float]) -> float:
+    """Roofline time of one call: the kernel's estimated bytes or its padded MXU work,
+    whichever is larger, plus the fixed cost of each grid step (``STEP_SECONDS``). The
+    estimate is an upper bound of the bytes (``pipelined_bytes`` is lower with tk = K) and is
+    what XLA's cost analysis, hence ``aot_report``, counts."""
+    roofline = max(cost["bytes"] / HBM_BANDWIDTH, cost["mxu_flops"] / PEAK_FLOPS)
+    return roofline + cost["steps"] * STEP_SECONDS
+
+
+@functools.cache
+def gmm_tiling(m: int, k: int, n: int, groups: int, itemsize: int = 2) -> tuple[int, int, int]:
+    """The (tm, tk, tn) of a gmm of [m, k] rows by [groups, k, n] weights.
+
+    The rule (measured with ``benchmarks/bench_gmm_tiles.py``, table in
+    ``docs/moe_backends.md``): among the tilings that fit ``VMEM_BUDGET`` (tk, tn: the whole
+    dimension or a multiple of 128 dividing it; tm: 16..512, at most the padded rows), the one
+    with the least modelled time (:func:`modelled_seconds`); times within ``TIE`` of the best
+    are a tie, broken by the least padded MXU work, then by the larger tk, tn, tm. In
+    practice: tk = K (one k step: a group's weight block is fetched once for all its
+    consecutive m tiles) unless VMEM forbids it, tn = N unless the float32 output block does
+    not fit, tm smaller at decode (most groups hold a few rows: a large tile is mostly
+    padding) than in prefill.
+    """
+    candidates: list[tuple[float, float, tuple[int, int, int]]] = []
+    row_cap = pad_rows(m, 16)
+    for tk in _lane_tiles(k):
+        for tn in _lane_tiles(n):
+            for tm in ROW_TILES:
+                if tm > row_cap and tm != ROW_TILES[-1]:
+                    continue
+                if vmem_bytes(tm, tk, tn, itemsize) > VMEM_BUDGET:
+                    continue
+                cost = estimate(m, k, n, groups, (tm, tk, tn), itemsize)
+                candidates.append((modelled_seconds(cost), cost["mxu_flops"], (tm, tk, tn)))
+    if not candidates:
+        raise ValueError(f"no gmm tiling fits {VMEM_BUDGET} bytes of VMEM for "
+                         f"(m, k, n) = ({m}, {k}, {n})")
+    # The model is a roofline, good to a few percent: among the tilings within TIE of the
+    # best, the least padded MXU work (keeps the MXU off the critical path where the model
+    # cannot tell), then the first (larger tk, tn, tm).
+    fastest = min(c[0] for c in candidates)
+    near = [c for c in candidates if c[0] <= fastest * (1 + TIE)]
+    return min(near, key=lambda c: c[1])[2]
+
+
+def interpret_on(platform: str | None) -> bool:
+    """The Megablox kernel is Mosaic (TPU) code: on any other platform it runs in Pallas
+    interpret mode. ``platform`` is the one the program is compiled for (the runner's
+    devices: ``aot_report`` compiles for compile-only TPU devices while JAX's default backend
+    stays the CPU); None: JAX's default backend."""
+    return (platform or jax.default_backend()).lower() != "tpu"
+
+
+def grouped_matmul(lhs: jax.Array, w: jax.Array, group_sizes: jax.Array, rows: int,
+                   interpret: bool) -> jax.Array:
+    """[M_pad, K] rows sorted by group x [G, K, N] -> float32 [M_pad, N]; ``rows`` the unpadded
+    M the tiling is chosen for. Rows past ``sum(group_sizes)`` are unspecified."""
+    groups, k, n = w.shape
+    tiling = gmm_tiling(rows, k, n, groups, w.dtype.itemsize)
+    if lhs.shape[0] % tiling[0]:
+        raise ValueError(f"{lhs.shape[0]} rows are not a multiple of tm={tiling[0]}")
+    transpose = k_minor(k, n)
+    rhs = w.swapaxes(1, 2) if transpose else w  # a bitcast of the K-minor layout: no copy
+    # Megablox builds its output type without the mesh axes it varies over, which
+    # ``shard_map``'s default check_vma=True refuses (ep_moe's shard_map). The kernel is traced
+    # with the check off, and its output is then marked varying over every mesh axis any
+    # operand varies over (what the type would have said: the output depends on all three).
+    with jax_config._check_vma(False):
+        out = megablox_gmm(lhs, rhs, group_sizes, preferred_element_type=jnp.float32,
+                           tiling=tiling, transpose_rhs=transpose, interpret=interpret)
+    missing = varying_axes(lhs, rhs, group_sizes) - varying_axes(out)
+    return jax.lax.pcast(out, tuple(sorted(missing)), to="varying") if missing else out
+
+
+def varying_axes(*arrays: jax.Array) -> frozenset[str]:
+    """The manual mesh axes (inside ``shard_map``) any of ``arrays`` varies over."""
+    axes: frozenset[str] = frozenset()
+    for a in arrays:
+        manual = jax.typeof(a).manual_axis_type
+        if manual is not None:
+            axes |= manual.varying
+    return axes
+
+
+def k_minor(k: int, n: int) -> bool:
+    """Whether XLA:TPU lays a ``[G, K, N]`` weight out K-minor (``{1,2,0}``): when N is not a
+    multiple of 128 and K is (measured on compile-only v6e: ``bf16[128,2048,192]`` parameters
+    get ``{1,2,0}``, which avoids padding 192 lanes to 256). The Mosaic kernel reads its RHS
+    row-major, so such a weight must be passed as ``[G, N, K]`` with ``transpose_rhs``;
+    otherwise XLA inserts a relayout copy of the whole weight array before every call (it does
+    so for ``ragged_dot`` too: ``benchmarks/bench_gmm_tiles.py``)."""
+    return n % LANE != 0 and k % LANE == 0
+
+
+def row_tile(rows: int, w_gate: jax.Array, w_down: jax.Array) -> int:
+    """The row padding all three calls share: the largest tm of the three tilings (every tm
+    is a power of two times 16, so it is a multiple of the others)."""
+    _, hidden, inter = w_gate.shape
+    groups, item = w_gate.shape[0], w_gate.dtype.itemsize
+    return max(gmm_tiling(rows, hidden, inter, groups, item)[0],
+               gmm_tiling(rows, inter, hidden, groups, w_down.dtype.itemsize)[0])
+
+
+def take_rows(a: jax.Array, indices: jax.Array) -> jax.Array:
+    """``a[indices]`` for a [N, D] array, gathering whole (8, 128) tiles where D allows it.
+
+    XLA:TPU tiles the two minor dimensions; a gather of single rows of a [N, D] array moves a
+    tile of 8 (16 for bfloat16) rows per row fetched (the compile-only v6e estimates ~10x the
+    row bytes). Viewed as [N, D / 128, 128], one row is whole tiles (``benchmarks/
+    bench_gmm_tiles.py``: about half the estimated bytes). Indices are in bounds by
+    construction ("clip": no out-of-bounds mask).
+    """
+    n, d = a.shape
+    if d % LANE:
+        return jnp.take(a, indices, axis=0, mode="clip")
+    rows = jnp.take(a.reshape(n, d // LANE, LANE), indices, axis=0, mode="clip")
+    return rows.reshape(indices.shape[0], d)
+
+
+def gmm_experts(
+    x: jax.Array,
+    local_ids: jax.Array,
+    topk_weights: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    platform: str | None = None,
+) -> jax.Array:
+    """The backend entry point (signature: ``experts.ExpertCompute``) -> float32 [T, H].
+
+    x [T, H]; local_ids / topk_weights [T, k] (rows of this device's stacked weights, or
+    ``E_l`` for experts held elsewhere); w_gate, w_up [E_l, H, I]; w_down [E_l, I, H].
+    ``platform``: what the program is compiled for (:func:`interpret_on`).
+    """
+    interpret = interpret_on(platform)
+    num_tokens, top_k = local_ids.shape
+    num_rows = w_gate.shape[0]
+    order, group_sizes = group_assignments(local_ids, num_rows)
+    m = order.shape[0]
+    m_pad = pad_rows(m, row_tile(m, w_gate, w_down))
+    xs = take_rows(x, order // top_k)  # [M, H]: token row of each sorted assignment
+    # Padding rows sit after every group (past sum(group_sizes)): never computed or stored.
+    xs = jnp.pad(xs, ((0, m_pad - m), (0, 0)))
+
+    gate = grouped_matmul(xs, w_gate, group_sizes, m, interpret)
+    up = grouped_matmul(xs, w_up, group_sizes, m, interpret)
+    act = (jax.nn.silu(gate) * up).astype(x.dtype)
+    down = grouped_matmul(act, w_down, group_sizes, m, interpret)[:m]  # [M, H] float32
+    weight = jnp.take(topk_weights.reshape(-1).astype(jnp.float32), order)
+    local = jnp.arange(m) < jnp.sum(group_sizes)  # rows inside some group
+    # A select, not a multiply: rows outside every group hold unspecified values (maybe NaN).
+    rows = jnp.where(local[:, None], down * weight[:, None], 0.0)
+    inverse = jnp.zeros_like(order).at[order].set(
+        jnp.arange(m, dtype=order.dtype), unique_indices=True
+    )
+    return take_rows(rows, inverse).reshape(num_tokens, top_k, -1).sum(axis=1)
+
+
+@dataclass(frozen=True)
+class GmmExperts:
+    """``gmm_experts`` for one platform (an ``experts.ExpertCompute``): hashable and equal by
+    value, as a static of the compiled step must be."""
+
+    platform: str | None = None
+
+    def __call__(self, x: jax.Array, local_ids: jax.Array, topk_weights: jax.Array,
+                 w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+        return gmm_experts(x, local_ids, topk_weights, w_gate, w_up, w_down, self.platform)

@@ -1,0 +1,278 @@
+"""The ``gmm`` expert backend (Megablox grouped matmul; Pallas interpret mode on CPU).
+
+Against the float64 per-token reference (``tests/test_moe_backends.reference_moe``) for random
+routing, EP-like local ids with the sentinel, uneven and empty groups, ``T * k`` not a multiple
+of the row tile, garbage in the rows no group holds, bfloat16; under ``shard_map`` with expert
+and tensor parallelism (a 4-fake-device subprocess); and the whole model forward with
+``--moe-backend gmm`` against the independent float64 reference forward (routed experts
+exactly, logits to 1e-5). The tile rule is checked against the constraints of Mosaic and the
+table of ``docs/moe_backends.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sgl_jax.srt.layers.moe import gmm
+from sgl_jax.srt.layers.moe.ep_moe import ep_moe_forward
+from sgl_jax.srt.layers.moe.experts import (
+    MOE_BACKEND_CHOICES,
+    MOE_BACKENDS,
+    create_moe_backend,
+    get_moe_backend,
+    resolve_moe_backend,
+)
+from tests.test_moe_backends import (
+    BF16_TOL,
+    IDENTITY,
+    REL_TOL,
+    SHUFFLED,
+    make_case,
+    physical,
+    reference_moe,
+    rel_err,
+    run_layer,
+)
+
+REPO = Path(__file__).absolute().parents[1]
+LOCAL_ROWS = 6  # an EP-like device holding logical experts 0..5 as rows 0..5 (of 16)
+
+
+def local_case(seed: int, tokens: int, routing: str = "random") -> dict[str, np.ndarray]:
+    """A device's view of a case: rows 0..LOCAL_ROWS-1 are its experts (``w_*`` sliced),
+    every other assignment has the sentinel row LOCAL_ROWS (``ep_moe``'s convention).
+    ``full`` keeps the whole case for the reference."""
+    case = make_case(seed, tokens, routing)
+    ids = case["topk_ids"]
+    out: dict[str, Any] = {k: case[k] for k in ("x", "topk_weights")}
+    out["local_ids"] = np.where(ids < LOCAL_ROWS, ids, LOCAL_ROWS).astype(np.int32)
+    for k in ("w_gate", "w_up", "w_down"):
+        out[k] = case[k][:LOCAL_ROWS]
+    out["full"] = case
+    return out
+
+
+def local_reference(case: dict[str, Any]) -> np.ndarray:
+    """float64: only the device's own experts contribute (the others with weight 0)."""
+    full = case["full"]
+    held = full["topk_ids"] < LOCAL_ROWS
+    return reference_moe({**full, "topk_weights": np.where(held, full["topk_weights"], 0.0)})
+
+
+@functools.cache
+def _local_fn() -> Any:
+    return jax.jit(get_moe_backend("gmm"))
+
+
+def run_local(case: dict[str, np.ndarray]) -> np.ndarray:
+    args = [case[k] for k in ("x", "local_ids", "topk_weights", "w_gate", "w_up", "w_down")]
+    return np.asarray(_local_fn()(*args))
+
+
+# -- single device ------------------------------------------------------------------------------
+@pytest.mark.parametrize("tokens,routing,order", [
+    (1, "random", IDENTITY),
+    (37, "random", SHUFFLED),  # T*k = 148: not a multiple of any row tile
+    (29, "same", SHUFFLED),  # k huge groups, every other group empty
+])
+def test_gmm_matches_reference(tokens, routing, order):
+    case = make_case(tokens, tokens, routing)
+    got = run_layer(case, order, "gmm")
+    assert got.shape == (tokens, case["x"].shape[1])
+    assert rel_err(got, reference_moe(case)) < REL_TOL
+    assert rel_err(got, run_layer(case, order, "ragged")) < REL_TOL
+
+
+@pytest.mark.parametrize("tokens,routing", [(23, "random"), (40, "same")])
+def test_gmm_sentinel_uneven_and_empty_groups(tokens, routing):
+    case = local_case(11 + tokens, tokens, routing)
+    local = case["local_ids"]
+    counts = np.bincount(local.reshape(-1), minlength=LOCAL_ROWS + 1)
+    assert counts[LOCAL_ROWS] > 0  # some assignments are held elsewhere
+    if routing == "same":
+        assert (counts[:LOCAL_ROWS] == 0).any()  # empty groups
+    got = run_local(case)
+    want = local_reference(case)
+    assert np.isfinite(got).all()
+    assert rel_err(got, want) < REL_TOL
+
+
+def test_all_assignments_elsewhere_gives_zero():
+    """A device none of whose experts is chosen: every group empty, the result exactly 0."""
+    case = local_case(3, 9)
+    case["local_ids"] = np.full_like(case["local_ids"], LOCAL_ROWS)
+    np.testing.assert_array_equal(run_local(case), 0.0)
+
+
+def test_rows_outside_every_group_never_reach_the_result(monkeypatch):
+    """Whatever the kernel leaves in rows past ``sum(group_sizes)`` (sentinel and padding
+    rows: here NaN, as an unwritten output buffer may hold) is masked out."""
+    real = gmm.megablox_gmm
+
+    def garbage_tail(lhs, rhs, group_sizes, **kw):
+        out = real(lhs, rhs, group_sizes, **kw)
+        tail = jnp.arange(lhs.shape[0]) >= jnp.sum(group_sizes)
+        return jnp.where(tail[:, None], jnp.nan, out)
+
+    monkeypatch.setattr(gmm, "megablox_gmm", garbage_tail)
+    case = local_case(5, 31)
+    args = [case[k] for k in ("x", "local_ids", "topk_weights", "w_gate", "w_up", "w_down")]
+    got = np.asarray(jax.jit(gmm.gmm_experts)(*args))
+    assert np.isfinite(got).all()
+    assert rel_err(got, local_reference(case)) < REL_TOL
+
+
+def test_bfloat16_gmm():
+    case = make_case(17, 64)
+    got = run_layer(case, SHUFFLED, "gmm", jnp.bfloat16)
+    assert rel_err(got, reference_moe(case)) < BF16_TOL
+
+
+# -- tiles --------------------------------------------------------------------------------------
+# (M, K, N, groups) -> (tm, tk, tn): the table of docs/moe_backends.md (per device, bf16).
+TABLE = {
+    # Qwen3-30B-A3B, tp 4: H 2048, I 192, 128 experts; decode 64, 256, prefill 8192 tokens.
+    (512, 2048, 192, 128): (128, 2048, 192), (512, 192, 2048, 128): (64, 192, 2048),
+    (2048, 2048, 192, 128): (256, 2048, 192), (2048, 192, 2048, 128): (256, 192, 2048),
+    (65536, 2048, 192, 128): (512, 2048, 192), (65536, 192, 2048, 128): (256, 192, 2048),
+    # Qwen3-235B-A22B, tp 4 x ep 4: H 4096, I 384, 32 experts per device.
+    (512, 4096, 384, 32): (256, 4096, 384), (512, 384, 4096, 32): (64, 384, 4096),
+    (2048, 4096, 384, 32): (256, 4096, 384), (2048, 384, 4096, 32): (256, 384, 2048),
+    (65536, 4096, 384, 32): (512, 2048, 384), (65536, 384, 4096, 32): (512, 384, 1024),
+}
+
+
+@pytest.mark.parametrize("shape", list(TABLE))
+def test_tiling_table_and_mosaic_constraints(shape):
+    m, k, n, groups = shape
+    tm, tk, tn = gmm.gmm_tiling(m, k, n, groups)
+    assert (tm, tk, tn) == TABLE[shape]
+    assert tm % 16 == 0  # bfloat16 rows pack 16 to a sublane tile
+    for tile, dim in ((tk, k), (tn, n)):
+        assert tile == dim or (tile % 128 == 0 and dim % tile == 0)
+    assert gmm.vmem_bytes(tm, tk, tn, 2) <= gmm.VMEM_BUDGET
+    # The choice is the modelled optimum (among the row tiles that fit) up to the tie margin.
+    best = min(gmm.modelled_seconds(gmm.estimate(m, k, n, groups, (r, tk, tn), 2))
+               for r in gmm.ROW_TILES if gmm.vmem_bytes(r, tk, tn, 2) <= gmm.VMEM_BUDGET)
+    chosen = gmm.modelled_seconds(gmm.estimate(m, k, n, groups, (tm, tk, tn), 2))
+    assert chosen <= best * (1 + gmm.TIE)
+
+
+def test_k_minor_weights_are_read_transposed():
+    assert gmm.k_minor(2048, 192)  # Qwen3-30B-A3B gate/up at tp 4
+    assert not gmm.k_minor(192, 2048)  # its down projection
+    assert not gmm.k_minor(4096, 384)  # Qwen3-235B-A22B at tp 4
+    assert not gmm.k_minor(64, 32)  # neither dimension lane-aligned: left as is
+
+
+def test_resolve_gmm_backend():
+    assert "gmm" in MOE_BACKENDS and "gmm" in MOE_BACKEND_CHOICES
+    for platform in ("cpu", "gpu", "tpu"):
+        assert resolve_moe_backend("gmm", platform) == "gmm"
+    assert resolve_moe_backend("auto", "tpu") == "gmm"
+    assert resolve_moe_backend("auto", "cpu") == "dense"
+    backend = create_moe_backend("gmm", "tpu")
+    assert backend.name == "gmm" and backend.compute == gmm.GmmExperts("tpu")
+    assert not gmm.interpret_on("tpu") and gmm.interpret_on("cpu")
+    # Batch-invariant mode: the dense reference (gmm groups depend on the batch).
+    assert create_moe_backend("gmm", "tpu", batch_invariant=True).name == "dense"
+    # Hashable and equal by value: a static of the compiled step.
+    assert hash(get_moe_backend("gmm", "cpu")) == hash(get_moe_backend("gmm", "cpu"))
+
+
+# -- expert and tensor parallelism (4 fake CPU devices, one subprocess) -------------------------
+# name -> (ep, tp, dispatch): None = replicated tokens, one psum; "all_gather" / "all_to_all"
+# = DP attention (tokens split over "expert", ``ep_moe_forward(tokens_split=True)``).
+PARALLEL: dict[str, tuple[int, int, str | None]] = {
+    "ep2": (2, 1, None), "ep4": (4, 1, None), "tp2_ep2": (2, 2, None),
+    "dp2_all_gather": (2, 1, "all_gather"), "dp2_tp2_all_to_all": (2, 2, "all_to_all"),
+}
+
+
+def parallel_tokens(name: str) -> tuple[int, ...]:
+    return (38,) if PARALLEL[name][2] else (1, 37)  # split tokens: a multiple of ep
+
+
+def _worker(out_dir: str) -> None:
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from sgl_jax.srt.layers.moe.dispatch import emulated_ragged_all_to_all
+    from sgl_jax.srt.layers.moe.ep_moe import W_DOWN_SPEC, W_GATE_UP_SPEC
+
+    specs = {"w_gate": W_GATE_UP_SPEC, "w_up": W_GATE_UP_SPEC, "w_down": W_DOWN_SPEC}
+    results: dict[str, np.ndarray] = {}
+    for name, (ep, tp, dispatch) in PARALLEL.items():
+        mesh = Mesh(np.array(jax.devices()[: ep * tp]).reshape(ep, tp), ("expert", "tensor"))
+        a2a = emulated_ragged_all_to_all if dispatch == "all_to_all" else None
+        fn = jax.jit(lambda a, split=dispatch is not None, a2a=a2a: ep_moe_forward(
+            a["x"], a["topk_ids"], a["topk_weights"], a["w_gate"], a["w_up"], a["w_down"],
+            SHUFFLED, backend=get_moe_backend("gmm"), tokens_split=split, all_to_all=a2a,
+        ))
+        token_spec = ("expert",) if dispatch else ()
+        for tokens in parallel_tokens(name):
+            args = {k: jax.device_put(v, NamedSharding(mesh, P(*specs.get(k, token_spec))))
+                    for k, v in physical(make_case(tokens, tokens), SHUFFLED).items()}
+            with jax.set_mesh(mesh):
+                results[f"{name}/{tokens}"] = np.asarray(fn(args))
+    np.savez(os.path.join(out_dir, "parallel.npz"), **results)
+
+
+def test_parallel_gmm_matches_reference():
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "JAX_PLATFORMS": "cpu",
+               "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.test_moe_gmm", json.dumps({"out": tmp})],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        with np.load(os.path.join(tmp, "parallel.npz")) as z:
+            got = dict(z)
+    for name in PARALLEL:
+        for tokens in parallel_tokens(name):
+            case = make_case(tokens, tokens)
+            assert rel_err(got[f"{name}/{tokens}"], reference_moe(case)) < REL_TOL, name
+
+
+# -- the whole model --------------------------------------------------------------------------
+def test_model_forward_with_gmm_matches_reference():
+    """The bundled model through the engine's runner with ``--moe-backend gmm``: routed
+    experts exactly and logits to 1e-5 of the float64 reference forward, in every bucket
+    (chunked prefill, cached prefix, mixed extend, decode), with nothing compiled twice."""
+    from sgl_jax.srt.configs.model_config import ModelConfig
+    from sgl_jax.srt.model_executor.model_runner import ModelRunner
+    from sgl_jax.srt.server_args import ServerArgs
+    from sgl_jax.testing import TEST_MODEL_PATH
+    from tests.backend_scenario import assert_matches, reference_scenario, run_scenario
+
+    args = ServerArgs(
+        model_path=TEST_MODEL_PATH, moe_backend="ragged", page_size=16,
+        max_running_requests=4, chunked_prefill_size=32, precompile_token_paddings=[32],
+        precompile_bs_paddings=[4], max_total_tokens=512, attention_block_size=16,
+        context_length=256, enable_return_routed_experts=True,
+    )
+    # Set after validation: ServerArgs lists "gmm" once server_args.MOE_BACKENDS has it.
+    args.moe_backend = "gmm"
+    runner = ModelRunner(args, ModelConfig.from_hf(TEST_MODEL_PATH, args.context_length))
+    assert runner.backends.moe.name == "gmm"
+    runner.precompile()
+    compiled = runner.num_compiles
+    assert_matches(run_scenario(runner), reference_scenario(TEST_MODEL_PATH), REL_TOL)
+    assert runner.num_compiles == compiled
+
+
+if __name__ == "__main__":
+    _worker(json.loads(sys.argv[1])["out"])

@@ -89,6 +89,6 @@ def test_dtype_auto_and_backend_auto_by_platform():
     assert resolve_dtype("auto", "tpu") == jnp.bfloat16
     assert resolve_dtype("auto", "gpu") == jnp.bfloat16
     assert resolve_dtype("float32", "tpu") == jnp.float32
-    assert resolve_moe_backend("auto", "tpu") == "ragged"
+    assert resolve_moe_backend("auto", "tpu") == "gmm"
     assert resolve_moe_backend("auto", "cpu") == "dense"
     assert resolve_moe_backend("ragged", "cpu") == "ragged"

@@ -199,20 +199,20 @@ def test_bfloat16_backends_agree():
 
 
 def test_resolve_moe_backend():
-    assert MOE_BACKEND_CHOICES == ("auto", "dense", "ragged")
-    assert resolve_moe_backend("auto", "tpu") == "ragged"
+    assert MOE_BACKEND_CHOICES == ("auto", "dense", "ragged", "gmm")
+    assert resolve_moe_backend("auto", "tpu") == "gmm"
     assert resolve_moe_backend("auto", "cpu") == "dense"
     assert resolve_moe_backend("auto", "gpu") == "dense"
     for platform in ("cpu", "gpu", "tpu"):
         assert resolve_moe_backend("dense", platform) == "dense"
         assert resolve_moe_backend("ragged", platform) == "ragged"
     with pytest.raises(ValueError, match="unknown MoE backend 'megablox'; valid choices: auto, "
-                                         "dense, ragged"):
+                                         "dense, ragged, gmm"):
         resolve_moe_backend("megablox", "tpu")
     with pytest.raises(ValueError, match="resolve 'auto' with resolve_moe_backend first"):
         get_moe_backend("auto")
     # The object the runner builds once: resolved for the platform, dense when batch-invariant.
-    assert create_moe_backend("auto", "tpu").name == "ragged"
+    assert create_moe_backend("auto", "tpu").name == "gmm"
     assert create_moe_backend("auto", "tpu", batch_invariant=True).name == "dense"
     assert create_moe_backend("dense", "cpu").compute is dense_experts
 

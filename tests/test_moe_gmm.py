@@ -259,13 +259,11 @@ def test_model_forward_with_gmm_matches_reference():
     from tests.backend_scenario import assert_matches, reference_scenario, run_scenario
 
     args = ServerArgs(
-        model_path=TEST_MODEL_PATH, moe_backend="ragged", page_size=16,
+        model_path=TEST_MODEL_PATH, moe_backend="gmm", page_size=16,
         max_running_requests=4, chunked_prefill_size=32, precompile_token_paddings=[32],
         precompile_bs_paddings=[4], max_total_tokens=512, attention_block_size=16,
         context_length=256, enable_return_routed_experts=True,
     )
-    # Set after validation: ServerArgs lists "gmm" once server_args.MOE_BACKENDS has it.
-    args.moe_backend = "gmm"
     runner = ModelRunner(args, ModelConfig.from_hf(TEST_MODEL_PATH, args.context_length))
     assert runner.backends.moe.name == "gmm"
     runner.precompile()

@@ -17,7 +17,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 
 DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_BACKENDS = ("native", "pallas")
-MOE_BACKENDS = ("auto", "dense", "ragged")
+MOE_BACKENDS = ("auto", "dense", "ragged", "gmm")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 ROUTED_EXPERTS_DTYPES = ("int32", "int16", "uint16", "uint8")  # routed_experts_codec's names
 EXPERT_DISTRIBUTION_MODES = ("stat", "per_pass", "per_token")  # layers/moe/expert_distribution
@@ -112,8 +112,10 @@ class ServerArgs:
     moe_backend: str = _arg(
         "auto", "Expert compute: 'dense' (every expert on every token, then masked: fastest "
                 "on CPU at small sizes), 'ragged' (tokens sorted by expert, grouped matmuls "
-                "with jax.lax.ragged_dot: only the top-k experts' FLOPs) or 'auto' (ragged "
-                "on TPU/GPU, dense on CPU). Routing is identical in all.",
+                "with jax.lax.ragged_dot: only the top-k experts' FLOPs), 'gmm' (the same "
+                "grouping with JAX's Megablox grouped-matmul TPU kernel, tiles per shape; "
+                "interpret mode off TPU, for tests) or 'auto' (gmm on TPU, dense elsewhere). "
+                "Routing is identical in all.",
         choices=MOE_BACKENDS)
     attention_block_size: int = _arg(
         128, "KV positions per iteration of the native attention loop (rounded up to whole "
@@ -404,9 +406,10 @@ class ServerArgs:
         if self.moe_backend not in MOE_BACKENDS:
             fail(f"moe_backend={self.moe_backend!r}; use one of {', '.join(MOE_BACKENDS)}")
         if self.enable_deterministic_inference:
-            if self.moe_backend == "ragged":
-                fail("enable_deterministic_inference needs the dense MoE backend (ragged groups "
-                     "depend on the other tokens of the batch); use --moe-backend auto or dense")
+            if self.moe_backend in ("ragged", "gmm"):
+                fail(f"enable_deterministic_inference needs the dense MoE backend "
+                     f"({self.moe_backend} groups depend on the other tokens of the batch); use "
+                     "--moe-backend auto or dense")
             if self.attention_backend != "native":
                 fail("enable_deterministic_inference needs --attention-backend native")
         if self.context_length is not None and self.context_length < 2:

@@ -932,7 +932,7 @@ def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_de
     # "expert" axis, though each device's groups hold only its own experts' share (the rest
     # sort past the last group, where the grouped-matmul kernel has no work).
     excess = 0.0
-    if args.resolved_moe_backend == "ragged" and args.ep_size > 1:
+    if args.resolved_moe_backend in ("ragged", "gmm") and args.ep_size > 1:
         expert = 2 * 3 * cfg.num_experts_per_tok * cfg.hidden_size * cfg.moe_intermediate_size
         # Each device's ragged_dot holds every compiled token's k assignments (with DP: all
         # ranks' tokens, gathered; idle ranks' padding included), its experts' slice.
@@ -1306,7 +1306,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default=None, choices=("pallas", "native"),
                    help="the engine's --attention-backend (default: pallas; native for MLA "
                    "models, which pallas cannot run)")
-    p.add_argument("--moe-backend", default="ragged", choices=("ragged", "dense", "auto"),
+    p.add_argument("--moe-backend", default="ragged", choices=("ragged", "gmm", "dense", "auto"),
                    help="the engine's --moe-backend")
     p.add_argument("--moe-dispatch", default="all_gather",
                    choices=("all_gather", "ragged_all_to_all"),

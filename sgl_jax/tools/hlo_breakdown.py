@@ -332,6 +332,13 @@ def op_flops(module: Module, ins: Instr, types: dict[str, str]) -> float:
         return est[0] if est else 0.0
     if op in ELEMENTWISE - TRANSCENDENTAL:
         return type_elements(ins.type)
+    if op == "sort":  # compares: n log2 n per sorted row, every operand moved along
+        dims = shape_dims(types.get(ins.operands[0], "")) if ins.operands else []
+        axis = _dims(ins.attr("dimensions"))
+        if dims and axis and dims[0][1]:
+            n = dims[0][1][axis[0]]
+            return math.prod(dims[0][1]) * math.log2(max(n, 2))
+        return 0.0
     if op in ("reduce", "reduce-window", "all-reduce", "reduce-scatter"):
         return sum(type_elements(types.get(o, "")) for o in ins.operands[:1])
     return 0.0
@@ -416,7 +423,7 @@ def _frame_chain(module: Module, ins: Instr) -> list[tuple[str, str]]:
     return []
 
 
-def classify(module: Module, ins: Instr) -> str:
+def classify(module: Module, ins: Instr, default: str = "other") -> str:
     op = ins.opcode.removesuffix("-start")
     if op in COLLECTIVES:
         return "collectives"
@@ -438,7 +445,7 @@ def classify(module: Module, ins: Instr) -> str:
         return "projections"
     if ins.opcode in COPIES or _is_layout_fusion(module, ins):
         return "copies"
-    return "other"
+    return default
 
 
 _LAYOUT = {"parameter", "bitcast", "copy", "transpose", "reshape", "tuple", "get-tuple-element"}
@@ -480,28 +487,30 @@ def _total(c: Costs) -> tuple[float, float]:
     return sum(v[0] for v in c.values()), sum(v[1] for v in c.values())
 
 
-def computation_costs(module: Module, computation: str) -> Costs:
+def computation_costs(module: Module, computation: str, default: str = "other") -> Costs:
     """Estimated (flops, bytes) per class of one run of a computation (loop bodies once,
-    conditionals at their costliest branch per property)."""
+    conditionals at their costliest branch per property). ``default``: the class of an op
+    with no source of its own (XLA drops the stack of some ops it creates): inside a loop or
+    a branch, the class of the loop or the conditional."""
     types = module.types(computation)
     out: Costs = {}
     for ins in module.computations.get(computation, []):
+        inherited = classify(module, ins, default)
         if ins.opcode == "while":
             for c in ins.called:
-                _add(out, computation_costs(module, c))
+                _add(out, computation_costs(module, c, inherited))
         elif ins.opcode == "conditional":
-            _add(out, conditional_costs(module, ins))
+            _add(out, conditional_costs(module, ins, inherited))
         elif ins.opcode in ("call", "async-start"):
             for c in ins.called:
-                _add(out, computation_costs(module, c))
+                _add(out, computation_costs(module, c, inherited))
         else:
-            cls = classify(module, ins)
-            _add(out, {cls: [op_flops(module, ins, types), op_bytes(module, ins, types)]})
+            _add(out, {inherited: [op_flops(module, ins, types), op_bytes(module, ins, types)]})
     return out
 
 
-def conditional_costs(module: Module, ins: Instr) -> Costs:
-    branches = [(c, computation_costs(module, c)) for c in ins.called]
+def conditional_costs(module: Module, ins: Instr, default: str = "other") -> Costs:
+    branches = [(c, computation_costs(module, c, default)) for c in ins.called]
     if not branches:
         return {}
     totals = [_total(c) for _, c in branches]
@@ -562,14 +571,14 @@ def top_ops(hlo: str, n: int = 20) -> Iterator[tuple[str, str, float, float, str
     module = parse_module(hlo)
     rows = []
 
-    def visit(computation: str) -> None:
+    def visit(computation: str, default: str = "other") -> None:
         types = module.types(computation)
         for ins in module.computations.get(computation, []):
             if ins.opcode in ("while", "conditional", "call", "async-start"):
                 for c in ins.called:
-                    visit(c)
+                    visit(c, classify(module, ins, default))
                 continue
-            rows.append((classify(module, ins), f"{computation}/{ins.name}",
+            rows.append((classify(module, ins, default), f"{computation}/{ins.name}",
                          op_flops(module, ins, types), op_bytes(module, ins, types),
                          ins.op_name))
 

@@ -9,15 +9,17 @@ Counting (per device; the HLO after SPMD partitioning holds per-device shapes):
 - Every top-level instruction of the entry computation, and of the computations it runs
   (``while`` bodies and conditions, ``conditional`` branches, ``call`` and async
   computations), is one op; a fusion is one op.
-- Bytes of an op: its operands plus its result, except that a slice or dynamic-slice (and a
+- Bytes of an op: its operands plus its result, each array padded to its TPU layout's tile as
+  stored (``{2,1,0:T(8,128)}``: the minor dimension to a multiple of 128, the next to 8), except
+  that a slice or dynamic-slice (and a
   fusion parameter read only through them) counts what it reads, a gather what it reads
   times the rows of the operand's layout tile (``T(8,128)``: a gathered row reads its whole
   tile of 8 rows; XLA:TPU's count of 8,192 rows gathered from a [1024, 2048] bf16 array
   compiled alone is 319 MB, this rule gives 302 MB), and a ``copy-start`` (a prefetch into
-  on-chip memory) its operand twice (read, write). A dynamic-update-slice or
-  scatter that writes in place still counts its whole buffer in and out: XLA:TPU counts it so
-  (a 256-row scatter into an 8.4 MB cache, compiled alone: 17.7 MB), which is how the KV
-  cache write of every layer costs twice the layer's whole cache in XLA's estimate. Parameters, constants, tuples, bitcasts and
+  on-chip memory) its operand twice (read, write). A dynamic-update-slice or scatter (also as a
+  fusion's root) writes in place: it counts its update, read and written, and not the buffer
+  (XLA:TPU's count of a 256-row scatter into a donated 8.4 MB cache compiled alone: 0.4 MB;
+  not donated, XLA adds a copy of the whole buffer, its own op, counted as a copy). Parameters, constants, tuples, bitcasts and
   ``get-tuple-element`` count nothing; async ``*-done`` count nothing (their ``*-start`` does).
 - FLOPs: a dot ``2 * result elements * contracted size``, a convolution ``2 * result elements *
   kernel elements / output features``, an elementwise op or a reduction one per element; a
@@ -266,8 +268,24 @@ def shape_dims(type_: str) -> list[tuple[str, list[int]]]:
     return [(t, [int(d) for d in dims.split(",") if d]) for t, dims in _ARRAY.findall(type_)]
 
 
+_ARRAY_LAYOUT = re.compile(
+    r"\b(pred|[suf]\d+|bf16|f8e\w+|c\d+)\[([0-9,]*)\](?:\{([0-9,]*)(?::T\(([0-9,]+)\))?)?")
+
+
 def type_bytes(type_: str) -> float:
-    return float(sum(math.prod(d) * ITEMSIZE.get(t, 4) for t, d in shape_dims(type_)))
+    """Bytes of an HLO type (tuples summed), each array padded to its TPU layout's tile as it
+    is stored (``bf16[128,2048,192]{2,1,0:T(8,128)(2,1)}``: the minor dimension 192 padded to
+    256), as XLA:TPU counts bytes."""
+    total = 0.0
+    for t, dims_s, layout, tile in _ARRAY_LAYOUT.findall(type_):
+        dims = [int(d) for d in dims_s.split(",") if d]
+        if dims and layout and tile:
+            minor_to_major = [int(x) for x in layout.split(",") if x]
+            sizes = [int(x) for x in tile.split(",")]
+            for dim, t_size in zip(minor_to_major, reversed(sizes), strict=False):
+                dims[dim] = -(-dims[dim] // t_size) * t_size
+        total += math.prod(dims) * ITEMSIZE.get(t, 4)
+    return total
 
 
 def type_elements(type_: str) -> float:
@@ -356,9 +374,18 @@ def fusion_bytes(module: Module, ins: Instr, types: dict[str, str]) -> float:
     for i in body:
         for o in i.operands:
             users.setdefault(o, []).append(i)
-    # An in-place dynamic-update-slice or scatter root counts its whole buffer in and out, as
-    # XLA:TPU counts it (a 256-row scatter into an 8.4 MB cache compiled alone: 17.7 MB).
+    inner = {i.name: i for i in body}
+    root = next((i for i in body if i.root), None)
+    in_place_buffer = None
     total = type_bytes(ins.type)
+    if root is not None and root.opcode in _IN_PLACE and len(root.operands) >= 2:
+        # Written in place (XLA:TPU counts a scatter into a donated 8.4 MB cache compiled
+        # alone as 0.4 MB: the update read and written; not donated, a copy of the whole
+        # buffer appears as its own op).
+        in_place_buffer = root.operands[0]
+        update = root.operands[2] if root.opcode == "scatter" else root.operands[1]
+        if update in inner:
+            total = 2 * type_bytes(inner[update].type)
     for idx, operand in enumerate(ins.operands):
         size = type_bytes(types.get(operand, ""))
         p = params.get(idx)
@@ -366,6 +393,8 @@ def fusion_bytes(module: Module, ins: Instr, types: dict[str, str]) -> float:
             total += size
             continue
         uses = users.get(p.name, [])
+        if p.name == in_place_buffer and len(uses) == 1:
+            continue  # the buffer updated in place: only the update moves
         if uses and all(u.opcode in _SLICING and u.operands[0] == p.name for u in uses):
             # What the slices read; a gather of rows reads each row's whole tile of rows
             # (``T(8,128)``: 8 rows), as XLA:TPU counts it: may exceed the operand's size.
@@ -383,6 +412,11 @@ def op_bytes(module: Module, ins: Instr, types: dict[str, str]) -> float:
         return 0.0
     if op == "fusion":
         return fusion_bytes(module, ins, types)
+    if op == "dynamic-update-slice" and len(ins.operands) >= 2:  # in place
+        return 2 * type_bytes(types.get(ins.operands[1], ""))
+    if op == "scatter" and len(ins.operands) >= 3:
+        return (2 * type_bytes(types.get(ins.operands[2], ""))
+                + type_bytes(types.get(ins.operands[1], "")))
     if op == "custom-call":  # XLA's total holds a kernel's own estimate, or nothing
         est = kernel_estimate(ins)
         return est[1] if est is not None else 0.0

@@ -136,7 +136,10 @@ def test_parse_instruction_types_and_operands() -> None:
         "source_target_pairs={{0,1}}")
     assert ins is not None
     assert (ins.opcode, ins.operands) == ("collective-permute-start", ["d"])
-    assert hb.type_bytes(ins.type) == 64 * 3 * 4 + 4
+    # Padded to the (8, 128) tile as stored: 3 columns take 128.
+    assert hb.type_bytes(ins.type) == 64 * 128 * 4 + 4
+    assert hb.type_bytes("bf16[128,2048,192]{1,2,0:T(8,128)(2,1)}") == 128 * 2048 * 192 * 2
+    assert hb.type_bytes("bf16[128,2048,192]{2,1,0:T(8,128)(2,1)}") == 128 * 2048 * 256 * 2
 
 
 # -- the engine's step compiled by XLA:CPU ----------------------------------------------------

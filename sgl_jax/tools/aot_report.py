@@ -83,6 +83,13 @@ with the model's MTP layer: the draft's extend and chain are compiled into the s
 Each verify record carries ``bytes_vs_decode``, ``flops_vs_decode``, ``roofline_vs_decode``
 and the same per verified token (``bytes_per_token_vs_decode``, ...).
 
+``--breakdown`` splits each bucket's XLA count over op classes (expert matmuls, MoE
+dispatch, router, attention, KV write, projections, sampler, the sampler's sort fallback,
+collectives, copies, other), summing exactly to XLA's total (``hlo_breakdown``; the attention
+kernel's analytic work is listed next to them). ``--extend-tokens N ...`` adds, per N, an
+extend bucket of one request appending N tokens to a cached context (last token at
+``--context-len`` positions), compiled at the engine's token bucket for N.
+
 A layout that cannot hold parameters + KV cache in HBM (per device) exits with code 2 and says
 what to change (MLA: its latent KV cache is replicated, tp does not split it); a compiled
 peak above HBM is flagged (``peak_exceeds_hbm``, a warning). ``--scale-from-layers A B``

@@ -477,6 +477,8 @@ def classify(module: Module, ins: Instr, default: str = "other") -> str:
                 return cls
     if dot:
         return "projections"
+    if default != "other":  # inside a loop or branch of a known class (the sampler's)
+        return default
     if ins.opcode in COPIES or _is_layout_fusion(module, ins):
         return "copies"
     return default
@@ -494,7 +496,8 @@ def _is_layout_fusion(module: Module, ins: Instr) -> bool:
 
 
 def _in_fallback(module: Module, computation: str, seen: set[str] | None = None) -> bool:
-    """Whether a computation (or one it calls) holds ops of the sampler's sort fallback."""
+    """Whether a computation (or a loop or call in it) holds ops of the sampler's sort
+    fallback."""
     seen = seen if seen is not None else set()
     if computation in seen:
         return False
@@ -502,7 +505,10 @@ def _in_fallback(module: Module, computation: str, seen: set[str] | None = None)
     for ins in module.computations.get(computation, []):
         if any(fn.split(".")[-1] in FALLBACK_FUNCTIONS for _, fn in _frame_chain(module, ins)):
             return True
-        if any(_in_fallback(module, c, seen) for c in ins.called if ins.opcode != "fusion"):
+        # Not into a nested conditional: a branch that holds the fallback's own cond (the
+        # sampler's sampled_rows) is not the fallback.
+        if ins.opcode not in ("fusion", "conditional") and any(
+                _in_fallback(module, c, seen) for c in ins.called):
             return True
     return False
 

@@ -39,8 +39,8 @@ def small_qwen3(path: Path, layers: int, **widths: int) -> Path:
 
 # -- the parser on a hand-written module -------------------------------------------------------
 # A fusion holding a dot (a projection), a custom call with a kernel cost estimate (ragged_dot
-# on TPU), a collective, a layout copy and a conditional whose second branch is the
-# sampler's sort fallback (source function full_sort).
+# on TPU), a collective, a layout copy and the sampler's two conditionals: greedy or sampled
+# rows, and inside the sampled rows the sort fallback (source function full_sort) or not.
 HLO = """HloModule m
 
 FileNames
@@ -86,6 +86,15 @@ StackFrames
   ROOT %r = s32[16]{0} reduce(%sorted, %g), dimensions={1}, to_apply=%add, metadata={op_name="cond/reduce" stack_frame_id=2}
 }
 
+%sampled (t: (f32[16,32])) -> s32[16] {
+  %t = (f32[16,32]{1,0}) parameter(0)
+  %g = f32[16,32]{1,0} get-tuple-element(%t), index=0
+  %neg = f32[16,32]{1,0} negate(%g), metadata={op_name="neg" stack_frame_id=1}
+  %tup2 = (f32[16,32]{1,0}) tuple(%neg)
+  %p2 = pred[] constant(false)
+  ROOT %inner = s32[16]{0} conditional(%p2, %tup2, %tup2), branch_computations={%cheap, %fallback}, metadata={op_name="cond/cond" stack_frame_id=1}
+}
+
 ENTRY %main (x: bf16[16,64], w: bf16[64,32], e: bf16[8,64,32], p: pred[]) -> s32[16] {
   %x = bf16[16,64]{1,0} parameter(0)
   %w = bf16[64,32]{1,0} parameter(1)
@@ -96,7 +105,7 @@ ENTRY %main (x: bf16[16,64], w: bf16[64,32], e: bf16[8,64,32], p: pred[]) -> s32
   %ragged-dot-none = f32[16,32]{1,0} custom-call(%x, %copy.1), custom_call_target="tpu_custom_call", metadata={op_name="jit(f)/ragged_dot_general/ragged-dot-none"}, backend_config={"custom_call_config":{"cost_estimate":{"flops":"65536","transcendentals":"0","bytes_accessed":"34816"}}}
   %ar = f32[16,32]{1,0} all-reduce(%ragged-dot-none), replica_groups={{0,1}}, to_apply=%add
   %tup = (f32[16,32]{1,0}) tuple(%ar)
-  ROOT %cond = s32[16]{0} conditional(%p, %tup, %tup), branch_computations={%cheap, %fallback}, metadata={op_name="cond" stack_frame_id=1}
+  ROOT %cond = s32[16]{0} conditional(%p, %tup, %tup), branch_computations={%cheap, %sampled}, metadata={op_name="cond" stack_frame_id=1}
 }
 """
 
@@ -119,12 +128,14 @@ def test_classes_of_a_hand_written_module() -> None:
     assert hb.classify(m, entry["ragged-dot-none"]) == "expert_matmuls"
     assert hb.classify(m, entry["ar"]) == "collectives"
     assert hb.classify(m, entry["copy.1"]) == "copies"
-    # The conditional: the cheap branch keeps its class (sampler), the fallback's excess up
-    # to the counted maximum is sampler_full_sort.
+    # The conditionals: the outer one counts its costlier branch, the sampled rows, whose own
+    # op (negate) is the sampler's; in the inner one the cheap branch keeps its class
+    # (sampler) and the fallback's excess up to the counted maximum is sampler_full_sort.
     costs = hb.computation_costs(m, m.entry)
     sort_bytes = 2 * 16 * 32 * 4 + (2 * 16 * 32 * 4 + 16 * 4)  # sort in/out, reduce in/out
     cheap_bytes = 16 * 32 * 4 + 16 * 4  # the broadcast's tuple operand and result
-    assert costs["sampler"][1] == cheap_bytes
+    negate_bytes = 2 * 16 * 32 * 4
+    assert costs["sampler"][1] == negate_bytes + cheap_bytes
     assert costs["sampler_full_sort"][1] == sort_bytes - cheap_bytes
     est = sum(v[1] for v in costs.values())
     assert b.bytes_scale == pytest.approx(1e6 / est)

@@ -209,7 +209,7 @@ def test_cpu_step_breakdown_sums_to_xla(cpu_config: Path, mode: str, tokens: int
 # -- end to end on compile-only TPU devices ---------------------------------------------------
 @needs_libtpu
 def test_report_breakdown_and_extend(tmp_path: Path) -> None:
-    config = small_qwen3(tmp_path / "qwen3-1l", 1, vocab_size=8192)
+    config = small_qwen3(tmp_path / "qwen3-1l", 1, vocab_size=2048)
     proc = subprocess.run(
         [sys.executable, "-m", "sgl_jax.tools.aot_report", "--model-config", str(config),
          "--topology", "v6e:2x2", "--tp-size", "4", "--decode-bs", "8", "--context-len",

@@ -22,8 +22,9 @@ Counting (per device; the HLO after SPMD partitioning holds per-device shapes):
   not donated, XLA adds a copy of the whole buffer, its own op, counted as a copy). Parameters, constants, tuples, bitcasts and
   ``get-tuple-element`` count nothing; async ``*-done`` count nothing (their ``*-start`` does).
 - FLOPs: a dot ``2 * result elements * contracted size``, a convolution ``2 * result elements *
-  kernel elements / output features``, an elementwise op or a reduction one per element; a
-  fusion the sum of its fused instructions (its dots dominate).
+  kernel elements / output features``, an elementwise op or a reduction one per element, a
+  reduce-window one per result element and window element (a cumsum is one), a sort
+  ``n log2 n`` per row; a fusion the sum of its fused instructions (its dots dominate).
 - A custom call (a Pallas / Mosaic kernel: ``tpu_custom_call``) uses the kernel's own
   ``cost_estimate`` from its ``backend_config`` (``flops``, ``bytes_accessed``: JAX's
   ``ragged_dot`` is such a kernel on TPU, ``ragged-dot-none``, and its estimate is its static
@@ -357,7 +358,11 @@ def op_flops(module: Module, ins: Instr, types: dict[str, str]) -> float:
             n = dims[0][1][axis[0]]
             return math.prod(dims[0][1]) * math.log2(max(n, 2))
         return 0.0
-    if op in ("reduce", "reduce-window", "all-reduce", "reduce-scatter"):
+    if op == "reduce-window":  # every output element reduces its whole window
+        size = re.search(r"window=\{size=([0-9x]+)", ins.attrs)
+        window = math.prod(int(x) for x in size.group(1).split("x")) if size else 1
+        return type_elements(ins.type) * window
+    if op in ("reduce", "all-reduce", "reduce-scatter"):
         return sum(type_elements(types.get(o, "")) for o in ins.operands[:1])
     return 0.0
 

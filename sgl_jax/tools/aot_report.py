@@ -83,6 +83,13 @@ with the model's MTP layer: the draft's extend and chain are compiled into the s
 Each verify record carries ``bytes_vs_decode``, ``flops_vs_decode``, ``roofline_vs_decode``
 and the same per verified token (``bytes_per_token_vs_decode``, ...).
 
+``--breakdown`` splits each bucket's XLA count over op classes (expert matmuls, MoE
+dispatch, router, attention, KV write, projections, sampler, the sampler's sort fallback,
+collectives, copies, other), summing exactly to XLA's total (``hlo_breakdown``; the attention
+kernel's analytic work is listed next to them). ``--extend-tokens N ...`` adds, per N, an
+extend bucket of one request appending N tokens to a cached context (last token at
+``--context-len`` positions), compiled at the engine's token bucket for N.
+
 A layout that cannot hold parameters + KV cache in HBM (per device) exits with code 2 and says
 what to change (MLA: its latent KV cache is replicated, tp does not split it); a compiled
 peak above HBM is flagged (``peak_exceeds_hbm``, a warning). ``--scale-from-layers A B``
@@ -341,6 +348,29 @@ def dp_buckets(decode_bs: list[int], prefill_tokens: int, prefill_requests: int,
     return buckets
 
 
+def extend_padding(tokens: int, prefill_tokens: int) -> int:
+    """The token bucket the engine pads an extend of ``tokens`` to (ServerArgs' default
+    paddings: powers of two from 64, or from the chunk when it is smaller)."""
+    chunk = max(prefill_tokens, tokens)
+    padded = min(64, chunk)
+    while padded < tokens:
+        padded *= 2
+    return min(padded, chunk)
+
+
+def extend_buckets(extend_tokens: list[int], context_len: int, prefill_tokens: int,
+                   rows: Any) -> list[Bucket]:
+    """``--extend-tokens``: one request appending N new tokens to a cached context (a
+    multi-turn rollout's next turn), its last token at ``context_len`` positions as in
+    decode; compiled at the engine's token bucket for N and its rows (``rows(padded)``)."""
+    out = []
+    for n in extend_tokens:
+        padded = extend_padding(n, prefill_tokens)
+        out.append(Bucket("extend", n, 1, rows(padded), n, context_len - n, 1,
+                          0 if padded == n else padded))
+    return out
+
+
 def attention_params(cfg: Any) -> int:
     """Per-token parameters of one layer's attention projections (biases, norms: negligible).
 
@@ -513,6 +543,9 @@ class Compiled:
     # collectives, ``collective_bytes``): all of them, and those of the MoE blocks' dispatch
     collective_bytes: float = 0.0
     moe_collective_bytes: float = 0.0
+    # --breakdown: "flops.<class>" / "bytes.<class>" per device (hlo_breakdown), summing to
+    # ``flops`` / ``bytes``; "scale.flops" / "scale.bytes": XLA's total over the estimate
+    breakdown: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def extrapolate(points: list[tuple[tuple[bool, ...], Compiled]],
@@ -531,7 +564,7 @@ class Compiled:
         at_target = np.array(row(target), dtype=np.float64)
         last = points[-1][1] if len(points) == 2 else points[1][1]
 
-        def at(name: str) -> float:
+        def at(name: str) -> Any:
             values = [getattr(c, name) for _, c in points]
             if name == "code":  # program size grows sublinearly with depth: a bound
                 return max(values)
@@ -539,6 +572,13 @@ class Compiled:
                 return getattr(last, name)
             if name == "seconds":
                 return sum(values)
+            if name == "breakdown":  # each class extrapolated as its own figure
+                return {k: (v if k.startswith("scale.") else solve([c.breakdown[k]
+                                                                    for _, c in points]))
+                        for k, v in last.breakdown.items()}
+            return solve(values)
+
+        def solve(values: list[float]) -> float:
             coef = np.linalg.solve(design, np.array(values, dtype=np.float64))
             return float(at_target @ coef)
 
@@ -682,7 +722,8 @@ def collective_bytes(hlo: str, n_devices: int) -> tuple[float, float, dict[str, 
     return total, moe, per_op
 
 
-def compile_bucket(runner: Any, b: Bucket, device_kind: str) -> Compiled:
+def compile_bucket(runner: Any, b: Bucket, device_kind: str,
+                   breakdown: bool = False) -> Compiled:
     from sgl_jax.srt.forward_batch_info import ForwardMode
 
     mode = {"decode": ForwardMode.DECODE, "verify": ForwardMode.TARGET_VERIFY}.get(
@@ -719,6 +760,14 @@ def compile_bucket(runner: Any, b: Bucket, device_kind: str) -> Compiled:
         if "custom-call(" in line and ATTENTION_KERNEL in line
     )
     sent, moe_sent, _ = collective_bytes(hlo, runner.mesh.size)
+    classes = {}
+    if breakdown:
+        from sgl_jax.tools.hlo_breakdown import breakdown as per_class
+
+        bd = per_class(hlo, float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)))
+        classes = {**{f"flops.{k}": v for k, v in bd.flops.items()},
+                   **{f"bytes.{k}": v for k, v in bd.bytes.items()},
+                   "scale.flops": bd.flops_scale, "scale.bytes": bd.bytes_scale}
     return Compiled(
         flops=float(cost.get("flops", 0.0)),
         bytes=float(cost.get("bytes accessed", 0.0)),
@@ -731,6 +780,7 @@ def compile_bucket(runner: Any, b: Bucket, device_kind: str) -> Compiled:
         seconds=seconds,
         collective_bytes=sent,
         moe_collective_bytes=moe_sent,
+        breakdown=classes,
     )
 
 
@@ -825,6 +875,7 @@ def build_runner(args: argparse.Namespace, model_dir: str, cfg: Any, devices: li
     rank_bs = sorted({-(-bs // dp) for bs in (*args.decode_bs, max_running)})
     # --prefill-tokens 0 (no prefill bucket): the runner still needs an extend bucket.
     prefill_tokens = args.prefill_tokens or args.prefill_requests
+    extend_paddings = [extend_padding(n, prefill_tokens) for n in args.extend_tokens or ()]
     rank_tokens = -(-args.prefill_requests // dp) * (prefill_tokens // args.prefill_requests)
     server_args = ServerArgs(
         model_path=model_dir,
@@ -834,7 +885,8 @@ def build_runner(args: argparse.Namespace, model_dir: str, cfg: Any, devices: li
         max_total_tokens=max(max_running * args.context_len, prefill_tokens),
         chunked_prefill_size=rank_tokens if dp > 1 else prefill_tokens,
         precompile_bs_paddings=rank_bs,
-        precompile_token_paddings=[rank_tokens if dp > 1 else prefill_tokens],
+        precompile_token_paddings=[rank_tokens if dp > 1 else prefill_tokens,
+                                   *extend_paddings],
         tp_size=args.tp_size,
         ep_size=args.ep_size,
         dtype=args.dtype,
@@ -1018,7 +1070,54 @@ def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_de
         "sampler_bytes_accessed": c.sampler_bytes * n_dev,
         "roofline_ms_without_sampler": no_sampler * 1e3 if args.sampler_breakdown else None,
         "compile_s": c.seconds,
+        **breakdown_fields(c, kernel_flops, kernel_bytes),
     }
+
+
+def breakdown_fields(c: Compiled, kernel_flops: float, kernel_bytes: float) -> dict:
+    """--breakdown: per class FLOPs and bytes per device (summing to XLA's count,
+    ``xla_*_per_device``), the attention kernel's analytic work (added by the report on top of
+    XLA's count) and the estimate's scale (XLA total / per-op estimate)."""
+    if not c.breakdown:
+        return {}
+    from sgl_jax.tools.hlo_breakdown import CLASSES
+
+    return {
+        "breakdown_flops_per_device": {k: c.breakdown[f"flops.{k}"] for k in CLASSES},
+        "breakdown_bytes_per_device": {k: c.breakdown[f"bytes.{k}"] for k in CLASSES},
+        "xla_flops_per_device": c.flops,
+        "xla_bytes_per_device": c.bytes,
+        "attention_kernel_analytic_flops_per_device": kernel_flops,
+        "attention_kernel_analytic_bytes_per_device": kernel_bytes,
+        "breakdown_flops_scale": c.breakdown["scale.flops"],
+        "breakdown_bytes_scale": c.breakdown["scale.bytes"],
+    }
+
+
+def format_breakdown(records: list[dict]) -> str:
+    """Per class and bucket: GB and GFLOP per device and the share of the bucket's total
+    (XLA's count + the attention kernel's analytic work, i.e. the table's GB/dev)."""
+    from sgl_jax.tools.hlo_breakdown import CLASSES
+
+    names = [f"{r['mode']} {r['tokens']}" + (f" x{r['batch_size']}" if r["mode"] == "prefill"
+                                             else "") for r in records]
+    lines = []
+    for prop, unit, scale in (("bytes", "GB", 1e9), ("flops", "GFLOP", 1e9)):
+        lines += [f"breakdown: {unit} per device (share of the step)",
+                  "| class | " + " | ".join(names) + " |",
+                  "|---|" + "---|" * len(records)]
+        rows = [(k, [r[f"breakdown_{prop}_per_device"][k] for r in records]) for k in CLASSES]
+        rows.append(("attention kernel (analytic, not in XLA's count)",
+                     [r[f"attention_kernel_analytic_{prop}_per_device"] for r in records]))
+        totals = [sum(v for _, vs in rows for v in [vs[i]]) for i in range(len(records))]
+        rows.append(("total", totals))
+        for k, vs in rows:
+            cells = [f"{v / scale:.2f} ({100 * v / t:.0f}%)" if t else "0"
+                     for v, t in zip(vs, totals, strict=True)]
+            lines.append(f"| {k} | " + " | ".join(cells) + " |")
+        lines.append("(per-op estimate scaled by XLA total / estimate: "
+                     + ", ".join(f"{r[f'breakdown_{prop}_scale']:.3f}" for r in records) + ")")
+    return "\n".join(lines)
 
 
 # (column, format, value) of the table output; sizes per device.
@@ -1127,6 +1226,8 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     buckets = dp_buckets(args.decode_bs, args.prefill_tokens, args.prefill_requests,
                          args.context_len, args.dp_size, full.extend_rows, args.verify_tokens)
+    buckets += extend_buckets(args.extend_tokens or [], args.context_len,
+                              args.prefill_tokens or args.prefill_requests, full.extend_rows)
 
     full_pattern = tuple(cfg.moe_layers)
     if args.scale_from_layers:
@@ -1152,7 +1253,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         for b in buckets:
             logger.info("compiling %s: %d tokens, %d rows, %s ...", b.mode, b.tokens, b.rows,
                         describe_pattern(pattern))
-            c = compile_bucket(runner, b, kind)
+            c = compile_bucket(runner, b, kind, args.breakdown)
             if args.resolved_attention_backend == "native":
                 c.kernel_calls = float(len(pattern))  # one attention loop per layer
                 if b not in native_counted:  # independent of depth
@@ -1257,6 +1358,25 @@ def format_verify_notes(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_extend_notes(records: list[dict]) -> str:
+    """Each extend bucket against the decode bucket of the fewest requests."""
+    decode = min((r for r in records if r["mode"] == "decode"), key=lambda r: r["tokens"],
+                 default=None)
+    lines = []
+    for r in records:
+        if r["mode"] != "extend":
+            continue
+        line = (f"extend {r['tokens']} token(s) of 1 request at {r['context_len']} positions "
+                f"(compiled as {r['compiled_tokens']} tokens, {r['padded_rows']} rows): "
+                f"{r['bytes_accessed_per_device'] / 1e9:.1f} GB, {r['roofline_ms']:.2f} ms")
+        if decode:
+            line += (f"; vs decode {decode['tokens']}: bytes "
+                     f"{r['bytes_accessed_per_device'] / decode['bytes_accessed_per_device']:.2f}x,"
+                     f" roofline {r['roofline_ms'] / decode['roofline_ms']:.2f}x")
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def describe_pattern(pattern: tuple[bool, ...]) -> str:
     moe = sum(pattern)
     dense = len(pattern) - moe
@@ -1328,6 +1448,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speculative-draft-model-path", default=None,
                    help="EAGLE: the draft's config (a directory, a config.json or a bundled "
                    "name such as qwen3-30b-a3b-eagle)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="bytes and FLOPs per op class (expert matmuls, attention, projections, "
+                   "router, sampler, collectives, copies, ...) per bucket, summing to XLA's "
+                   "total (sgl_jax/tools/hlo_breakdown.py)")
+    p.add_argument("--extend-tokens", type=int, nargs="+", metavar="N",
+                   help="also compile, per N, an extend of N new tokens of one request over a "
+                   "cached context, its last token at --context-len positions")
     p.add_argument("--scale-from-layers", type=int, nargs=2, metavar=("A", "B"),
                    help="compile A- and B-layer truncations and extrapolate linearly (models "
                    "with dense and MoE layers: A and B MoE layers and 1 dense + A MoE)")
@@ -1344,6 +1471,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--prefill-tokens must be >= 0 (0: no prefill bucket)")
     if min(args.decode_bs) < 1 or args.prefill_requests < 1 or args.context_len < 2:
         p.error("--decode-bs, --prefill-requests must be >= 1 and --context-len >= 2")
+    if args.extend_tokens and not all(1 <= n < args.context_len for n in args.extend_tokens):
+        p.error("--extend-tokens N needs 1 <= N < --context-len")
+    if args.extend_tokens and args.dp_size > 1:
+        p.error("--extend-tokens with --dp-size > 1 is not supported")
     if args.verify_tokens is not None and args.verify_tokens < 2:
         p.error("--verify-tokens K needs K >= 2 (the request's last token and >= 1 draft)")
     if args.verify_tokens and args.verify_tokens >= args.context_len:
@@ -1390,6 +1521,10 @@ def main(argv: list[str] | None = None) -> int:
         print(format_notes(records, args.context_len))
         if args.verify_tokens:
             print(format_verify_notes(records))
+        if args.extend_tokens:
+            print(format_extend_notes(records))
+        if args.breakdown:
+            print(format_breakdown(records))
     return 0
 
 

@@ -1,0 +1,242 @@
+"""aot_report --breakdown: the compiled step's bytes and FLOPs per op class.
+
+On CPU (every venv): the engine's own step, built abstract (no weights) for a small
+Qwen3-MoE-shaped model and compiled by XLA:CPU, is split by ``hlo_breakdown``; the classes
+must sum exactly to XLA's totals, and the expert matmuls must be where a prefill's FLOPs go.
+With libtpu (the TPU venv of .ci/run): ``aot_report --breakdown --extend-tokens`` end to end.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sgl_jax.tools import hlo_breakdown as hb
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "sgl_jax" / "assets" / "configs"
+
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason='needs libtpu for compile-only TPU devices: pip install "sgl_jax[tpu]"',
+)
+
+
+def small_qwen3(path: Path, layers: int, **widths: int) -> Path:
+    config = json.loads((CONFIGS / "qwen3-30b-a3b" / "config.json").read_text())
+    config.update(num_hidden_layers=layers, max_window_layers=layers, **widths)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))  # config only: no weights
+    return path
+
+
+# -- the parser on a hand-written module -------------------------------------------------------
+# A fusion holding a dot (a projection), a custom call with a kernel cost estimate (ragged_dot
+# on TPU), a collective, a layout copy and the sampler's two conditionals: greedy or sampled
+# rows, and inside the sampled rows the sort fallback (source function full_sort) or not.
+HLO = """HloModule m
+
+FileNames
+1 "/x/sgl_jax/srt/layers/sampler.py"
+2 "/x/sgl_jax/srt/models/common.py"
+
+FunctionNames
+1 "sample"
+2 "sample.<locals>.sampled_rows.<locals>.full_sort"
+3 "GqaAttention._project"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=1 end_line=1 column=1 end_column=1}
+2 {file_name_id=1 function_name_id=2 line=2 end_line=2 column=1 end_column=1}
+3 {file_name_id=2 function_name_id=3 line=3 end_line=3 column=1 end_column=1}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=0}
+2 {file_location_id=2 parent_frame_id=1}
+3 {file_location_id=3 parent_frame_id=0}
+
+%fused_dot (p0: bf16[16,64], p1: bf16[64,32]) -> bf16[16,32] {
+  %p0 = bf16[16,64]{1,0} parameter(0)
+  %p1 = bf16[64,32]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[16,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="dot_general" stack_frame_id=3}
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%cheap (t: (f32[16,32])) -> s32[16] {
+  %t = (f32[16,32]{1,0}) parameter(0)
+  ROOT %z = s32[16]{0} broadcast(%t), dimensions={}, metadata={op_name="broadcast" stack_frame_id=1}
+}
+
+%fallback (t: (f32[16,32])) -> s32[16] {
+  %t = (f32[16,32]{1,0}) parameter(0)
+  %g = f32[16,32]{1,0} get-tuple-element(%t), index=0
+  %sorted = f32[16,32]{1,0} sort(%g), dimensions={1}, to_apply=%add, metadata={op_name="cond/sort" stack_frame_id=2}
+  ROOT %r = s32[16]{0} reduce(%sorted, %g), dimensions={1}, to_apply=%add, metadata={op_name="cond/reduce" stack_frame_id=2}
+}
+
+%sampled (t: (f32[16,32])) -> s32[16] {
+  %t = (f32[16,32]{1,0}) parameter(0)
+  %g = f32[16,32]{1,0} get-tuple-element(%t), index=0
+  %neg = f32[16,32]{1,0} negate(%g), metadata={op_name="neg" stack_frame_id=1}
+  %tup2 = (f32[16,32]{1,0}) tuple(%neg)
+  %p2 = pred[] constant(false)
+  ROOT %inner = s32[16]{0} conditional(%p2, %tup2, %tup2), branch_computations={%cheap, %fallback}, metadata={op_name="cond/cond" stack_frame_id=1}
+}
+
+ENTRY %main (x: bf16[16,64], w: bf16[64,32], e: bf16[8,64,32], p: pred[]) -> s32[16] {
+  %x = bf16[16,64]{1,0} parameter(0)
+  %w = bf16[64,32]{1,0} parameter(1)
+  %e = bf16[8,64,32]{1,0,2} parameter(2)
+  %p = pred[] parameter(3)
+  %proj = bf16[16,32]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_dot, metadata={op_name="dot_general" stack_frame_id=3}
+  %copy.1 = bf16[8,64,32]{2,1,0} copy(%e)
+  %ragged-dot-none = f32[16,32]{1,0} custom-call(%x, %copy.1), custom_call_target="tpu_custom_call", metadata={op_name="jit(f)/ragged_dot_general/ragged-dot-none"}, backend_config={"custom_call_config":{"cost_estimate":{"flops":"65536","transcendentals":"0","bytes_accessed":"34816"}}}
+  %ar = f32[16,32]{1,0} all-reduce(%ragged-dot-none), replica_groups={{0,1}}, to_apply=%add
+  %tup = (f32[16,32]{1,0}) tuple(%ar)
+  ROOT %cond = s32[16]{0} conditional(%p, %tup, %tup), branch_computations={%cheap, %sampled}, metadata={op_name="cond" stack_frame_id=1}
+}
+"""
+
+
+def test_classes_of_a_hand_written_module() -> None:
+    b = hb.breakdown(HLO, 1e6, 1e6)
+    assert tuple(b.flops) == hb.CLASSES and tuple(b.bytes) == hb.CLASSES
+    assert sum(b.flops.values()) == pytest.approx(1e6, rel=1e-12)
+    assert sum(b.bytes.values()) == pytest.approx(1e6, rel=1e-12)
+    m = hb.parse_module(HLO)
+    entry = {i.name: i for i in m.computations[m.entry]}
+    types = m.types(m.entry)
+    # The projection: 2 * 16 * 32 * 64 FLOPs; operands + result bytes.
+    assert hb.op_flops(m, entry["proj"], types) == 2 * 16 * 32 * 64
+    assert hb.op_bytes(m, entry["proj"], types) == (16 * 64 + 64 * 32 + 16 * 32) * 2
+    assert hb.classify(m, entry["proj"]) == "projections"
+    # The kernel's own estimate, not its operands.
+    assert hb.op_flops(m, entry["ragged-dot-none"], types) == 65536
+    assert hb.op_bytes(m, entry["ragged-dot-none"], types) == 34816
+    assert hb.classify(m, entry["ragged-dot-none"]) == "expert_matmuls"
+    assert hb.classify(m, entry["ar"]) == "collectives"
+    assert hb.classify(m, entry["copy.1"]) == "copies"
+    # The conditionals: the outer one counts its costlier branch, the sampled rows, whose own
+    # op (negate) is the sampler's; in the inner one the cheap branch keeps its class
+    # (sampler) and the fallback's excess up to the counted maximum is sampler_full_sort.
+    costs = hb.computation_costs(m, m.entry)
+    sort_bytes = 2 * 16 * 32 * 4 + (2 * 16 * 32 * 4 + 16 * 4)  # sort in/out, reduce in/out
+    cheap_bytes = 16 * 32 * 4 + 16 * 4  # the broadcast's tuple operand and result
+    negate_bytes = 2 * 16 * 32 * 4
+    assert costs["sampler"][1] == negate_bytes + cheap_bytes
+    assert costs["sampler_full_sort"][1] == sort_bytes - cheap_bytes
+    est = sum(v[1] for v in costs.values())
+    assert b.bytes_scale == pytest.approx(1e6 / est)
+
+
+def test_parse_instruction_types_and_operands() -> None:
+    ins = hb.parse_instruction(
+        "  %cp = (f32[64,3]{1,0:T(8,128)S(1)}, u32[]{:S(2)}) collective-permute-start(%d), "
+        "source_target_pairs={{0,1}}")
+    assert ins is not None
+    assert (ins.opcode, ins.operands) == ("collective-permute-start", ["d"])
+    # Padded to the (8, 128) tile as stored: 3 columns take 128.
+    assert hb.type_bytes(ins.type) == 64 * 128 * 4 + 4
+    assert hb.type_bytes("bf16[128,2048,192]{1,2,0:T(8,128)(2,1)}") == 128 * 2048 * 192 * 2
+    assert hb.type_bytes("bf16[128,2048,192]{2,1,0:T(8,128)(2,1)}") == 128 * 2048 * 256 * 2
+
+
+# -- the engine's step compiled by XLA:CPU ----------------------------------------------------
+def compile_cpu_step(config_dir: Path, mode: str, tokens: int, rows: int) -> tuple[str, Any]:
+    import jax
+
+    from sgl_jax.srt.configs.model_config import ModelConfig
+    from sgl_jax.srt.forward_batch_info import ForwardMode
+    from sgl_jax.srt.model_executor.model_runner import ModelRunner
+    from sgl_jax.srt.server_args import ServerArgs
+
+    hf = json.loads((config_dir / "config.json").read_text())
+    cfg = ModelConfig.from_dict(hf, str(config_dir), 512)
+    args = ServerArgs(model_path=str(config_dir), context_length=512, max_running_requests=8,
+                      max_total_tokens=8 * 512, chunked_prefill_size=256,
+                      precompile_bs_paddings=[8], precompile_token_paddings=[256],
+                      dtype="bfloat16", moe_backend="ragged", attention_backend="native",
+                      page_size=16, disable_precompile=True)
+    runner = ModelRunner(args, cfg, devices=jax.devices()[:1], abstract=True)
+    fm = ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND
+    compiled = runner.lower_bucket(fm, tokens, rows).compile()
+    cost = compiled.cost_analysis()
+    return compiled.as_text(), cost[0] if isinstance(cost, list) else cost
+
+
+@pytest.fixture(scope="module")
+def cpu_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return small_qwen3(tmp_path_factory.mktemp("qwen3-small"), 2, hidden_size=512,
+                       num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                       moe_intermediate_size=256, num_experts=32, vocab_size=2048)
+
+
+@pytest.mark.parametrize("mode,tokens,rows", [("prefill", 256, 8), ("decode", 8, 8)])
+def test_cpu_step_breakdown_sums_to_xla(cpu_config: Path, mode: str, tokens: int,
+                                        rows: int) -> None:
+    hlo, cost = compile_cpu_step(cpu_config, mode, tokens, rows)
+    flops, bytes_ = float(cost["flops"]), float(cost["bytes accessed"])
+    b = hb.breakdown(hlo, flops, bytes_)
+    assert set(b.flops) == set(hb.CLASSES) == set(b.bytes)
+    assert sum(b.flops.values()) == pytest.approx(flops, rel=1e-9)
+    assert sum(b.bytes.values()) == pytest.approx(bytes_, rel=1e-9)
+    assert min(b.flops.values()) >= 0 and min(b.bytes.values()) >= -1e-6 * bytes_
+    # The per-op estimate is close to XLA's own count of FLOPs (dots dominate).
+    assert 0.8 < b.flops_scale < 1.25, b.flops_scale
+    # The step's own parts are found by their source: the sampler and its sort fallback (a
+    # cond XLA counts at its costliest branch), the routers, the KV write of each layer.
+    for cls in ("sampler", "sampler_full_sort", "router", "kv_cache_write", "projections"):
+        assert b.bytes[cls] > 0, (cls, b.bytes)
+    if mode == "prefill":
+        # 256 tokens x 8 experts x 3 matrices of 512 x 256 per layer: the largest FLOPs.
+        top = max(b.flops, key=lambda k: b.flops[k])
+        assert top == "expert_matmuls", b.flops
+        assert b.flops["expert_matmuls"] > 0.4 * flops, b.flops
+
+
+# -- end to end on compile-only TPU devices ---------------------------------------------------
+@needs_libtpu
+def test_report_breakdown_and_extend(tmp_path: Path) -> None:
+    config = small_qwen3(tmp_path / "qwen3-1l", 1, vocab_size=2048)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sgl_jax.tools.aot_report", "--model-config", str(config),
+         "--topology", "v6e:2x2", "--tp-size", "4", "--decode-bs", "8", "--context-len",
+         "512", "--prefill-tokens", "256", "--prefill-requests", "2", "--extend-tokens", "1",
+         "--breakdown", "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = json.loads(proc.stdout)
+    assert [r["mode"] for r in records] == ["decode", "prefill", "extend"]
+    for r in records:
+        for prop in ("flops", "bytes"):
+            classes = r[f"breakdown_{prop}_per_device"]
+            assert tuple(classes) == hb.CLASSES
+            assert sum(classes.values()) == pytest.approx(r[f"xla_{prop}_per_device"],
+                                                          rel=1e-9)
+        # XLA's count + the attention kernel's analytic work = the report's figure.
+        assert (r["xla_bytes_per_device"] + r["attention_kernel_analytic_bytes_per_device"]
+                == pytest.approx(r["bytes_accessed_per_device"], rel=1e-9))
+        assert 0.8 < r["breakdown_flops_scale"] < 1.25, r["breakdown_flops_scale"]
+    decode, prefill, extend = records
+    flops = prefill["breakdown_flops_per_device"]
+    assert max(flops, key=lambda k: flops[k]) == "expert_matmuls", flops
+    # ragged_dot on TPU is a Mosaic kernel whose own estimate XLA sums: all experts' weights.
+    assert decode["breakdown_bytes_per_device"]["expert_matmuls"] > 0
+    # One new token over 511 cached positions: compiled at the engine's 64-token bucket, it
+    # reads the same weights as a decode step of 8 requests.
+    assert (extend["tokens"], extend["batch_size"], extend["context_len"]) == (1, 1, 512)
+    assert extend["compiled_tokens"] == 64
+    ratio = extend["bytes_accessed_per_device"] / decode["bytes_accessed_per_device"]
+    assert 0.7 < ratio < 1.5, ratio

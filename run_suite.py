@@ -34,6 +34,7 @@ UNIT = [
     "tests/test_parallel.py",
     "tests/test_aot_report.py",
     "tests/test_aot_gmm.py",
+    "tests/test_aot_breakdown.py",
     "tests/test_routed_experts_codec.py",
     "tests/test_request_options.py",
     "tests/test_sglang_fields.py",

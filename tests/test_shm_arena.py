@@ -106,6 +106,8 @@ def test_a_reference_to_anything_else_is_refused() -> None:
                 reader.array(ref.name, os.getpid(), other.fileno(), 0, ref.offset, "<i4", (100,))
         with pytest.raises(ValueError, match="out of range"):
             reader.array(ref.name, ref.pid, ref.fd, 0, writer.size - 8, "<i4", (100,))
+        with pytest.raises(ValueError, match="out of range"):  # a negative size
+            reader.array(ref.name, ref.pid, ref.fd, 0, ref.offset, "<i4", (-1, 100))
         with pytest.raises(ValueError, match="not the arena"):
             reader.array("../../etc/passwd", ref.pid, ref.fd, 0, ref.offset, "<i4", (100,))
     finally:

@@ -82,8 +82,7 @@ class ArenaWriter:
 
     def __init__(self, name: str, fd: int, mm: mmap.mmap) -> None:
         self.name, self.fd, self.pid, self.size = name, fd, os.getpid(), len(mm)
-        self._mm = mm
-        self._data = np.frombuffer(mm, np.uint8)
+        self._data = np.frombuffer(mm, np.uint8)  # keeps the mapping alive
         self._states = self._data[:MAX_SLOTS]
         self._live: dict[int, tuple[int, int]] = {}  # slot -> (offset, nbytes)
 
@@ -194,7 +193,7 @@ class ArenaReader:
               shape: tuple[int, ...]) -> np.ndarray:
         arena = self._arenas.get(name) or self._map(name, pid, fd)
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        if not (0 <= slot < MAX_SLOTS and _DATA_START <= offset
+        if not (0 <= slot < MAX_SLOTS and _DATA_START <= offset and 0 <= nbytes
                 and offset + nbytes <= arena.size):
             raise ValueError(f"arena reference out of range: slot {slot}, {nbytes} bytes at "
                              f"{offset} of {arena.size}")

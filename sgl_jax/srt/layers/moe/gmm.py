@@ -9,12 +9,22 @@ Same computation as ``ragged`` (``ragged.py``), with each grouped matmul done by
    (the kernel tiles rows in whole ``tm`` blocks); padded rows are past ``sum(group_sizes)``,
    like the sentinel rows, so no group holds them;
 2. gate, up and down are three ``gmm`` calls with the per-expert group sizes, each with its
-   own ``(tm, tk, tn)`` tiling (:func:`gmm_tiling`), float32 outputs (the kernel accumulates
-   in a float32 VMEM scratch whatever the output dtype);
-3. rows past ``sum(group_sizes)`` are masked with a select (the kernel never visits a tile
-   that holds no group row and does not store the rows of a partly visited tile that belong
-   to no group: they hold whatever the output buffer held), then weighted, un-permuted and
-   summed over the k experts of each token exactly as ``ragged`` does.
+   own ``(tm, tk, tn)`` tiling (:func:`gmm_tiling`). The kernel accumulates in a float32 VMEM
+   scratch whatever its output dtype; gate and up are stored in float32 (they meet in
+   ``silu(gate) * up``), the routing weight multiplies that product in float32 before it is
+   cast to the compute dtype, and down is stored in the compute dtype. So the two ``[M, H]``
+   intermediates (down's output and the un-permuted rows) are half the bytes in bfloat16,
+   and the routing weight is applied on the narrow ``[M, I]`` side (``w * down(a) =
+   down(w * a)``), not on ``[M, H]``;
+3. the rows are put back in ``[T, k]`` order (a gather through the inverse permutation),
+   the assignments held elsewhere are dropped with a select on ``local_ids`` (the kernel never
+   visits a tile that holds no group row and does not store the rows of a partly visited tile
+   that belong to no group: those rows hold whatever the output buffer held, maybe NaN), and
+   the k rows of each token are summed in float32.
+
+Routing is computed before the backend (float32 router): the compute-dtype intermediates
+change the rounding of the MoE output, never which experts a token was routed to in this
+layer. With a float32 model every intermediate is float32, as in ``ragged``.
 
 The kernel's grid has one step per (n tile, m tile of some group, k tile), and the number of
 m tiles is data: tiles holding only sentinel or padding rows are skipped at run time (under
@@ -166,9 +176,10 @@ def interpret_on(platform: str | None) -> bool:
 
 
 def grouped_matmul(lhs: jax.Array, w: jax.Array, group_sizes: jax.Array, rows: int,
-                   interpret: bool) -> jax.Array:
-    """[M_pad, K] rows sorted by group x [G, K, N] -> float32 [M_pad, N]; ``rows`` the unpadded
-    M the tiling is chosen for. Rows past ``sum(group_sizes)`` are unspecified."""
+                   interpret: bool, out_dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """[M_pad, K] rows sorted by group x [G, K, N] -> [M_pad, N] in ``out_dtype`` (accumulated
+    in float32 whatever it is); ``rows`` the unpadded M the tiling is chosen for. Rows past
+    ``sum(group_sizes)`` are unspecified."""
     groups, k, n = w.shape
     tiling = gmm_tiling(rows, k, n, groups, w.dtype.itemsize)
     if lhs.shape[0] % tiling[0]:
@@ -180,7 +191,7 @@ def grouped_matmul(lhs: jax.Array, w: jax.Array, group_sizes: jax.Array, rows: i
     # with the check off, and its output is then marked varying over every mesh axis any
     # operand varies over (what the type would have said: the output depends on all three).
     with jax_config._check_vma(False):
-        out = megablox_gmm(lhs, rhs, group_sizes, preferred_element_type=jnp.float32,
+        out = megablox_gmm(lhs, rhs, group_sizes, preferred_element_type=out_dtype,
                            tiling=tiling, transpose_rhs=transpose, interpret=interpret)
     missing = varying_axes(lhs, rhs, group_sizes) - varying_axes(out)
     return jax.lax.pcast(out, tuple(sorted(missing)), to="varying") if missing else out
@@ -258,16 +269,18 @@ def gmm_experts(
 
     gate = grouped_matmul(xs, w_gate, group_sizes, m, interpret)
     up = grouped_matmul(xs, w_up, group_sizes, m, interpret)
-    act = (jax.nn.silu(gate) * up).astype(x.dtype)
-    down = grouped_matmul(act, w_down, group_sizes, m, interpret)[:m]  # [M, H] float32
-    weight = jnp.take(topk_weights.reshape(-1).astype(jnp.float32), order)
-    local = jnp.arange(m) < jnp.sum(group_sizes)  # rows inside some group
-    # A select, not a multiply: rows outside every group hold unspecified values (maybe NaN).
-    rows = jnp.where(local[:, None], down * weight[:, None], 0.0)
+    weight = jnp.take(topk_weights.reshape(-1).astype(jnp.float32), order)  # [M] sorted
+    weight = jnp.pad(weight, (0, m_pad - m))
+    # The routing weight on the [M, I] side, in float32, before the cast (module docstring).
+    act = (jax.nn.silu(gate) * up * weight[:, None]).astype(x.dtype)
+    down = grouped_matmul(act, w_down, group_sizes, m, interpret, x.dtype)[:m]  # [M, H]
     inverse = jnp.zeros_like(order).at[order].set(
         jnp.arange(m, dtype=order.dtype), unique_indices=True
     )
-    return take_rows(rows, inverse).reshape(num_tokens, top_k, -1).sum(axis=1)
+    rows = take_rows(down, inverse).reshape(num_tokens, top_k, -1)  # [T, k, H]
+    # A select, not a multiply: rows of assignments held elsewhere are unspecified (maybe NaN).
+    held = (local_ids < num_rows)[..., None]
+    return jnp.where(held, rows.astype(jnp.float32), 0.0).sum(axis=1)
 
 
 @dataclass(frozen=True)

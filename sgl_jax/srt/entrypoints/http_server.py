@@ -82,6 +82,11 @@ HEALTH_GENERATE_TIMEOUT = 30.0
 # After a child dies the server answers 503 for this long (in-flight requests get their error,
 # health checks see the reason), then exits with code 1.
 DEAD_LINGER_SECONDS = 1.0
+# A drain that began with requests in flight keeps answering 503 "draining" this long after
+# the last one finished before the process exits: a router that sent it traffic a moment ago
+# sees a 503 it retries elsewhere (and a failed health check) instead of a refused
+# connection. An idle server at SIGTERM exits at once.
+DRAIN_LINGER_SECONDS = 2.0
 
 
 @dataclass
@@ -94,6 +99,8 @@ class ServerContext:
     # Graceful drain (SIGTERM): no new generation, running requests finish until the deadline.
     draining: bool = False
     drain_deadline: float = 0.0
+    drain_linger: float = 0.0  # seconds to keep refusing after the drain empties
+    drained_at: float | None = None
     # Generation requests admitted but maybe not yet submitted to the manager (tokenizing):
     # the drain waits for them too. A stream's response exists only once it was submitted.
     admitting: int = 0
@@ -118,15 +125,25 @@ class ServerContext:
         gives the running requests, streams included, ``timeout`` seconds to finish."""
         self.draining = True
         self.drain_deadline = time.monotonic() + timeout
+        busy = bool(self.tm.states) or self.admitting > 0
+        self.drain_linger = DRAIN_LINGER_SECONDS if busy else 0.0
         logger.info("draining %d request(s), up to %.0f s (a second SIGTERM or Ctrl-C stops now)",
                     len(self.tm.states), timeout)
 
     def drain_over(self) -> bool:
-        """True once nothing runs any more, or at the deadline (what is left gets aborted)."""
+        """True once nothing has run for ``drain_linger`` seconds (nothing new is admitted
+        while draining, so empty stays empty), or at the deadline (what is left gets
+        aborted)."""
+        now = time.monotonic()
         if not self.tm.states and not self.admitting:
-            logger.info("drained: every request finished")
-            return True
-        if time.monotonic() >= self.drain_deadline:
+            if self.drained_at is None:
+                self.drained_at = now
+                logger.info("drained: every request finished%s", (
+                    f"; refusing new ones {self.drain_linger:.0f} s more before exiting"
+                    if self.drain_linger else ""))
+            # Never past the deadline: the linger is part of the grace period.
+            return now - self.drained_at >= self.drain_linger or now >= self.drain_deadline
+        if now >= self.drain_deadline:
             logger.warning("drain timed out: aborting %d request(s)", len(self.tm.states))
             return True
         return False

@@ -16,7 +16,16 @@ Semantics for one row (one request) with logits ``x`` over a vocabulary of ``V``
 Every set above is a prefix of the ids sorted by (descending ``p``, ascending id), so the support
 is the prefix of length ``min(k, L_top_p, L_min_p, L_nonzero)``: counts over one sorted row,
 no data-dependent shapes. The sort is avoided whenever it provably is not needed (see
-``sample``): XLA's sort of a 150k vocabulary costs ~50 ms per row on CPU.
+``sample``): XLA's sort of a 150k vocabulary costs ~50 ms per row on CPU, and on TPU the
+sort-based ``top_k`` and a cumulative sum across the vocabulary's shards dominate the
+sampler's bytes. So the vocabulary is cut into a few equal chunks (``vocab_chunks``, which
+line up with the LM head's shards when the tensor-parallel size divides the count):
+
+- the head is a top-k per chunk, then a top-k of the chunks' heads (``chunked_top_k``: the
+  same values and ids, ties still to the lower id, with no sort of the whole row);
+- cumulative sums run within chunks, then add the totals of the chunks before
+  (``chunked_cumsum``: no gather of the sharded row);
+- the full-sort fallback sorts only the rows that need it, ``FALLBACK_ROWS`` at a time.
 
 The draw is an inverse CDF with one uniform per row from ``fold_in(key(seed), step)``. The token
 depends only on (seed, step, logits row, sampling params), never on the batch row, the batch
@@ -32,6 +41,46 @@ from sgl_jax.srt.sampling.sampling_metadata import SamplingMetadata
 from sgl_jax.srt.sampling.sampling_params import SAMPLING_EPS
 
 _PRNG_IMPL = "threefry2x32"  # fixed, so streams do not change with jax_default_prng_impl
+CHUNKS = (16, 8, 4, 2)  # vocabulary chunk counts tried, most first (``vocab_chunks``)
+# Rows the full-sort fallback sorts per pass: a pass's cost is this many rows' sort, whatever
+# the batch; rows needing the sort are rare (a support wider than the 1024-id head).
+FALLBACK_ROWS = 8
+
+
+def vocab_chunks(width: int, min_chunk: int = 1) -> int:
+    """How many equal chunks a row of ``width`` ids is cut into: the largest of ``CHUNKS``
+    that divides it into chunks of at least ``min_chunk`` ids, else 1 (no chunking)."""
+    return next((c for c in CHUNKS if width % c == 0 and width // c >= min_chunk), 1)
+
+
+def chunked_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """``jax.lax.top_k(x, k)`` of [B, V] rows, exactly (values, ids, ties to the lower id),
+    from a top-k per chunk and a top-k of their ``chunks * k`` candidates: every row's top k
+    lie in the union of its chunks' top k. The candidates are laid out chunk by chunk, each
+    in rank order, so among equal values the lower position is the lower id."""
+    batch, width = x.shape
+    chunks = vocab_chunks(width, k)
+    if chunks == 1:
+        return jax.lax.top_k(x, k)
+    size = width // chunks
+    vals, ids = jax.lax.top_k(x.reshape(batch, chunks, size), k)  # [B, chunks, k]
+    ids = ids + (jnp.arange(chunks, dtype=ids.dtype) * size)[None, :, None]
+    vals, pos = jax.lax.top_k(vals.reshape(batch, chunks * k), k)
+    return vals, jnp.take_along_axis(ids.reshape(batch, chunks * k), pos, axis=1)
+
+
+def chunked_cumsum(x: jax.Array) -> jax.Array:
+    """Inclusive cumulative sum along [B, V] rows: within each chunk, plus the totals of the
+    chunks before it (the same sums up to float rounding order, which XLA does not fix for
+    ``cumsum`` either)."""
+    batch, width = x.shape
+    chunks = vocab_chunks(width)
+    if chunks == 1:
+        return jnp.cumsum(x, axis=1)
+    parts = jnp.cumsum(x.reshape(batch, chunks, width // chunks), axis=2)
+    totals = parts[:, :, -1]
+    before = jnp.cumsum(totals, axis=1) - totals  # [B, chunks]: mass of the chunks before
+    return (parts + before[:, :, None]).reshape(batch, width)
 
 
 def _row_uniforms(seeds: jax.Array, steps: jax.Array) -> jax.Array:
@@ -77,7 +126,7 @@ def _truncated_pick(
     """
     width = values.shape[1]
     weights = jnp.exp((values - values[:, :1]) / temps[:, None])  # head = 1, descending
-    cum = jnp.cumsum(weights, axis=1)
+    cum = chunked_cumsum(weights)
     exclusive = jnp.pad(cum[:, :-1], ((0, 0), (1, 0)))  # mass strictly before each rank
     # top-p: rank r is kept iff the mass before it is < top_p (so rank 0 always is).
     # top_p >= 1 disables the filter outright: comparing against a total summed in another
@@ -115,7 +164,8 @@ def sample(logits: jax.Array, meta: SamplingMetadata, head_size: int = 1024) -> 
     - no truncation (top_k covers V, top_p >= 1, min_p == 0): inverse CDF in id order, O(V);
     - support provably inside the ``head_size`` most probable ids: ``lax.top_k`` head only;
     - otherwise a stable sort of the whole row, run (``lax.cond``, real control flow under jit)
-      only when some row of the batch needs it, because XLA's sort is slow on CPU.
+      only when some row of the batch needs it, and then only for those rows
+      (``FALLBACK_ROWS`` per pass of a ``while_loop``), because XLA's sort is slow.
 
     ``head_size`` is static (part of the compiled shape); tests shrink it to reach the sort path.
     """
@@ -136,7 +186,7 @@ def sample(logits: jax.Array, meta: SamplingMetadata, head_size: int = 1024) -> 
 
         # Full-vocabulary weights in id order (relative to the row max, so in [0, 1]).
         weights = jnp.exp((logits - jnp.max(logits, axis=1, keepdims=True)) / temps[:, None])
-        cum = jnp.cumsum(weights, axis=1)
+        cum = chunked_cumsum(weights)
         total = cum[:, -1]
         untruncated = (k >= vocab) & (meta.top_ps >= 1.0) & (meta.min_ps <= 0.0)
         plain = _inverse_cdf(cum, weights > 0.0, total, u)
@@ -145,20 +195,41 @@ def sample(logits: jax.Array, meta: SamplingMetadata, head_size: int = 1024) -> 
         # column) into the top-k, which turns XLA:CPU's fast TopK back into a full sort. One
         # barrier per output: a barrier over the (values, ids) pair crashes XLA's SPMD
         # partitioner on a multi-device mesh when the logits are replicated (tp=1, ep>1).
-        head_vals, head_ids = jax.lax.top_k(logits, head)
+        head_vals, head_ids = chunked_top_k(logits, head)
         head_vals = jax.lax.optimization_barrier(head_vals)
         head_ids = jax.lax.optimization_barrier(head_ids)
         head_pick, fits = _truncated_pick(head_vals, head_ids, temps, meta, k, total, u)
         needs_sort = ~greedy & ~untruncated & ~fits
 
-        def full_sort() -> jax.Array:
-            ids = jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), (batch, vocab))
+        def sort_rows(rows: jax.Array) -> jax.Array:
+            """Picks of the given rows ([R] batch indices) from their fully sorted logits."""
+            sub = logits[rows]
+            ids = jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), sub.shape)
             # Stable sort of the negated logits: descending, equal values in ascending id order.
             neg_sorted, sorted_ids = jax.lax.sort(
-                (-logits, ids), dimension=1, num_keys=1, is_stable=True
+                (-sub, ids), dimension=1, num_keys=1, is_stable=True
             )
-            picked, _ = _truncated_pick(-neg_sorted, sorted_ids, temps, meta, k, total, u)
+            sub_meta = jax.tree.map(lambda a: a[rows], meta)
+            picked, _ = _truncated_pick(-neg_sorted, sorted_ids, temps[rows], sub_meta,
+                                        k[rows], total[rows], u[rows])
             return picked
+
+        def full_sort() -> jax.Array:
+            """The rows that need the sort, ``FALLBACK_ROWS`` at a time, until none is left."""
+            per_pass = min(FALLBACK_ROWS, batch)
+
+            def one_pass(state: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+                left, picks = state
+                rows = jnp.nonzero(left, size=per_pass, fill_value=0)[0].astype(jnp.int32)
+                real = jnp.arange(per_pass) < jnp.sum(left)  # fill rows are not written
+                rows_or_past = jnp.where(real, rows, batch)  # out of bounds: dropped
+                picks = picks.at[rows_or_past].set(sort_rows(rows), mode="drop")
+                left = left.at[rows_or_past].set(False, mode="drop")
+                return left, picks
+
+            _, picks = jax.lax.while_loop(lambda state: jnp.any(state[0]), one_pass,
+                                          (needs_sort, jnp.zeros((batch,), jnp.int32)))
+            return picks
 
         if head < vocab:
             sort_pick = jax.lax.cond(

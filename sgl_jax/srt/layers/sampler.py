@@ -162,7 +162,8 @@ def sample(logits: jax.Array, meta: SamplingMetadata, head_size: int = 1024) -> 
     and logits only, so a row's token never depends on its batch-mates:
 
     - no truncation (top_k covers V, top_p >= 1, min_p == 0): inverse CDF in id order, O(V);
-    - support provably inside the ``head_size`` most probable ids: ``lax.top_k`` head only;
+    - support provably inside the ``head_size`` most probable ids: that head only
+      (``chunked_top_k``);
     - otherwise a stable sort of the whole row, run (``lax.cond``, real control flow under jit)
       only when some row of the batch needs it, and then only for those rows
       (``FALLBACK_ROWS`` per pass of a ``while_loop``), because XLA's sort is slow.

@@ -1463,8 +1463,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default=None, choices=("pallas", "native"),
                    help="the engine's --attention-backend (default: pallas; native for MLA "
                    "models, which pallas cannot run)")
-    p.add_argument("--moe-backend", default="ragged", choices=("ragged", "gmm", "dense", "auto"),
-                   help="the engine's --moe-backend")
+    p.add_argument("--moe-backend", default="auto", choices=("ragged", "gmm", "dense", "auto"),
+                   help="the engine's --moe-backend (auto: what the engine runs on TPU, gmm)")
     p.add_argument("--moe-dispatch", default="all_gather",
                    choices=("all_gather", "ragged_all_to_all"),
                    help="the engine's --moe-dispatch (with --dp-size > 1)")

@@ -14,13 +14,16 @@ import pytest
 from sgl_jax.srt.layers.sampler import SamplingMetadata, sample
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 
-_sample = jax.jit(sample, static_argnames="head_size")
+_sample = jax.jit(sample, static_argnames=("head_size", "vocab_chunks"))
 
 VOCAB, HEAD = 256, 8  # most tests: rows need the head path, the sort path or neither
+TPU_CHUNKS = 16  # the head's top-k as on TPU: 16 chunks of 16 ids (``vocab_chunks_for``)
 
 
-def _run(logits: np.ndarray, meta: SamplingMetadata, head_size: int = 1024) -> np.ndarray:
-    return np.asarray(_sample(jnp.asarray(logits, jnp.float32), meta, head_size=head_size))
+def _run(logits: np.ndarray, meta: SamplingMetadata, head_size: int = 1024,
+         vocab_chunks: int = 1) -> np.ndarray:
+    return np.asarray(_sample(jnp.asarray(logits, jnp.float32), meta, head_size=head_size,
+                              vocab_chunks=vocab_chunks))
 
 
 def _meta(params, seeds, steps, padded_bs: int, vocab: int) -> SamplingMetadata:
@@ -89,7 +92,7 @@ def test_same_seed_and_step_give_same_token_in_any_row_or_batch() -> None:
     reqs = _requests(vocab)
     rows = [(p, x, seed, step) for p, x, seed in reqs for step in range(steps_per_req)]
 
-    def run(batch_rows, padded_bs: int) -> np.ndarray:
+    def run(batch_rows, padded_bs: int, vocab_chunks: int = 1) -> np.ndarray:
         logits = np.zeros((padded_bs, vocab), np.float32)
         logits[: len(batch_rows)] = np.stack([x for _, x, _, _ in batch_rows])
         meta = _meta(
@@ -99,9 +102,10 @@ def test_same_seed_and_step_give_same_token_in_any_row_or_batch() -> None:
             padded_bs,
             vocab,
         )
-        return _run(logits, meta, head_size=head)[: len(batch_rows)]
+        return _run(logits, meta, head, vocab_chunks)[: len(batch_rows)]
 
     together = run(rows, 64)
+    np.testing.assert_array_equal(run(rows, 64, TPU_CHUNKS), together)  # as on TPU
     reversed_padded = run(rows[::-1], 80)[::-1]
     np.testing.assert_array_equal(together, reversed_padded)
     # Each request alone: its rows no longer share a batch with rows that need the sort path.
@@ -150,6 +154,8 @@ def test_truncations_never_pick_outside_support() -> None:
     meta = _meta(params, rng.integers(0, 2**63, size=batch).tolist(), list(range(batch)), batch,
                  vocab)
     picks = _run(logits, meta, head_size=HEAD)
+    # The head's top-k per vocabulary chunk (as on TPU) picks the very same tokens.
+    np.testing.assert_array_equal(_run(logits, meta, HEAD, vocab_chunks=TPU_CHUNKS), picks)
     widths = []
     for i in range(batch):
         loose = _reference_support(logits[i], params[i], slack=1e-4)
@@ -221,24 +227,25 @@ def test_chunked_top_k_and_cumsum_equal_the_whole_row_versions() -> None:
     """The head is a top-k per vocabulary chunk, then of the chunks' heads: the same values
     and ids as ``lax.top_k`` over the whole row, ties (many here) to the lower id; the
     chunked cumulative sum equals ``cumsum`` up to float rounding."""
-    from sgl_jax.srt.layers.sampler import chunked_cumsum, chunked_top_k, vocab_chunks
+    from sgl_jax.srt.layers.sampler import chunk_count, chunked_cumsum, chunked_top_k
 
     rng = np.random.default_rng(5)
     x = np.round(rng.normal(size=(6, VOCAB)), 1).astype(np.float32)  # ~60 distinct values
     x[2] = 0.5  # a row of one value: the k lowest ids
-    assert vocab_chunks(VOCAB, HEAD) == 16  # the test runs the chunked path
-    for k in (1, HEAD, VOCAB // 16):
-        vals, ids = jax.jit(chunked_top_k, static_argnums=1)(jnp.asarray(x), k)
+    assert chunk_count(VOCAB, TPU_CHUNKS, HEAD) == 16  # the test runs the chunked path
+    assert chunk_count(VOCAB, TPU_CHUNKS, 32) == 8 and chunk_count(VOCAB, 5) == 4
+    for k in (1, HEAD, VOCAB // 16, VOCAB // 4):
+        vals, ids = jax.jit(chunked_top_k, static_argnums=(1, 2))(jnp.asarray(x), k, TPU_CHUNKS)
         want_vals, want_ids = jax.lax.top_k(jnp.asarray(x), k)
         np.testing.assert_array_equal(np.asarray(vals), np.asarray(want_vals))
         np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
-    np.testing.assert_array_equal(np.asarray(chunked_top_k(jnp.asarray(x), HEAD)[1])[2],
-                                  np.arange(HEAD))
+    np.testing.assert_array_equal(
+        np.asarray(chunked_top_k(jnp.asarray(x), HEAD, TPU_CHUNKS)[1])[2], np.arange(HEAD))
     w = np.exp(x - x.max(axis=1, keepdims=True))
-    np.testing.assert_allclose(np.asarray(jax.jit(chunked_cumsum)(jnp.asarray(w))),
+    np.testing.assert_allclose(np.asarray(chunked_cumsum(jnp.asarray(w), TPU_CHUNKS)),
                                np.cumsum(w.astype(np.float64), axis=1), rtol=1e-5)
     # A width no chunk count divides (a prime): the whole-row versions.
-    assert vocab_chunks(251) == 1
+    assert chunk_count(251, TPU_CHUNKS) == 1
     odd = jnp.asarray(x[:, :251])
-    np.testing.assert_array_equal(np.asarray(chunked_top_k(odd, 4)[1]),
+    np.testing.assert_array_equal(np.asarray(chunked_top_k(odd, 4, TPU_CHUNKS)[1]),
                                   np.asarray(jax.lax.top_k(odd, 4)[1]))

@@ -885,7 +885,7 @@ def compile_sampler(runner: Any, rows: int, vocab: int) -> tuple[float, float]:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from sgl_jax.srt.layers.sampler import sample
+    from sgl_jax.srt.layers.sampler import sample, vocab_chunks_for
     from sgl_jax.srt.sampling.sampling_metadata import SamplingMetadata
 
     replicated = NamedSharding(runner.mesh, P())
@@ -897,7 +897,9 @@ def compile_sampler(runner: Any, rows: int, vocab: int) -> tuple[float, float]:
         (rows, vocab), jnp.float32, sharding=NamedSharding(runner.mesh, P(None, "tensor"))
     )
     with jax.set_mesh(runner.mesh):
-        cost = jax.jit(sample).lower(logits, meta).compile().cost_analysis()
+        chunks = vocab_chunks_for(runner.platform)  # as the engine's step samples
+        cost = jax.jit(sample, static_argnames="vocab_chunks").lower(
+            logits, meta, vocab_chunks=chunks).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
 

@@ -18,14 +18,19 @@ is the prefix of length ``min(k, L_top_p, L_min_p, L_nonzero)``: counts over one
 no data-dependent shapes. The sort is avoided whenever it provably is not needed (see
 ``sample``): XLA's sort of a 150k vocabulary costs ~50 ms per row on CPU, and on TPU the
 sort-based ``top_k`` and a cumulative sum across the vocabulary's shards dominate the
-sampler's bytes. So the vocabulary is cut into a few equal chunks (``vocab_chunks``, which
-line up with the LM head's shards when the tensor-parallel size divides the count):
+sampler's bytes. So the vocabulary is cut into a few equal chunks (``chunk_count``; they line
+up with the LM head's shards when the tensor-parallel size divides the count):
 
 - the head is a top-k per chunk, then a top-k of the chunks' heads (``chunked_top_k``: the
   same values and ids, ties still to the lower id, with no sort of the whole row);
 - cumulative sums run within chunks, then add the totals of the chunks before
   (``chunked_cumsum``: no gather of the sharded row);
-- the full-sort fallback sorts only the rows that need it, ``FALLBACK_ROWS`` at a time.
+- the full-sort fallback sorts only the rows that need it, ``FALLBACK_ROWS`` at a time (on
+  every platform).
+
+The chunks are for TPU only (``vocab_chunks_for``): XLA:CPU's TopK of a whole row is a fast
+custom call and of a chunked row a sort (7x slower measured at 8 x 151,936), and its cumsum
+fuses with the exponential only over whole rows (the sampler 1.3x slower chunked).
 
 The draw is an inverse CDF with one uniform per row from ``fold_in(key(seed), step)``. The token
 depends only on (seed, step, logits row, sampling params), never on the batch row, the batch
@@ -41,25 +46,34 @@ from sgl_jax.srt.sampling.sampling_metadata import SamplingMetadata
 from sgl_jax.srt.sampling.sampling_params import SAMPLING_EPS
 
 _PRNG_IMPL = "threefry2x32"  # fixed, so streams do not change with jax_default_prng_impl
-CHUNKS = (16, 8, 4, 2)  # vocabulary chunk counts tried, most first (``vocab_chunks``)
+TPU_VOCAB_CHUNKS = 16  # the most vocabulary chunks on TPU (``vocab_chunks_for``)
 # Rows the full-sort fallback sorts per pass: a pass's cost is this many rows' sort, whatever
 # the batch; rows needing the sort are rare (a support wider than the 1024-id head).
 FALLBACK_ROWS = 8
 
 
-def vocab_chunks(width: int, min_chunk: int = 1) -> int:
-    """How many equal chunks a row of ``width`` ids is cut into: the largest of ``CHUNKS``
-    that divides it into chunks of at least ``min_chunk`` ids, else 1 (no chunking)."""
-    return next((c for c in CHUNKS if width % c == 0 and width // c >= min_chunk), 1)
+def chunk_count(width: int, most: int, min_chunk: int = 1) -> int:
+    """How many equal chunks a row of ``width`` ids is cut into: the largest power of two up
+    to ``most`` that divides it into chunks of at least ``min_chunk`` ids, else 1."""
+    chunks = 1 << max(most, 1).bit_length() - 1
+    while chunks > 1 and (width % chunks or width // chunks < min_chunk):
+        chunks //= 2
+    return chunks
 
 
-def chunked_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def vocab_chunks_for(platform: str) -> int:
+    """``sample``'s ``vocab_chunks`` for programs compiled for ``platform``."""
+    return TPU_VOCAB_CHUNKS if platform.lower() == "tpu" else 1
+
+
+def chunked_top_k(x: jax.Array, k: int, most: int) -> tuple[jax.Array, jax.Array]:
     """``jax.lax.top_k(x, k)`` of [B, V] rows, exactly (values, ids, ties to the lower id),
     from a top-k per chunk and a top-k of their ``chunks * k`` candidates: every row's top k
     lie in the union of its chunks' top k. The candidates are laid out chunk by chunk, each
-    in rank order, so among equal values the lower position is the lower id."""
+    in rank order, so among equal values the lower position is the lower id. At most
+    ``most`` chunks of at least k ids (1: ``lax.top_k`` of the whole row)."""
     batch, width = x.shape
-    chunks = vocab_chunks(width, k)
+    chunks = chunk_count(width, most, k)
     if chunks == 1:
         return jax.lax.top_k(x, k)
     size = width // chunks
@@ -69,12 +83,12 @@ def chunked_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return vals, jnp.take_along_axis(ids.reshape(batch, chunks * k), pos, axis=1)
 
 
-def chunked_cumsum(x: jax.Array) -> jax.Array:
-    """Inclusive cumulative sum along [B, V] rows: within each chunk, plus the totals of the
-    chunks before it (the same sums up to float rounding order, which XLA does not fix for
-    ``cumsum`` either)."""
+def chunked_cumsum(x: jax.Array, most: int) -> jax.Array:
+    """Inclusive cumulative sum along [B, V] rows: within each of at most ``most`` chunks,
+    plus the totals of the chunks before it (the same sums up to float rounding order, which
+    XLA does not fix for ``cumsum`` either; 1: ``cumsum`` of the whole row)."""
     batch, width = x.shape
-    chunks = vocab_chunks(width)
+    chunks = chunk_count(width, most)
     if chunks == 1:
         return jnp.cumsum(x, axis=1)
     parts = jnp.cumsum(x.reshape(batch, chunks, width // chunks), axis=2)
@@ -117,6 +131,7 @@ def _truncated_pick(
     k: jax.Array,
     total: jax.Array,
     u: jax.Array,
+    vocab_chunks: int,
 ) -> tuple[jax.Array, jax.Array]:
     """Sample from the most-probable-first prefix ``values``/``ids`` ([B, N], N <= V).
 
@@ -126,7 +141,7 @@ def _truncated_pick(
     """
     width = values.shape[1]
     weights = jnp.exp((values - values[:, :1]) / temps[:, None])  # head = 1, descending
-    cum = chunked_cumsum(weights)
+    cum = chunked_cumsum(weights, vocab_chunks)
     exclusive = jnp.pad(cum[:, :-1], ((0, 0), (1, 0)))  # mass strictly before each rank
     # top-p: rank r is kept iff the mass before it is < top_p (so rank 0 always is).
     # top_p >= 1 disables the filter outright: comparing against a total summed in another
@@ -155,7 +170,8 @@ def _truncated_pick(
     return picked, fits
 
 
-def sample(logits: jax.Array, meta: SamplingMetadata, head_size: int = 1024) -> jax.Array:
+def sample(logits: jax.Array, meta: SamplingMetadata, head_size: int = 1024,
+           vocab_chunks: int = 1) -> jax.Array:
     """Next token ids [B] int32 from logits [B, V].
 
     Every row takes the cheapest of three exact paths, chosen from that row's own parameters
@@ -169,6 +185,9 @@ def sample(logits: jax.Array, meta: SamplingMetadata, head_size: int = 1024) -> 
       (``FALLBACK_ROWS`` per pass of a ``while_loop``), because XLA's sort is slow.
 
     ``head_size`` is static (part of the compiled shape); tests shrink it to reach the sort path.
+    ``vocab_chunks`` (static): the most vocabulary chunks of the head's top-k and the
+    cumulative sums (``vocab_chunks_for`` the platform). The head is the same either way; a
+    token can differ only where a draw lands within float rounding of a cumulative sum.
     """
     logits = logits.astype(jnp.float32)
     # -0.0 -> 0.0: lax.top_k orders +0 before -0, which would break "ties to the lower id".
@@ -187,7 +206,7 @@ def sample(logits: jax.Array, meta: SamplingMetadata, head_size: int = 1024) -> 
 
         # Full-vocabulary weights in id order (relative to the row max, so in [0, 1]).
         weights = jnp.exp((logits - jnp.max(logits, axis=1, keepdims=True)) / temps[:, None])
-        cum = chunked_cumsum(weights)
+        cum = chunked_cumsum(weights, vocab_chunks)
         total = cum[:, -1]
         untruncated = (k >= vocab) & (meta.top_ps >= 1.0) & (meta.min_ps <= 0.0)
         plain = _inverse_cdf(cum, weights > 0.0, total, u)
@@ -196,10 +215,11 @@ def sample(logits: jax.Array, meta: SamplingMetadata, head_size: int = 1024) -> 
         # column) into the top-k, which turns XLA:CPU's fast TopK back into a full sort. One
         # barrier per output: a barrier over the (values, ids) pair crashes XLA's SPMD
         # partitioner on a multi-device mesh when the logits are replicated (tp=1, ep>1).
-        head_vals, head_ids = chunked_top_k(logits, head)
+        head_vals, head_ids = chunked_top_k(logits, head, vocab_chunks)
         head_vals = jax.lax.optimization_barrier(head_vals)
         head_ids = jax.lax.optimization_barrier(head_ids)
-        head_pick, fits = _truncated_pick(head_vals, head_ids, temps, meta, k, total, u)
+        head_pick, fits = _truncated_pick(head_vals, head_ids, temps, meta, k, total, u,
+                                           vocab_chunks)
         needs_sort = ~greedy & ~untruncated & ~fits
 
         def sort_rows(rows: jax.Array) -> jax.Array:
@@ -212,7 +232,7 @@ def sample(logits: jax.Array, meta: SamplingMetadata, head_size: int = 1024) -> 
             )
             sub_meta = jax.tree.map(lambda a: a[rows], meta)
             picked, _ = _truncated_pick(-neg_sorted, sorted_ids, temps[rows], sub_meta,
-                                        k[rows], total[rows], u[rows])
+                                        k[rows], total[rows], u[rows], vocab_chunks)
             return picked
 
         def full_sort() -> jax.Array:

@@ -75,7 +75,7 @@ from sgl_jax.srt.layers.moe.expert_distribution import ExpertDistributionRecorde
 from sgl_jax.srt.layers.moe.experts import create_moe_backend
 from sgl_jax.srt.layers.moe.placement import ExpertPlacement
 from sgl_jax.srt.layers.moe.routed_experts_capturer import RoutedExpertsCapturer
-from sgl_jax.srt.layers.sampler import sample
+from sgl_jax.srt.layers.sampler import sample, vocab_chunks_for
 from sgl_jax.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.routed_experts_host_cache import RoutedExpertsHostCache
 from sgl_jax.srt.model_executor.eplb_manager import EplbManager
@@ -495,7 +495,8 @@ class ModelRunner:
                 expert_state, routing.ids, real_tokens)
         rows = batch.sampled_rows
         sampled_logits = logits[:rows]  # then, with logprobs, the input-logprob rows
-        next_ids = sample(sampled_logits, batch.sampling)
+        next_ids = sample(sampled_logits, batch.sampling,
+                          vocab_chunks=vocab_chunks_for(self.platform))
         if not batch.forward_mode.is_verify:  # a verify step's tokens come from the host
             # Rows that only end a prompt chunk also write here; no step reads a slot's last
             # token before the step that samples the request's real next token has written it.

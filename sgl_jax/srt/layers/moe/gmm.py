@@ -277,12 +277,25 @@ def gmm_experts(
     inverse = jnp.zeros_like(order).at[order].set(
         jnp.arange(m, dtype=order.dtype), unique_indices=True
     )
-    rows = take_rows(down, inverse).reshape(num_tokens, top_k, -1)  # [T, k, H]
-    # A select, not a multiply: rows of assignments held elsewhere are unspecified (maybe NaN).
-    held = (local_ids < num_rows)[..., None]
-    # Summed in float32; the cast inside the reduction, so XLA fuses it rather than writing a
-    # float32 copy of [T, k, H] (5.7 -> 5.2 GB per layer at 8,192 prefill tokens, v6e).
-    return jnp.sum(jnp.where(held, rows, jnp.zeros((), rows.dtype)), axis=1, dtype=jnp.float32)
+    return sum_token_rows(down, inverse.reshape(num_tokens, top_k), local_ids < num_rows)
+
+
+def sum_token_rows(rows: jax.Array, index: jax.Array, held: jax.Array) -> jax.Array:
+    """float32 [T, H]: for each token, the sum of the rows ``rows[index[t, j]]`` ([M, H],
+    compute dtype) of its assignments ``j`` that ``held`` ([T, k]); the others are dropped
+    with a select, not a multiply (their rows are unspecified, maybe NaN).
+
+    Gathered and summed as [T, k, H / 128, 128] (whole (8, 128) tiles per row, as
+    ``take_rows``) so that only the [T, H] result is re-laid out, not the [T, k, H] rows; the
+    cast to float32 inside the reduction, so XLA fuses it rather than writing a float32 copy
+    of the rows (compile-only v6e, one layer at 8,192 prefill tokens: 5.7 -> 4.8 GB)."""
+    m, d = rows.shape
+    tokens, top_k = index.shape
+    lanes = (d // LANE, LANE) if d % LANE == 0 else (d,)
+    picked = jnp.take(rows.reshape(m, *lanes), index, axis=0, mode="clip")  # [T, k, ...]
+    mask = held.reshape(tokens, top_k, *(1,) * len(lanes))
+    kept = jnp.where(mask, picked, jnp.zeros((), picked.dtype))
+    return jnp.sum(kept, axis=1, dtype=jnp.float32).reshape(tokens, d)
 
 
 @dataclass(frozen=True)

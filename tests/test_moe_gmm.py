@@ -134,6 +134,29 @@ def test_rows_outside_every_group_never_reach_the_result(monkeypatch):
     assert rel_err(got, local_reference(case)) < REL_TOL
 
 
+def test_lane_tiled_gathers_with_garbage_rows(monkeypatch):
+    """H a multiple of 128 takes the tile-shaped paths (``take_rows`` of the token rows,
+    ``sum_token_rows``' [T, k, H/128, 128] un-permute): still the float64 reference, with
+    NaN in every row the kernel leaves unwritten and assignments held elsewhere."""
+    real = gmm.megablox_gmm
+
+    def garbage_tail(lhs, rhs, group_sizes, **kw):
+        out = real(lhs, rhs, group_sizes, **kw)
+        tail = jnp.arange(lhs.shape[0]) >= jnp.sum(group_sizes)
+        return jnp.where(tail[:, None], jnp.nan, out)
+
+    monkeypatch.setattr(gmm, "megablox_gmm", garbage_tail)
+    full = make_case(41, 19, hidden=256, inter=128)
+    ids = full["topk_ids"]
+    case = {"x": full["x"], "topk_weights": full["topk_weights"],
+            "local_ids": np.where(ids < LOCAL_ROWS, ids, LOCAL_ROWS).astype(np.int32),
+            **{k: full[k][:LOCAL_ROWS] for k in ("w_gate", "w_up", "w_down")}, "full": full}
+    args = [case[k] for k in ("x", "local_ids", "topk_weights", "w_gate", "w_up", "w_down")]
+    got = np.asarray(jax.jit(gmm.gmm_experts)(*args))
+    assert got.shape == (19, 256) and np.isfinite(got).all()
+    assert rel_err(got, local_reference(case)) < REL_TOL
+
+
 def test_bfloat16_gmm():
     case = make_case(17, 64)
     got = run_layer(case, SHUFFLED, "gmm", jnp.bfloat16)

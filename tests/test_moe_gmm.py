@@ -116,9 +116,10 @@ def test_all_assignments_elsewhere_gives_zero():
     np.testing.assert_array_equal(run_local(case), 0.0)
 
 
-def test_rows_outside_every_group_never_reach_the_result(monkeypatch):
-    """Whatever the kernel leaves in rows past ``sum(group_sizes)`` (sentinel and padding
-    rows: here NaN, as an unwritten output buffer may hold) is masked out."""
+@pytest.fixture
+def nan_in_unwritten_rows(monkeypatch):
+    """The kernel with NaN in every row past ``sum(group_sizes)`` (sentinel and padding rows),
+    as an unwritten output buffer may hold."""
     real = gmm.megablox_gmm
 
     def garbage_tail(lhs, rhs, group_sizes, **kw):
@@ -127,6 +128,10 @@ def test_rows_outside_every_group_never_reach_the_result(monkeypatch):
         return jnp.where(tail[:, None], jnp.nan, out)
 
     monkeypatch.setattr(gmm, "megablox_gmm", garbage_tail)
+
+
+def test_rows_outside_every_group_never_reach_the_result(nan_in_unwritten_rows):
+    """Whatever the kernel leaves in rows past ``sum(group_sizes)`` is masked out."""
     case = local_case(5, 31)
     args = [case[k] for k in ("x", "local_ids", "topk_weights", "w_gate", "w_up", "w_down")]
     got = np.asarray(jax.jit(gmm.gmm_experts)(*args))
@@ -134,18 +139,10 @@ def test_rows_outside_every_group_never_reach_the_result(monkeypatch):
     assert rel_err(got, local_reference(case)) < REL_TOL
 
 
-def test_lane_tiled_gathers_with_garbage_rows(monkeypatch):
+def test_lane_tiled_gathers_with_garbage_rows(nan_in_unwritten_rows):
     """H a multiple of 128 takes the tile-shaped paths (``take_rows`` of the token rows,
     ``sum_token_rows``' [T, k, H/128, 128] un-permute): still the float64 reference, with
     NaN in every row the kernel leaves unwritten and assignments held elsewhere."""
-    real = gmm.megablox_gmm
-
-    def garbage_tail(lhs, rhs, group_sizes, **kw):
-        out = real(lhs, rhs, group_sizes, **kw)
-        tail = jnp.arange(lhs.shape[0]) >= jnp.sum(group_sizes)
-        return jnp.where(tail[:, None], jnp.nan, out)
-
-    monkeypatch.setattr(gmm, "megablox_gmm", garbage_tail)
     full = make_case(41, 19, hidden=256, inter=128)
     ids = full["topk_ids"]
     case = {"x": full["x"], "topk_weights": full["topk_weights"],

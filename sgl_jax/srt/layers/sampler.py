@@ -55,7 +55,7 @@ FALLBACK_ROWS = 8
 def chunk_count(width: int, most: int, min_chunk: int = 1) -> int:
     """How many equal chunks a row of ``width`` ids is cut into: the largest power of two up
     to ``most`` that divides it into chunks of at least ``min_chunk`` ids, else 1."""
-    chunks = 1 << max(most, 1).bit_length() - 1
+    chunks = 1 << (max(most, 1).bit_length() - 1)
     while chunks > 1 and (width % chunks or width // chunks < min_chunk):
         chunks //= 2
     return chunks

@@ -226,8 +226,9 @@ def row_tile(rows: int, w_gate: jax.Array, w_down: jax.Array) -> int:
                gmm_tiling(rows, inter, hidden, groups, w_down.dtype.itemsize)[0])
 
 
-def take_rows(a: jax.Array, indices: jax.Array) -> jax.Array:
-    """``a[indices]`` for a [N, D] array, gathering whole (8, 128) tiles where D allows it.
+def take_tiled(a: jax.Array, indices: jax.Array) -> jax.Array:
+    """``a[indices]`` of a [N, D] array, as ``[*indices.shape, D / 128, 128]`` when D is a
+    multiple of 128 (else ``[*indices.shape, D]``): gathered as whole (8, 128) tiles.
 
     XLA:TPU tiles the two minor dimensions; a gather of single rows of a [N, D] array moves a
     tile of 8 (16 for bfloat16) rows per row fetched (the compile-only v6e estimates ~10x the
@@ -236,10 +237,13 @@ def take_rows(a: jax.Array, indices: jax.Array) -> jax.Array:
     construction ("clip": no out-of-bounds mask).
     """
     n, d = a.shape
-    if d % LANE:
-        return jnp.take(a, indices, axis=0, mode="clip")
-    rows = jnp.take(a.reshape(n, d // LANE, LANE), indices, axis=0, mode="clip")
-    return rows.reshape(indices.shape[0], d)
+    view = a.reshape(n, d // LANE, LANE) if d % LANE == 0 else a
+    return jnp.take(view, indices, axis=0, mode="clip")
+
+
+def take_rows(a: jax.Array, indices: jax.Array) -> jax.Array:
+    """``a[indices]`` for a [N, D] array and [M] indices -> [M, D] (:func:`take_tiled`)."""
+    return take_tiled(a, indices).reshape(indices.shape[0], a.shape[1])
 
 
 def gmm_experts(
@@ -285,17 +289,14 @@ def sum_token_rows(rows: jax.Array, index: jax.Array, held: jax.Array) -> jax.Ar
     compute dtype) of its assignments ``j`` that ``held`` ([T, k]); the others are dropped
     with a select, not a multiply (their rows are unspecified, maybe NaN).
 
-    Gathered and summed as [T, k, H / 128, 128] (whole (8, 128) tiles per row, as
-    ``take_rows``) so that only the [T, H] result is re-laid out, not the [T, k, H] rows; the
-    cast to float32 inside the reduction, so XLA fuses it rather than writing a float32 copy
-    of the rows (compile-only v6e, one layer at 8,192 prefill tokens: 5.7 -> 4.8 GB)."""
-    m, d = rows.shape
-    tokens, top_k = index.shape
-    lanes = (d // LANE, LANE) if d % LANE == 0 else (d,)
-    picked = jnp.take(rows.reshape(m, *lanes), index, axis=0, mode="clip")  # [T, k, ...]
-    mask = held.reshape(tokens, top_k, *(1,) * len(lanes))
+    Gathered and summed in whole tiles (:func:`take_tiled`: [T, k, H / 128, 128]) so that
+    only the [T, H] result is re-laid out, not the [T, k, H] rows; the cast to float32
+    inside the reduction, so XLA fuses it rather than writing a float32 copy of the rows
+    (compile-only v6e, one layer at 8,192 prefill tokens: 5.7 -> 4.8 GB)."""
+    picked = take_tiled(rows, index)  # [T, k, ...]
+    mask = held.reshape(held.shape + (1,) * (picked.ndim - 2))
     kept = jnp.where(mask, picked, jnp.zeros((), picked.dtype))
-    return jnp.sum(kept, axis=1, dtype=jnp.float32).reshape(tokens, d)
+    return jnp.sum(kept, axis=1, dtype=jnp.float32).reshape(index.shape[0], rows.shape[1])
 
 
 @dataclass(frozen=True)

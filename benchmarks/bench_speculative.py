@@ -3,8 +3,10 @@
 Three engines live side by side in this process (each with its own scheduler process): A
 without speculation (the default engine: overlap scheduling on), A0 without speculation and
 with overlap scheduling off (``--no-a0`` drops it), and B with ``--speculative-algorithm``
-(NGRAM by default; overlap scheduling is off under speculation, so B/A0 isolates what the
-verify step itself costs or gains). Every measurement alternates between them (A A0 B, then
+(NGRAM by default, whose host-side drafts turn overlap scheduling off; EAGLE and NEXTN keep
+it, their verify steps reading their inputs on the device: ``--disable-overlap-schedule``
+turns it off for B as well, and B/A0 then isolates what the verify step itself costs or
+gains). Every measurement alternates between them (A A0 B, then
 B A0 A, ...), so the machine's drift hits all alike. Greedy, with
 ``ignore_eos`` so that every request decodes exactly ``--output-len`` tokens.
 
@@ -260,14 +262,20 @@ def step_ceiling(server_kwargs: dict, batch_sizes: list[int], ctx: int,
         times = {}
         for mode, n in ((ForwardMode.DECODE, 1), (ForwardMode.TARGET_VERIFY, width)):
             # EAGLE / NEXTN: the draft chain's scratch slots, as the scheduler gives them.
+            out_cache_loc = alloc.alloc(bs * n)
             draft = {} if not runner.draft_steps or mode.is_decode else {
                 "draft_next_ids": np.full(bs, -1, np.int32),
                 "draft_scratch": alloc.alloc(bs * (runner.draft_steps - 1)).reshape(bs, -1)}
+            if draft:  # the slots of each row's tokens, then its scratch (host input ids)
+                slots = np.zeros((bs, runner.verify_slot_width), np.int32)
+                slots[:, :n] = out_cache_loc.reshape(bs, n)
+                slots[:, n : n + runner.draft_steps - 1] = draft["draft_scratch"]
+                draft["verify_slots"] = slots
             mwb = ModelWorkerBatch(
                 forward_mode=mode, req_pool_indices=np.array(idx, np.int32),
                 prefix_lens=np.full(bs, ctx - 1, np.int32),
                 extend_lens=np.full(bs, n, np.int32), input_ids=np.ones(bs * n, np.int32),
-                out_cache_loc=alloc.alloc(bs * n), sampling_params=[greedy_params] * bs,
+                out_cache_loc=out_cache_loc, sampling_params=[greedy_params] * bs,
                 seeds=[0] * bs, steps=[0] * bs, **draft)
             walls = []
             for _ in range(repeats + 2):  # two warm-ups (the first compiles)
@@ -290,6 +298,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--speculative-algorithm", default="NGRAM")
     p.add_argument("--speculative-num-steps", type=int, default=3)
     p.add_argument("--speculative-draft-model-path", default=None)
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="B without overlap scheduling (EAGLE / NEXTN have it by default)")
     p.add_argument("--no-a0", action="store_true",
                    help="no A0 engine (no speculation, overlap scheduling off)")
     p.add_argument("--output-len", type=int, default=128)
@@ -325,7 +335,8 @@ def engine_kwargs(args: argparse.Namespace) -> tuple[dict, dict]:
                   enable_return_routed_experts=args.check_rows)
     spec = dict(speculative_algorithm=args.speculative_algorithm,
                 speculative_num_steps=args.speculative_num_steps,
-                speculative_draft_model_path=args.speculative_draft_model_path)
+                speculative_draft_model_path=args.speculative_draft_model_path,
+                disable_overlap_schedule=args.disable_overlap_schedule)
     return common, spec
 
 
@@ -372,10 +383,12 @@ def main() -> None:
     names = list(engines)
     plain = [n for n in names if n != "B"]
     name = args.preset or "bundled tiny-qwen3-moe"
+    b_overlap_off = args.disable_overlap_schedule or args.speculative_algorithm == "NGRAM"
     print(f"\n### Speculative decoding A/B: {name}; A = no speculation (overlap on)"
           + (", A0 = no speculation, overlap off" if "A0" in names else "")
           + f", B = {args.speculative_algorithm} with {args.speculative_num_steps} draft steps "
-          f"(overlap off); greedy, {args.output_len} output tokens (ignore_eos)\n")
+          f"(overlap {'off' if b_overlap_off else 'on'}); greedy, {args.output_len} output "
+          "tokens (ignore_eos)\n")
     print(f"`{' '.join(['python', *sys.argv])}` — {machine_description()}\n")
     print(f"Start-up of the engines {t_ready - t_start:.1f} s, whole run "
           f"{time.perf_counter() - t_start:.1f} s; resident memory of each engine's child "

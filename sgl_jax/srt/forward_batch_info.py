@@ -96,6 +96,10 @@ class ForwardBatch:
     # one), and the KV slots of the draft chain's positions after the row's tokens.
     draft_next_ids: jax.Array | None = None  # [B] int32
     draft_scratch: jax.Array | None = None  # [B, num_steps - 1] int32
+    # EAGLE / NEXTN verify steps: the KV slots of every position a row may touch from its
+    # first position's lower bound ``prefix_lens`` on (speculative/device_inputs.py); the
+    # step derives ``out_cache_loc`` and ``draft_scratch`` from them. [B, slot_width] int32.
+    verify_slots: jax.Array | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -174,11 +178,12 @@ def shape_key(batch: ForwardBatch) -> tuple[int, ...]:
 
 def make_padding_batch(
     mode: ForwardMode, num_tokens: int, batch_size: int, vocab_size: int, no_req_slot: int,
-    padding_slots: list[int] | None = None, draft_steps: int = 0,
+    padding_slots: list[int] | None = None, draft_steps: int = 0, verify_slot_width: int = 0,
 ) -> ForwardBatch:
     """An all-padding batch of the given shape (used to compile a bucket ahead of time).
     ``padding_slots``: DP attention's, one per rank (``num_tokens`` and ``batch_size`` are
-    then the whole batch's, split evenly over the ranks)."""
+    then the whole batch's, split evenly over the ranks). ``verify_slot_width``: EAGLE /
+    NEXTN verify batches' ``verify_slots`` width."""
     zeros_b = np.zeros(batch_size, np.int32)
     out_cache_loc = np.zeros(num_tokens, np.int32)
     dp_fields = {}
@@ -191,6 +196,8 @@ def make_padding_batch(
     if draft_steps and not mode.is_decode:
         dp_fields["draft_next_ids"] = np.full(batch_size, -1, np.int32)
         dp_fields["draft_scratch"] = np.zeros((batch_size, draft_steps - 1), np.int32)
+        if mode.is_verify:
+            dp_fields["verify_slots"] = np.zeros((batch_size, verify_slot_width), np.int32)
     return ForwardBatch(
         **dp_fields,
         input_ids=np.zeros(num_tokens, np.int32),
@@ -255,6 +262,7 @@ class ModelWorkerBatch:
     # EAGLE: ForwardBatch's fields of the same names, unpadded ([B], [B, num_steps - 1]).
     draft_next_ids: np.ndarray | None = None
     draft_scratch: np.ndarray | None = None
+    verify_slots: np.ndarray | None = None  # EAGLE / NEXTN verify: [B, slot_width]
 
     @property
     def num_tokens(self) -> int:
@@ -325,7 +333,12 @@ def _draft_fields(mwb: ModelWorkerBatch, padded_rows: int) -> dict[str, np.ndarr
     next_ids[:b] = mwb.draft_next_ids
     scratch = np.zeros((padded_rows, mwb.draft_scratch.shape[1]), np.int32)
     scratch[:b] = mwb.draft_scratch
-    return {"draft_next_ids": next_ids, "draft_scratch": scratch}
+    fields = {"draft_next_ids": next_ids, "draft_scratch": scratch}
+    if mwb.verify_slots is not None:
+        slots = np.zeros((padded_rows, mwb.verify_slots.shape[1]), np.int32)
+        slots[:b] = mwb.verify_slots
+        fields["verify_slots"] = slots
+    return fields
 
 
 def _per_token(values: list, lens: np.ndarray) -> list:

@@ -493,8 +493,12 @@ class ServerArgs:
         if self.nnodes > 1:
             fail("speculative decoding runs on one node for now; drop --speculative-algorithm "
                  f"or use nnodes=1 (got {self.nnodes})")
-        # The host decides which drafts are accepted before the next step's inputs exist.
-        self.disable_overlap_schedule = True
+        # NGRAM: the host proposes the next drafts once it knows what the last step accepted.
+        # per_token expert records name each token's position when the step is launched.
+        # EAGLE / NEXTN keep overlap: the next verify step's inputs are on the device.
+        if (self.speculative_algorithm == "NGRAM"
+                or self.expert_distribution_recorder_mode == "per_token"):
+            self.disable_overlap_schedule = True
 
     def redacted(self) -> dict[str, Any]:
         """The fields as a dict, fit to show (``/get_server_info``): secrets replaced."""

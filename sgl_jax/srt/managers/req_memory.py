@@ -102,6 +102,22 @@ class ReqMemory:
             last = int(self.req_to_token_pool.req_to_token[req.req_pool_idx, kv_len - 1])
         return self.allocator.alloc_extend(n, kv_len, last)
 
+    def extend_held_kv(self, req: Req, held: int, n: int) -> np.ndarray | None:
+        """Slots for ``req``'s positions ``[held, held + n)``, past the ``held`` it holds
+        already (a verify step launched while its predecessor is in flight: speculative/
+        device_inputs.py), allocated AND recorded; None, with nothing taken, if they do not
+        fit."""
+        short = self.allocator.tokens_needed(held, n) - self.allocator.available_size()
+        if short > 0:
+            self.tree.evict(short)
+        last = -1
+        if held % self.page_size:
+            last = int(self.req_to_token_pool.req_to_token[req.req_pool_idx, held - 1])
+        slots = self.allocator.alloc_extend(n, held, last)
+        if slots is not None:
+            self.req_to_token_pool.write(req.req_pool_idx, held, slots)
+        return slots
+
     def alloc_decode_kv(self, reqs: list[Req]) -> np.ndarray | None:
         """One slot for each of ``reqs`` at its position ``kv_len``, allocated AND recorded
         (evicting cached KV if needed); None, with nothing taken, if they do not fit."""
@@ -132,16 +148,18 @@ class ReqMemory:
         """Records the slots of ``req``'s next ``len(slots)`` positions (not yet computed)."""
         self.req_to_token_pool.write(req.req_pool_idx, req.kv_len, slots)
 
-    def shrink_kv(self, req: Req, kv_len: int, held: int | None = None) -> None:
-        """Drops ``req``'s positions ``[kv_len, held)`` (rejected draft tokens, and EAGLE's
-        scratch slots past ``req.kv_len``; ``held`` defaults to ``req.kv_len``): the pages
-        past the one of position ``kv_len - 1`` go back; that page stays ``req``'s, and its
-        later offsets are written again by the request's next tokens."""
+    def shrink_kv(self, req: Req, kv_len: int, held: int | None = None,
+                  reserve: int = 0) -> None:
+        """Drops ``req``'s positions ``[kv_len + reserve, held)`` (rejected draft tokens, and
+        EAGLE's scratch slots past ``req.kv_len``; ``held`` defaults to ``req.kv_len``): the
+        pages past the one of position ``kv_len + reserve - 1`` go back; that page stays
+        ``req``'s, and its later offsets are written again by the request's next tokens.
+        ``reserve``: positions past ``kv_len`` a step in flight still uses (EAGLE's scratch)."""
         held = req.kv_len if held is None else held
-        if kv_len < req.prefix_len or kv_len > held:
+        if kv_len < req.prefix_len or kv_len + reserve > held:
             raise ValueError(f"cannot keep {kv_len} positions of {req.rid} (prefix "
                              f"{req.prefix_len}, held {held})")
-        keep = -(-kv_len // self.page_size) * self.page_size
+        keep = -(-(kv_len + reserve) // self.page_size) * self.page_size
         if keep < held:
             self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx,
                                                                     keep:held])

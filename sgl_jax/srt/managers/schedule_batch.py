@@ -118,14 +118,24 @@ class ScheduleBatch:
     # EAGLE: each row's slots for the draft chain's positions after its tokens ([B, steps - 1];
     # held only during the step).
     draft_scratch: np.ndarray | None = None
+    # EAGLE / NEXTN verify steps (speculative/device_inputs.py): inputs read on the device,
+    # each row's lower bound of its first position and the slots from there ([B, width]).
+    # ``out_cache_loc`` is known once the step before it is processed.
+    verify_first: np.ndarray | None = None
+    verify_slots: np.ndarray | None = None
 
     def to_model_worker_batch(self) -> ModelWorkerBatch:
         reqs = self.reqs
         prefix_lens = np.array([r.kv_len for r in reqs], np.int32)
+        out_cache_loc = self.out_cache_loc
         if self.forward_mode.is_decode:
             # Each request feeds the token it sampled last, read on the device: it may still
             # be in flight (overlap scheduling).
             input_ids = np.full(len(reqs), -1, np.int32)
+        elif self.verify_slots is not None:  # inputs and slots resolved on the device
+            prefix_lens = self.verify_first
+            input_ids = np.full(sum(self.extend_lens), -1, np.int32)
+            out_cache_loc = np.zeros(len(input_ids), np.int32)
         elif self.forward_mode.is_verify:  # the last token (on the host: no overlap), drafts
             input_ids = np.concatenate([
                 np.asarray(r.fill_ids[r.kv_len :] + d, np.int32)
@@ -143,7 +153,7 @@ class ScheduleBatch:
             prefix_lens=prefix_lens,
             extend_lens=np.array(self.extend_lens, np.int32),
             input_ids=input_ids,
-            out_cache_loc=self.out_cache_loc,
+            out_cache_loc=out_cache_loc,
             sampling_params=[r.sampling_params for r in reqs],
             seeds=[r.seed for r in reqs],
             steps=[len(r.output_ids) + r.inflight for r in reqs],
@@ -153,6 +163,7 @@ class ScheduleBatch:
             dp_ranks=self.dp_ranks,
             draft_next_ids=None if self.draft_scratch is None else self._draft_next_ids(),
             draft_scratch=self.draft_scratch,
+            verify_slots=self.verify_slots,
         )
 
     def _draft_next_ids(self) -> np.ndarray:

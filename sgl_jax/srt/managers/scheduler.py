@@ -193,6 +193,10 @@ class Scheduler:
         if self.paused:
             self.drain()
             return None
+        if self.speculation is not None and (self.waiting or self.chunked):
+            # Under speculation only verify steps overlap (their inputs are on the device);
+            # an extend step's KV and draft scratch are laid out on settled requests.
+            self.drain()
         batch = self.prefill() or self.decode()
         launched = (batch, self.launch_batch(batch)) if batch is not None else None
         if self.pending is not None:
@@ -420,31 +424,78 @@ class Scheduler:
         """The decode step of speculative decoding: each request's last token and its drafts.
         When the drafts' KV does not fit, no request drafts this step (one slot each fits:
         ``decode`` made sure, retracting if it had to)."""
+        if self.speculation.drafts_in_step:
+            return self._device_verify_batch(reqs)
         memory = self.memory[0]  # speculation runs without DP attention
-        scratch = self._draft_scratch()
         drafts = [self.speculation.drafts(r, self.context_len) for r in reqs]
-        need = sum(memory.kv_needed(r.kv_len, 1 + len(d) + scratch)
-                   for r, d in zip(reqs, drafts, strict=True))
+        need = sum(memory.kv_needed(r.kv_len, 1 + len(d)) for r, d in zip(reqs, drafts, strict=True))
         if need > memory.available_kv():
             drafts = [[] for _ in reqs]
-            need = sum(memory.kv_needed(r.kv_len, 1 + scratch) for r in reqs)
-            if need > memory.available_kv():  # EAGLE's scratch does not fit either
-                holders = self._holders(0)
+        slots = []
+        for req, d in zip(reqs, drafts, strict=True):
+            got = memory.alloc_kv(req, 1 + len(d))
+            assert got is not None, "the verify step's slots were counted"
+            memory.assign_kv(req, got)
+            slots.append(got)
+        return ScheduleBatch(ForwardMode.TARGET_VERIFY, reqs, [1 + len(d) for d in drafts],
+                             np.concatenate(slots), [True] * len(reqs), drafts=drafts)
+
+    def _device_verify_batch(self, reqs: list[Req]) -> ScheduleBatch:
+        """EAGLE / NEXTN: a verify step whose inputs the device holds (speculative/
+        device_inputs.py). With a verify step in flight (overlap scheduling) a request's first
+        position is known only within the drafts that step may reject: the step gets the slots
+        of every position it may touch, allocated past what the request holds. A request whose
+        next step would feed fewer drafts once the step in flight is processed (near its
+        token or context limit), a step in flight that is not a verify step, or KV that does
+        not fit, settles the step in flight first."""
+        memory = self.memory[0]  # speculation runs without DP attention
+        spec = self.speculation
+        scratch = spec.scratch
+        in_flight: dict[int, int] = {}  # id(req) -> tokens it brought to the step in flight
+        if self.pending is not None:
+            pending = self.pending[0]
+            if pending.forward_mode.is_verify:
+                in_flight = {id(r): n for r, n in zip(pending.reqs, pending.extend_lens,
+                                                       strict=True)}
+            if not in_flight or any(
+                    spec.room(r, self.context_len, in_flight[id(r)]) < spec.num_steps
+                    for r in reqs if id(r) in in_flight):
+                self.drain()
+                return self.decode()
+        # Per request: tokens, the lower bound of its first position, and what it holds now.
+        plan = []
+        for r in reqs:
+            n_prev = in_flight.get(id(r))
+            if n_prev is None:
+                plan.append((r, 1 + spec.room(r, self.context_len), r.kv_len, r.kv_len))
+            else:  # the step in flight keeps 1 to n_prev of its tokens; it holds its scratch
+                plan.append((r, 1 + spec.num_steps, r.kv_len - n_prev + 1, r.kv_len + scratch))
+        need = sum(memory.kv_needed(held, r.kv_len + n + scratch - held)
+                   for r, n, _, held in plan)
+        if need > memory.available_kv():
+            if in_flight:
+                self.drain()
+                return self.decode()
+            plan = [(r, 1, r.kv_len, r.kv_len) for r in reqs]  # no drafts this step
+            if sum(memory.kv_needed(r.kv_len, 1 + scratch) for r in reqs) > memory.available_kv():
+                holders = self._holders(0)  # EAGLE's scratch does not fit either
                 if len(holders) == 1:
                     self._abort_unfittable(holders[0])
                 else:
                     self.retract_one()
                 return self.decode()
-        slots, scratches = [], []
-        for req, d in zip(reqs, drafts, strict=True):
-            got = memory.alloc_kv(req, 1 + len(d) + scratch)
+        table = memory.req_to_token_pool.req_to_token
+        slots = np.zeros((len(reqs), self.runner.verify_slot_width), np.int32)
+        for i, (r, n, first, held) in enumerate(plan):
+            end = r.kv_len + n + scratch
+            got = memory.extend_held_kv(r, held, end - held)
             assert got is not None, "the verify step's slots were counted"
-            memory.assign_kv(req, got)
-            slots.append(got[: 1 + len(d)])
-            scratches.append(got[1 + len(d) :])
-        return ScheduleBatch(ForwardMode.TARGET_VERIFY, reqs, [1 + len(d) for d in drafts],
-                             np.concatenate(slots), [True] * len(reqs), drafts=drafts,
-                             draft_scratch=np.stack(scratches) if scratch else None)
+            slots[i, : end - first] = table[r.req_pool_idx, first:end]
+        return ScheduleBatch(
+            ForwardMode.TARGET_VERIFY, reqs, [n for _, n, _, _ in plan], None,
+            [True] * len(reqs), draft_scratch=np.zeros((len(reqs), scratch), np.int32),
+            verify_first=np.array([first for _, _, first, _ in plan], np.int32),
+            verify_slots=slots)
 
     def _abort_unfittable(self, req: Req) -> None:
         """A request that cannot grow even with its rank's whole KV cache to itself ends here."""
@@ -499,6 +550,8 @@ class Scheduler:
         return out
 
     def process_batch_result(self, batch: ScheduleBatch, out: StepOutput) -> None:
+        if batch.out_cache_loc is None:  # a verify step with device inputs
+            batch.out_cache_loc = self._verified_slots(batch)
         # Rows first: a request finishing below gathers rows that include this step's.
         self.runner.collect_routing(out, batch.out_cache_loc, copy=batch.capture_routed)
         all_ids = np.asarray(out.next_token_ids)
@@ -536,6 +589,21 @@ class Scheduler:
             changed.append(req)
         self.outputs.send(changed)
 
+    def _verified_slots(self, batch: ScheduleBatch) -> np.ndarray:
+        """The KV slots a device-input verify step wrote, now that every step before it is
+        processed: a request's tokens start at its last token's position. A request that
+        ended meanwhile (its slots released) points at the padding slot, which no request
+        holds."""
+        locs = []
+        for req, n in zip(batch.reqs, batch.extend_lens, strict=True):
+            if req.req_pool_idx is None or req.finished:
+                locs.append(np.zeros(n, np.int32))
+            else:
+                first = req.seq_len - 1
+                table = self.memory.of(req).req_to_token_pool.req_to_token
+                locs.append(table[req.req_pool_idx, first : first + n].astype(np.int32))
+        return np.concatenate(locs)
+
     def _process_verify_result(self, batch: ScheduleBatch, out: StepOutput,
                                all_ids: np.ndarray, drafts: np.ndarray | None) -> None:
         """Each request keeps the drafts the target confirmed and the target's next token,
@@ -547,13 +615,16 @@ class Scheduler:
         changed: list[Req] = []
         scratch = self._draft_scratch()
         start = 0
-        for i, (req, fed, n) in enumerate(zip(batch.reqs, batch.drafts, batch.extend_lens,
+        fed_drafts = batch.drafts or [None] * len(batch.reqs)
+        for i, (req, fed, n) in enumerate(zip(batch.reqs, fed_drafts, batch.extend_lens,
                                               strict=True)):
             first, start = start, start + n
             if req.finished:  # aborted while the step ran
                 continue
             req.inflight -= 1
             req.spec_verify_ct += 1
+            if fed is None:  # device inputs: the drafts the step before this one proposed
+                fed = req.spec_drafts[: n - 1]
             tokens = accepted_tokens(fed, all_ids[first : first + n].tolist())
             for j, token in enumerate(tokens):
                 if lp is not None and req.logprobs is not None:
@@ -566,8 +637,15 @@ class Scheduler:
                     break
             gained.append(j + 1)
             self.num_generated_tokens += j + 1
-            # Every position but the last token's holds KV (the invariant of a decode step).
-            self.memory.of(req).shrink_kv(req, req.seq_len - 1, held=req.kv_len + scratch)
+            # Every position but the last token's holds KV (the invariant of a decode step);
+            # a successor in flight (overlap) holds its own positions past that, and its
+            # scratch: ``kv_len`` counted this step's n positions, of which j + 1 are kept.
+            memory = self.memory.of(req)
+            if req.finished or not req.inflight:
+                memory.shrink_kv(req, req.seq_len - 1, held=req.kv_len + scratch)
+            else:
+                memory.shrink_kv(req, req.kv_len - (n - j - 1), held=req.kv_len + scratch,
+                                 reserve=scratch)
             if drafts is not None:
                 req.spec_drafts = drafts[i].tolist()
             if req.finished:

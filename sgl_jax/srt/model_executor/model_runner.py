@@ -1,8 +1,9 @@
 """ModelRunner: owns the model, the KV cache and the memory pools; runs one jitted step.
 
 A step is the model forward plus sampling, jitted once per (mode, padded tokens, padded rows).
-The KV cache, the device page table and the last-token buffer are donated into the step and
-replaced by its outputs, so they are updated in place. The model's routing (every token's
+The KV cache, the device page table and the next-inputs buffer (each request slot's last
+sampled token; with EAGLE / NEXTN also its position and drafts, speculative/device_inputs.py)
+are donated into the step and replaced by its outputs, so they are updated in place. The model's routing (every token's
 top-k experts in every layer) is an output of the step when a consumer needs it
 (``layers/moe/routing.py``), read by two consumers: the routed-experts capturer (rows in the
 host table's dtype, a fresh output of each step, their host copy started at dispatch when the
@@ -83,7 +84,14 @@ from sgl_jax.srt.model_executor.memory_occupation import MemoryOccupation
 from sgl_jax.srt.model_loader.loader import abstract_model, load_model
 from sgl_jax.srt.models.backends import ModelBackends
 from sgl_jax.srt.server_args import ServerArgs
-from sgl_jax.srt.speculative.eagle import EagleDraft, draft_config, draft_step, load_draft
+from sgl_jax.srt.speculative import device_inputs
+from sgl_jax.srt.speculative.eagle import (
+    EagleDraft,
+    accepted_counts,
+    draft_config,
+    draft_step,
+    load_draft,
+)
 from sgl_jax.srt.speculative.nextn import MtpDraft, load_mtp, mtp_config
 
 logger = logging.getLogger(__name__)
@@ -105,6 +113,9 @@ class StepOutput:
     expert_pass: Any = None
     # EAGLE: every row's next draft tokens [B_pad, num_steps] (extend and verify steps).
     drafts: jax.Array | None = None
+    # A verify step with device inputs: which of its slots' rows will be known (as
+    # ``RoutedExpertsCapturer.on_forward_launch`` takes it), marked when it is processed.
+    known_rows: bool | np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -317,9 +328,15 @@ class ModelRunner:
             (self.max_running_requests + 1, self.page_width // self.page_size), jnp.int32,
             replicated,
         )
-        self.last_tokens = self._device_zeros(
-            (self.max_running_requests + 1,), jnp.int32, replicated
+        # Column 0: each slot's last sampled token (a decode step's input, read on the device:
+        # it may still be in flight); EAGLE / NEXTN add its position and the drafts.
+        self.next_inputs = self._device_zeros(
+            (self.max_running_requests + 1,
+             device_inputs.next_inputs_width(self.draft_steps) if self.draft_steps else 1),
+            jnp.int32, replicated,
         )
+        self.verify_slot_width = (device_inputs.slot_width(self.verify_tokens, self.draft_steps)
+                                  if self.draft_steps else 0)
         self._set_page_row = jax.jit(
             lambda table, row, pages: table.at[row].set(pages), donate_argnums=0
         )
@@ -430,6 +447,8 @@ class ModelRunner:
         rows into the host table at the tokens' KV slots (``copy``: the step copied them),
         and the recorder's records of the steps launched up to this one (not the next one,
         in flight)."""
+        if out.known_rows is not None:
+            self.capturer.on_forward_launch(out_cache_loc, out.known_rows)
         self.capturer.on_forward_end(out.routed_rows, out_cache_loc, len(out_cache_loc), copy)
         if self.expert_recorder is not None and out.expert_pass is not None:
             self.expert_recorder.collect(through=out.expert_pass)
@@ -460,15 +479,18 @@ class ModelRunner:
     # -- the jitted step ------------------------------------------------------------------------
     def _step_impl(
         self, graphdef: Any, param_treedef: Any, param_leaves: list, kv_caches: list,
-        req_to_page: jax.Array, last_tokens: jax.Array, expert_state: Any, batch: ForwardBatch,
+        req_to_page: jax.Array, next_inputs: jax.Array, expert_state: Any, batch: ForwardBatch,
         draft_leaves: list | None = None,
     ) -> tuple:
         self.num_compiles += 1  # runs only while tracing: one count per compiled shape
         model = nnx.merge(graphdef, jax.tree.unflatten(param_treedef, param_leaves))
+        if batch.verify_slots is not None:  # EAGLE / NEXTN: inputs, positions and slots
+            batch = device_inputs.resolve(batch, next_inputs)
         token_to_req, positions = batch.token_to_req, batch.positions
         req_slot = jnp.take(batch.req_pool_indices, token_to_req, mode="fill",
                             fill_value=self.no_req_slot)
-        input_ids = jnp.where(batch.input_ids < 0, last_tokens[req_slot], batch.input_ids)
+        input_ids = jnp.where(batch.input_ids < 0, next_inputs[req_slot, device_inputs.TOKEN],
+                              batch.input_ids)
         batch = dataclasses.replace(batch, input_ids=input_ids)
         req_to_page = update_page_table(
             req_to_page, req_slot, positions, batch.out_cache_loc, self.page_size
@@ -497,10 +519,11 @@ class ModelRunner:
         sampled_logits = logits[:rows]  # then, with logprobs, the input-logprob rows
         next_ids = sample(sampled_logits, batch.sampling,
                           vocab_chunks=vocab_chunks_for(self.platform))
-        if not batch.forward_mode.is_verify:  # a verify step's tokens come from the host
+        if not batch.forward_mode.is_verify:  # a verify step's: written with its drafts
             # Rows that only end a prompt chunk also write here; no step reads a slot's last
             # token before the step that samples the request's real next token has written it.
-            last_tokens = last_tokens.at[batch.req_pool_indices].set(next_ids)
+            next_inputs = next_inputs.at[batch.req_pool_indices, device_inputs.TOKEN].set(
+                next_ids[: batch.batch_size])
         logprobs = None
         if batch.logprobs is not None:
             lp = batch.logprobs
@@ -524,9 +547,12 @@ class ModelRunner:
                               jax.tree.unflatten(self.draft_treedef, draft_leaves))
             embed = model.model.embed_tokens[...]
             head = embed.T if self.model_config.tie_word_embeddings else model.lm_head[...]
+            accepted = (accepted_counts(batch, token_to_req, next_ids)
+                        if batch.forward_mode.is_verify else None)
             drafts, draft_kv, req_to_page = draft_step(
                 draft, embed, head, batch, meta, hidden, next_ids, draft_kv, req_to_page,
-                self.backends, self.draft_steps, self.page_size, self.no_req_slot)
+                self.backends, self.draft_steps, self.page_size, self.no_req_slot, accepted)
+            next_inputs = device_inputs.record(next_inputs, batch, next_ids, drafts, accepted)
         if draft_kv is not None:
             kv_caches = [*kv_caches, draft_kv]
         # What the host reads is replicated: on a multi-host job every node holds all of it
@@ -535,12 +561,12 @@ class ModelRunner:
         next_ids, routed_rows, logprobs, expert_pass, drafts = jax.tree.map(
             lambda x: jax.lax.with_sharding_constraint(x, replicated),
             (next_ids, routed_rows, logprobs, expert_pass, drafts))
-        return (next_ids, sampled_logits, kv_caches, req_to_page, last_tokens, routed_rows,
+        return (next_ids, sampled_logits, kv_caches, req_to_page, next_inputs, routed_rows,
                 logprobs, expert_state, expert_pass, drafts)
 
     def _step_args(self, batch: Any) -> tuple:
         state = None if self.expert_recorder is None else self.expert_recorder.state
-        return (self.param_leaves, self.kv_caches, self.req_to_page, self.last_tokens, state,
+        return (self.param_leaves, self.kv_caches, self.req_to_page, self.next_inputs, state,
                 batch, self.draft_leaves)
 
     def forward(self, batch: ForwardBatch) -> StepOutput:
@@ -548,7 +574,7 @@ class ModelRunner:
         before = self.num_compiles
         t0 = time.perf_counter()
         with jax.set_mesh(self.mesh):  # the model's shard_map regions run on this mesh
-            (next_ids, logits, self.kv_caches, self.req_to_page, self.last_tokens,
+            (next_ids, logits, self.kv_caches, self.req_to_page, self.next_inputs,
              rows, logprobs, expert_state, expert_pass, drafts) = self._step(
                 *self._step_args(batch))
         if self.expert_recorder is not None:
@@ -572,6 +598,7 @@ class ModelRunner:
             mode, num_tokens * self.dp_size, batch_size * self.dp_size,
             self.model_config.vocab_size, self.no_req_slot,
             padding_slots=self.padding_slots, draft_steps=self.draft_steps,
+            verify_slot_width=self.verify_slot_width,
         )
 
     def lower_bucket(self, mode: ForwardMode, num_tokens: int, batch_size: int) -> Any:
@@ -648,12 +675,13 @@ class ModelRunner:
         mwb, batch = plan.mwb, plan.batch
         routed = mwb.routed_tokens()  # only some requests asked: their tokens, else None
         # Which KV slots will hold known rows: every token's, none, or only the askers'.
-        if self.keeps_results and routed is None:
-            self.capturer.on_forward_launch(mwb.out_cache_loc, mwb.return_routed_experts)
-        elif self.keeps_results:
-            mask = np.zeros(mwb.num_tokens, bool)
-            mask[routed] = True
-            self.capturer.on_forward_launch(mwb.out_cache_loc, mask)
+        known: bool | np.ndarray = mwb.return_routed_experts
+        if routed is not None:
+            known = np.zeros(mwb.num_tokens, bool)
+            known[routed] = True
+        # A verify step with device inputs learns its slots when processed: marked then.
+        if self.keeps_results and mwb.verify_slots is None:
+            self.capturer.on_forward_launch(mwb.out_cache_loc, known)
         with jax.set_mesh(self.mesh):
             for idx, pages in plan.prefix_pages:
                 self.req_to_page = self._set_page_row(self.req_to_page, np.int32(idx), pages)
@@ -661,6 +689,8 @@ class ModelRunner:
         self.last_step_host_bytes = sum(p.nbytes for _, p in plan.prefix_pages) + sum(
             x.nbytes for x in jax.tree.leaves(batch))
         out = self.forward(batch)
+        if mwb.verify_slots is not None:
+            out.known_rows = known
         self.last_step_copy_bytes = 0
         if mwb.return_routed_experts:
             if routed is not None:

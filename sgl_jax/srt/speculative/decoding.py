@@ -32,23 +32,35 @@ class SpeculativeDecoding:
         self._window = (0, 0)  # (verify_ct, accepted) at the last log line
         source = {"EAGLE": f"draft head {server_args.speculative_draft_model_path}",
                   "NEXTN": "the checkpoint's MTP layer", "NGRAM": "prompt lookup"}
+        overlap = "off" if server_args.disable_overlap_schedule else "on"
         logger.info("speculative decoding: %s (%s), %d draft tokens per step; overlap "
-                    "scheduling off", self.algorithm, source[self.algorithm], self.num_steps)
+                    "scheduling %s", self.algorithm, source[self.algorithm], self.num_steps,
+                    overlap)
 
     @staticmethod
     def create(server_args: ServerArgs) -> SpeculativeDecoding | None:
         return SpeculativeDecoding(server_args) if server_args.speculative_algorithm else None
 
+    @property
+    def drafts_in_step(self) -> bool:
+        """EAGLE / NEXTN: the step that computes a request's last token drafts its next ones,
+        and the next verify step reads them on the device (speculative/device_inputs.py)."""
+        return self.proposer is None
+
+    def room(self, req: Req, context_len: int, in_flight: int = 1) -> int:
+        """Draft tokens ``req``'s next verify step may feed: never more than it may still
+        generate after the target's own token, nor past the context. ``in_flight``: the most
+        tokens its step in flight (if any, ``req.inflight``) may still add."""
+        ahead = req.inflight * in_flight
+        return max(min(self.num_steps,
+                       req.sampling_params.max_new_tokens - len(req.output_ids) - ahead - 1,
+                       context_len - req.seq_len - ahead - 1), 0)
+
     def drafts(self, req: Req, context_len: int) -> list[int]:
-        """Draft tokens for ``req``'s next verify step: never more than it may still generate
-        after the target's own token, nor past the context."""
-        room = min(self.num_steps, req.remaining_new_tokens() - 1,
-                   context_len - req.seq_len - req.inflight - 1)
-        if room <= 0:
-            return []
-        if self.proposer is None:  # proposed by the step that computed the request's last token
-            return req.spec_drafts[:room]
-        return self.proposer.propose(req.fill_ids, room)
+        """NGRAM's draft tokens for ``req``'s next verify step (up to ``room``)."""
+        assert self.proposer is not None, "EAGLE / NEXTN drafts stay on the device"
+        room = self.room(req, context_len)
+        return self.proposer.propose(req.fill_ids, room) if room else []
 
     def record(self, gained: list[int]) -> None:
         """One verify step: the tokens each of its requests gained."""

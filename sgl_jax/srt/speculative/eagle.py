@@ -137,18 +137,21 @@ def draft_step(
     draft: nnx.Module, embed: jax.Array, head: jax.Array, batch: ForwardBatch,
     meta: AttentionMetadata, hidden: jax.Array, next_ids: jax.Array, kv: jax.Array,
     req_to_page: jax.Array, backends: ModelBackends, num_steps: int, page_size: int,
-    no_req_slot: int,
+    no_req_slot: int, accepted: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The next drafts ``[B, num_steps]`` of every row, the draft's KV layer and the page
     table (with the scratch positions' pages). ``draft``: an ``EagleDraft`` or a NEXTN
-    ``MtpDraft`` (the same interface); ``embed`` / ``head``: the target's."""
+    ``MtpDraft`` (the same interface); ``embed`` / ``head``: the target's. ``accepted``: a
+    verify step's ``accepted_counts``."""
     token_to_req, positions = meta.token_to_req, meta.positions
     rows = batch.batch_size
     starts, lens = batch.extend_starts, batch.extend_lens
     real_row = lens > 0
     if batch.forward_mode.is_verify:
         following = next_ids  # [T]: the target's token after each position
-        kept = starts + accepted_counts(batch, token_to_req, next_ids)
+        if accepted is None:
+            accepted = accepted_counts(batch, token_to_req, next_ids)
+        kept = starts + accepted
     else:
         last = jnp.maximum(starts + lens - 1, 0)
         following = jnp.concatenate([batch.input_ids[1:], jnp.zeros((1,), jnp.int32)])

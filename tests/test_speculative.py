@@ -111,7 +111,12 @@ def test_server_args_defaults_and_overlap():
     args = ServerArgs(speculative_algorithm="NGRAM")
     assert (args.speculative_num_steps, args.speculative_eagle_topk,
             args.speculative_num_draft_tokens) == (3, 1, 4)
-    assert args.disable_overlap_schedule  # acceptance is decided on the host
+    assert args.disable_overlap_schedule  # NGRAM's drafts are proposed on the host
+    # EAGLE / NEXTN verify steps read their inputs on the device: overlap stays on, except
+    # where per_token expert records need each token's position at launch.
+    assert not ServerArgs(speculative_algorithm="EAGLE").disable_overlap_schedule
+    assert ServerArgs(speculative_algorithm="EAGLE",
+                      expert_distribution_recorder_mode="per_token").disable_overlap_schedule
 
 
 # -- end to end -------------------------------------------------------------------------------
@@ -380,6 +385,8 @@ def test_bundled_draft_drafts_what_the_reference_draft_drafts(bundled_eagle):
         assert out["meta_info"]["spec_verify_ct"] == sim_steps
         emitted, steps = emitted + sim_emitted, steps + sim_steps
     assert emitted / steps > 1.5, "the bundled draft accepts too little: retrain it?"
+    # The checks above covered verify steps launched before their predecessor was processed.
+    assert bundled_eagle.get_server_info()["spec_overlapped_steps"] > 0
 
 
 def test_weight_update_then_outputs_are_the_new_models(small_pool, tmp_path):
@@ -405,6 +412,50 @@ def test_weight_update_then_outputs_are_the_new_models(small_pool, tmp_path):
 
 
 # -- NEXTN: the MTP layer of DeepSeek-V3 / GLM-4.5 checkpoints -----------------------------------
+def test_overlapped_verify_steps_sample_stop_and_stream_as_without_speculation(bundled_eagle):
+    """The bundled draft is often right, so overlapped verify steps start at every offset from
+    their lower bound: seeded sampling, a stop token that lands inside an accepted run while
+    the next step is in flight, and streamed rows are those of the bundled model without
+    speculation."""
+    from sgl_jax.srt.configs.model_config import BUNDLED_MODEL_PATH
+
+    bundled = ModelConfig.from_hf(BUNDLED_MODEL_PATH)
+    layers, top_k = bundled.num_hidden_layers, bundled.num_experts_per_tok
+    plain = Engine(**{**engine_args(**SETTINGS), "model_path": None})
+    try:
+        prompts = [prompt_ids(80 + i, 20, vocab=500) for i in range(4)]
+        sampled = [{"temperature": t, "top_p": 0.9, "max_new_tokens": 48, "ignore_eos": True,
+                    "sampling_seed": 7 + i} for i, t in enumerate([0.3, 0.6, 0.9, 1.2])]
+        want = plain.generate(input_ids=prompts, sampling_params=sampled)
+        got = bundled_eagle.generate(input_ids=prompts, sampling_params=sampled)
+        assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+        # A stop token from the middle of each greedy continuation.
+        greedy = plain.generate(input_ids=prompts, sampling_params={**GREEDY,
+                                                                  "max_new_tokens": 40})
+        stops = [{"temperature": 0.0, "max_new_tokens": 40,
+                  "stop_token_ids": [o["output_ids"][17]]} for o in greedy]
+        want = plain.generate(input_ids=prompts, sampling_params=stops,
+                              return_routed_experts=True)
+        got = bundled_eagle.generate(input_ids=prompts, sampling_params=stops,
+                                     return_routed_experts=True)
+        for ids, g, w in zip(prompts, got, want, strict=True):
+            assert g["output_ids"] == w["output_ids"]
+            np.testing.assert_array_equal(decoded_rows(g, layers, top_k),
+                                          expected_rows(ids, g["output_ids"], BUNDLED_MODEL_PATH))
+        chunks = list(bundled_eagle.generate(input_ids=prompts[0], stream=True,
+                                             return_routed_experts=True,
+                                             sampling_params={**GREEDY, "max_new_tokens": 30}))
+        output_ids = [t for c in chunks for t in c["output_ids"]]
+        assert output_ids == greedy[0]["output_ids"][:30]
+        rows = [decoded_rows(c, layers, top_k) for c in chunks
+                if c["meta_info"].get("routed_experts") is not None]
+        np.testing.assert_array_equal(
+            np.concatenate(rows), expected_rows(prompts[0], output_ids, BUNDLED_MODEL_PATH))
+    finally:
+        plain.shutdown()
+    assert bundled_eagle.get_server_info()["spec_overlapped_steps"] > 0
+
+
 @pytest.fixture(scope="module", params=["tiny-deepseek-v3", "tiny-glm4-moe"])
 def nextn_engine(request, tmp_path_factory):
     from sgl_jax.tools.make_random_model import write_random_model
@@ -439,6 +490,7 @@ def test_nextn_output_rows_and_drafts_equal_the_reference(nextn_engine):
             expected_rows(ids, out["output_ids"], path))
         assert out["meta_info"]["spec_verify_ct"] == accept_length(draft, ids,
                                                                    out["output_ids"], 3)[1]
+    assert nextn_engine.get_server_info()["spec_overlapped_steps"] > 0
 
 
 def _chi_square_critical(df: int, z: float = 3.09) -> float:

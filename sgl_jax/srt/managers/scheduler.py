@@ -484,6 +484,7 @@ class Scheduler:
                 else:
                     self.retract_one()
                 return self.decode()
+        spec.overlapped_steps += bool(in_flight)
         table = memory.req_to_token_pool.req_to_token
         slots = np.zeros((len(reqs), self.runner.verify_slot_width), np.int32)
         for i, (r, n, first, held) in enumerate(plan):
@@ -833,6 +834,7 @@ class Scheduler:
             info["dp_ranks"] = self.rank_info()
         if self.speculation is not None:  # SGLang's name
             info["avg_spec_accept_length"] = self.speculation.accept_length
+            info["spec_overlapped_steps"] = self.speculation.overlapped_steps
         return info
 
     def rank_info(self) -> list[dict[str, int]]:

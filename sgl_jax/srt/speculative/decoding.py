@@ -28,6 +28,7 @@ class SpeculativeDecoding:
         # Per request and verify step: one count, and the tokens it gained (>= 1 each).
         self.verify_ct = 0
         self.accepted = 0
+        self.overlapped_steps = 0  # verify steps launched while their predecessor was in flight
         self._steps = 0
         self._window = (0, 0)  # (verify_ct, accepted) at the last log line
         source = {"EAGLE": f"draft head {server_args.speculative_draft_model_path}",

@@ -8,11 +8,12 @@ Padding conventions (the jitted step relies on them):
 - padded tokens come after every real token; they belong to no row, sit at position 0 and
   write their K/V to the reserved slot 0 (page 0), which no request ever reads;
 - padded rows have ``prefix_lens == extend_lens == 0`` and the request slot ``NO_REQ_SLOT``
-  (a spare row of the last-token buffer and of the device page table).
+  (a spare row of the next-inputs buffer and of the device page table).
 
 An input id of -1 means "the token this request sampled last": it is read on the device from
-the last-token buffer, so a decode step can be dispatched before the previous step's tokens
-have reached the host (overlap scheduling).
+the next-inputs buffer, so a decode step can be dispatched before the previous step's tokens
+have reached the host (overlap scheduling). An EAGLE / NEXTN verify step reads its drafts and
+first position there too (speculative/device_inputs.py).
 
 What the host sends per step grows with the batch's tokens and rows only: a request's page
 table lives on the device (``ModelRunner.req_to_page``), and the per-token row, position

@@ -182,7 +182,8 @@ class Scheduler:
 
         With overlap (the default) a step's results are processed after the next step has been
         launched, so the host's bookkeeping runs while the device computes: a decode step
-        reads its input tokens from the device (the last-token buffer), not from the host.
+        reads its input tokens from the device (the next-inputs buffer), not from the host;
+        so does an EAGLE / NEXTN verify step (speculative/device_inputs.py).
         So at most one step is in flight (``pending``) between two calls.
         """
         for msg in self.recv_requests():

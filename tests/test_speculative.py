@@ -90,6 +90,38 @@ def test_shrink_kv_returns_the_pages_past_the_kept_positions(page):
     assert allocator.available_size() == allocator.size
 
 
+@pytest.mark.parametrize("page", [1, 4])
+def test_held_kv_grows_past_a_step_in_flight_and_shrinks_to_its_successor(page):
+    """The memory side of an overlapped verify step: a request holds 9 positions plus 2
+    scratch ones of the step in flight; its successor's 4 positions are allocated past them,
+    on the same page first; processing the step in flight keeps the successor's positions
+    and scratch, and releasing the request gives every slot back."""
+    allocator = TokenToKVPoolAllocator(64, page_size=page)
+    memory = ReqMemory(ReqToTokenPool(4, 64), allocator, RadixCache(allocator, page_size=page))
+    req = Req("r", list(range(5)), SamplingParams(max_new_tokens=20), seed=0)
+    assert memory.admit(req)
+    memory.assign_kv(req, memory.alloc_kv(req, 11))  # 9 positions + 2 scratch
+    req.kv_len = 9
+    table = memory.req_to_token_pool.req_to_token[req.req_pool_idx]
+    slots = memory.extend_held_kv(req, 11, 4)
+    np.testing.assert_array_equal(table[11:15], slots)
+    if page > 1:
+        assert slots[0] // page == table[10] // page  # the held last page continues
+    assert len(set(table[:15].tolist())) == 15
+    req.kv_len = 13  # the successor's 4 tokens counted at its launch
+    before = allocator.available_size()
+    # The step in flight kept 2 of its 4 positions: the successor starts 2 earlier.
+    memory.shrink_kv(req, 11, held=15, reserve=2)
+    assert req.kv_len == 11
+    assert allocator.available_size() == before + (-(-15 // page) - -(-13 // page)) * page
+    # The successor, processed with nothing after it, keeps 1 position and frees its scratch.
+    memory.shrink_kv(req, 12, held=13)
+    memory.release(req, cache=False)
+    assert allocator.available_size() == allocator.size
+    with pytest.raises(ValueError):
+        memory.shrink_kv(req, 3, held=2)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"speculative_algorithm": "NEXTN", "speculative_draft_model_path": "/tmp"}, "is for EAGLE"),
     ({"speculative_algorithm": "EAGLE", "model_path": "/tmp"}, "needs --speculative-draft"),

@@ -92,31 +92,28 @@ class ReqMemory:
 
         They continue ``req``'s last page, then take new pages; record them with ``assign_kv``.
         """
-        kv_len = req.kv_len
-        need = self.allocator.tokens_needed(kv_len, n)
-        short = need - self.allocator.available_size()
-        if short > 0:
-            self.tree.evict(short)
-        last = -1
-        if kv_len % self.page_size:
-            last = int(self.req_to_token_pool.req_to_token[req.req_pool_idx, kv_len - 1])
-        return self.allocator.alloc_extend(n, kv_len, last)
+        return self._alloc_from(req, req.kv_len, n)
 
     def extend_held_kv(self, req: Req, held: int, n: int) -> np.ndarray | None:
         """Slots for ``req``'s positions ``[held, held + n)``, past the ``held`` it holds
         already (a verify step launched while its predecessor is in flight: speculative/
         device_inputs.py), allocated AND recorded; None, with nothing taken, if they do not
         fit."""
-        short = self.allocator.tokens_needed(held, n) - self.allocator.available_size()
-        if short > 0:
-            self.tree.evict(short)
-        last = -1
-        if held % self.page_size:
-            last = int(self.req_to_token_pool.req_to_token[req.req_pool_idx, held - 1])
-        slots = self.allocator.alloc_extend(n, held, last)
+        slots = self._alloc_from(req, held, n)
         if slots is not None:
             self.req_to_token_pool.write(req.req_pool_idx, held, slots)
         return slots
+
+    def _alloc_from(self, req: Req, start: int, n: int) -> np.ndarray | None:
+        """Slots for ``req``'s positions ``[start, start + n)``, continuing the page of
+        position ``start - 1`` (evicting cached KV if needed), not recorded; or None."""
+        short = self.allocator.tokens_needed(start, n) - self.allocator.available_size()
+        if short > 0:
+            self.tree.evict(short)
+        last = -1
+        if start % self.page_size:
+            last = int(self.req_to_token_pool.req_to_token[req.req_pool_idx, start - 1])
+        return self.allocator.alloc_extend(n, start, last)
 
     def alloc_decode_kv(self, reqs: list[Req]) -> np.ndarray | None:
         """One slot for each of ``reqs`` at its position ``kv_len``, allocated AND recorded

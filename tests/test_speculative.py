@@ -198,6 +198,9 @@ def engine(request, tmp_path_factory):
     if algorithm == "EAGLE":
         extra["speculative_draft_model_path"] = write_random_draft(
             tmp_path_factory.mktemp("draft"))
+        # Overlap off: these tests then cover device-input verify steps with nothing in
+        # flight; the bundled-draft and NEXTN engines cover them overlapped.
+        extra["disable_overlap_schedule"] = True
     eng = Engine(**engine_args(**SETTINGS), page_size=page, speculative_algorithm=algorithm,
                  speculative_num_steps=3, **extra)
     eng.drafts_guess = algorithm == "NGRAM"  # a random EAGLE draft is almost never right
@@ -237,6 +240,7 @@ def test_greedy_output_and_rows_equal_the_reference(engine):
     assert generated_by_verify > verify_steps or not engine.drafts_guess, "nothing accepted"
     info = engine.get_server_info()
     assert info["avg_spec_accept_length"] >= 1.0
+    assert info["spec_overlapped_steps"] == 0  # these engines run without overlap
     assert info["num_compiles"] == compiles  # every verify shape was compiled at start-up
 
 

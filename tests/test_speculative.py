@@ -465,6 +465,18 @@ def test_overlapped_verify_steps_sample_stop_and_stream_as_without_speculation(b
         want = plain.generate(input_ids=prompts, sampling_params=sampled)
         got = bundled_eagle.generate(input_ids=prompts, sampling_params=sampled)
         assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+        # More requests than run at once, some of several prompt chunks: admissions and
+        # chunks come while verify steps are in flight; greedy and seeded, 1 to 69 tokens.
+        rng = np.random.default_rng(0)
+        queued = [prompt_ids(200 + i, int(rng.integers(5, 150))) for i in range(14)]
+        mixed = [{"temperature": 0.8 * (i % 2), "sampling_seed": i, "ignore_eos": True,
+                  "max_new_tokens": int(rng.integers(1, 70))} for i in range(14)]
+        want = plain.generate(input_ids=queued, sampling_params=mixed, return_routed_experts=True)
+        got = bundled_eagle.generate(input_ids=queued, sampling_params=mixed,
+                                     return_routed_experts=True)
+        for g, w in zip(got, want, strict=True):
+            assert g["output_ids"] == w["output_ids"]
+            assert g["meta_info"]["routed_experts"] == w["meta_info"]["routed_experts"]
         # A stop token from the middle of each greedy continuation.
         greedy = plain.generate(input_ids=prompts, sampling_params={**GREEDY,
                                                                   "max_new_tokens": 40})

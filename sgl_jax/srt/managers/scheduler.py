@@ -194,9 +194,9 @@ class Scheduler:
         if self.paused:
             self.drain()
             return None
-        if self.speculation is not None and (self.waiting or self.chunked):
-            # Under speculation only verify steps overlap (their inputs are on the device);
-            # an extend step's KV and draft scratch are laid out on settled requests.
+        if self.speculation is not None and self.chunked:
+            # A prompt's next chunk lays out its KV and draft scratch past those of its
+            # previous chunk, which must be settled (its scratch freed) first.
             self.drain()
         batch = self.prefill() or self.decode()
         launched = (batch, self.launch_batch(batch)) if batch is not None else None

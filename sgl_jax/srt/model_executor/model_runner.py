@@ -1,18 +1,18 @@
 """ModelRunner: owns the model, the KV cache and the memory pools; runs one jitted step.
 
 A step is the model forward plus sampling, jitted once per (mode, padded tokens, padded rows).
-The KV cache, the device page table and the next-inputs buffer (each request slot's last
-sampled token; with EAGLE / NEXTN also its position and drafts, speculative/device_inputs.py)
-are donated into the step and replaced by its outputs, so they are updated in place. The model's routing (every token's
-top-k experts in every layer) is an output of the step when a consumer needs it
-(``layers/moe/routing.py``), read by two consumers: the routed-experts capturer (rows in the
-host table's dtype, a fresh output of each step, their host copy started at dispatch when the
-batch asks for them: all of them when every request asked, else only the askers' rows,
+The KV cache, the device page table and the next-inputs buffer (each request slot's last sampled
+token; with EAGLE / NEXTN also its position and drafts, speculative/device_inputs.py) are
+donated into the step and replaced by its outputs, so they are updated in place. The model's
+routing (every token's top-k experts in every layer) is an output of the step when a consumer
+needs it (``layers/moe/routing.py``), read by two consumers: the routed-experts capturer (rows
+in the host table's dtype, a fresh output of each step, their host copy started at dispatch when
+the batch asks for them: all of them when every request asked, else only the askers' rows,
 gathered on the device) and, with ``--expert-distribution-recorder-mode``, the recorder (its
 device state, ``stat`` counts, is donated too, and the step also outputs the pass's counts or
 ids for ``per_pass`` / ``per_token``; docs/expert_load.md); no shape depends on whether
-recording is on. Every trace of the step is counted in ``num_compiles``: after
-precompilation, serving inside the buckets must leave it flat.
+recording is on. Every trace of the step is counted in ``num_compiles``: after precompilation,
+serving inside the buckets must leave it flat.
 
 The device page table ``req_to_page[req_slot, page_column]`` is device-resident: the step
 records the page of every token it computes, and the host sends a request's page row only

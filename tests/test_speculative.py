@@ -504,6 +504,29 @@ def test_overlapped_verify_steps_sample_stop_and_stream_as_without_speculation(b
     assert bundled_eagle.get_server_info()["spec_overlapped_steps"] > 0
 
 
+def test_requests_that_fill_the_context_draft_past_it_safely():
+    """A request may end exactly at the context length: its last verify steps' draft chain
+    writes scratch positions past it (the host rows and the device page table have room for
+    them; the scheduler used to crash there). Output and rows equal the reference."""
+    from sgl_jax.srt.configs.model_config import BUNDLED_MODEL_PATH
+
+    bundled = ModelConfig.from_hf(BUNDLED_MODEL_PATH)
+    eng = Engine(**{**engine_args(**SETTINGS), "model_path": None, "context_length": 128},
+                 speculative_algorithm="EAGLE")
+    try:
+        for n in (100, 118, 124):
+            ids = prompt_ids(n, n)
+            out = eng.generate(input_ids=ids, return_routed_experts=True,
+                               sampling_params={**GREEDY, "max_new_tokens": 128 - n})
+            assert out["output_ids"] == reference_greedy(ids, 128 - n, path=BUNDLED_MODEL_PATH)
+            np.testing.assert_array_equal(
+                decoded_rows(out, bundled.num_hidden_layers, bundled.num_experts_per_tok),
+                expected_rows(ids, out["output_ids"], BUNDLED_MODEL_PATH))
+        assert_no_leak(eng)
+    finally:
+        eng.shutdown()
+
+
 @pytest.fixture(scope="module", params=["tiny-deepseek-v3", "tiny-glm4-moe"])
 def nextn_engine(request, tmp_path_factory):
     from sgl_jax.tools.make_random_model import write_random_model

@@ -257,8 +257,11 @@ class ModelRunner:
         self.max_running_requests = int(server_args.max_running_requests)
         self.context_len = model_config.context_len
         self.page_size = server_args.page_size
-        # Host rows of req_to_token hold every position of the longest request, in whole pages.
-        self.page_width = round_up(self.context_len, self.page_size)
+        # Host rows of req_to_token hold every position of the longest request, in whole pages;
+        # with EAGLE / NEXTN also the draft chain's scratch positions past its last token.
+        scratch = (server_args.speculative_num_steps - 1
+                   if server_args.speculative_algorithm in ("EAGLE", "NEXTN") else 0)
+        self.page_width = round_up(self.context_len + scratch, self.page_size)
         self.bs_paddings = server_args.bs_paddings()
         self.token_paddings = server_args.token_paddings()
         # Speculative decoding: tokens a request brings to a verify step at most (its last

@@ -642,12 +642,10 @@ class Scheduler:
             # Every position but the last token's holds KV (the invariant of a decode step);
             # a successor in flight (overlap) holds its own positions past that, and its
             # scratch: ``kv_len`` counted this step's n positions, of which j + 1 are kept.
-            memory = self.memory.of(req)
-            if req.finished or not req.inflight:
-                memory.shrink_kv(req, req.seq_len - 1, held=req.kv_len + scratch)
-            else:
-                memory.shrink_kv(req, req.kv_len - (n - j - 1), held=req.kv_len + scratch,
-                                 reserve=scratch)
+            successor = req.inflight > 0 and not req.finished
+            kept = req.kv_len - (n - j - 1) if successor else req.seq_len - 1
+            self.memory.of(req).shrink_kv(req, kept, held=req.kv_len + scratch,
+                                          reserve=scratch if successor else 0)
             if drafts is not None:
                 req.spec_drafts = drafts[i].tolist()
             if req.finished:

@@ -142,15 +142,15 @@ def draft_step(
     """The next drafts ``[B, num_steps]`` of every row, the draft's KV layer and the page
     table (with the scratch positions' pages). ``draft``: an ``EagleDraft`` or a NEXTN
     ``MtpDraft`` (the same interface); ``embed`` / ``head``: the target's. ``accepted``: a
-    verify step's ``accepted_counts``."""
+    verify step's ``accepted_counts`` (the runner's, which also records them; None in an
+    extend step)."""
     token_to_req, positions = meta.token_to_req, meta.positions
     rows = batch.batch_size
     starts, lens = batch.extend_starts, batch.extend_lens
     real_row = lens > 0
     if batch.forward_mode.is_verify:
         following = next_ids  # [T]: the target's token after each position
-        if accepted is None:
-            accepted = accepted_counts(batch, token_to_req, next_ids)
+        assert accepted is not None, "a verify step's accepted counts"
         kept = starts + accepted
     else:
         last = jnp.maximum(starts + lens - 1, 0)

@@ -19,8 +19,8 @@ the finish-time path alone (gather rows [start_len, seq_len-1), scheduler -> det
 tokenizer manager transport, base64, the JSON response, the client reading it). Variants
 ("off": no routed experts; "int32" / "uint8": ``routed_experts_dtype`` in JSON;
 "msgpack int32" / "msgpack uint8": the same rows as raw bytes in a MessagePack body, asked for
-with ``Accept: application/msgpack``; ", buffered": the client streams the body into one numpy
-buffer instead of httpx's ``response.content``) are interleaved in rounds, order rotated; the figures are
+with ``Accept: application/msgpack``; ", buffered" / ", readinto": how the client reads the
+body, see ``Variant``; ``--variants`` picks some, "off" always runs) are interleaved in rounds, order rotated; the figures are
 medians. "added" = variant minus off; "paired" = the median over rounds of each round's
 variant minus that round's off (adjacent runs, so the machine's drift cancels). Latency is the client's until the body is read; the
 client's decoding into a numpy array (``extract_routed_experts_from_meta_info`` after
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import http.client
 import os
 import statistics
 import sys
@@ -54,12 +55,16 @@ LAYERS, TOP_K = 48, 8
 
 
 class Variant:
-    """What a request asks for and how the client reads the body: ``buffered`` streams it
-    into one numpy buffer of its Content-Length (docs/routed_experts.md) instead of letting
-    httpx join its 64 KiB reads into a ``bytes``."""
+    """What a request asks for and how the client reads the body (``reader``):
 
-    def __init__(self, dtype: str | None, binary: bool = False, buffered: bool = False) -> None:
-        self.dtype, self.binary, self.buffered = dtype, binary, buffered
+    - ``content``: httpx's ``response.content`` (httpx joins its 64 KiB reads into a ``bytes``);
+    - ``buffered``: httpx streaming the body into one numpy buffer of its Content-Length;
+    - ``readinto``: the standard library's ``http.client`` reading the body straight into one
+      numpy buffer (``HTTPResponse.readinto``: the socket writes into it, no 64 KiB pieces;
+      docs/routed_experts.md)."""
+
+    def __init__(self, dtype: str | None, binary: bool = False, reader: str = "content") -> None:
+        self.dtype, self.binary, self.reader = dtype, binary, reader
         self.headers = {"Accept": "application/msgpack"} if binary else {}
 
     def decode(self, data: bytes) -> np.ndarray | None:
@@ -69,8 +74,11 @@ class Variant:
 
 VARIANTS = {"off": Variant(None), "int32": Variant("int32"), "uint8": Variant("uint8"),
             "msgpack int32": Variant("int32", True), "msgpack uint8": Variant("uint8", True),
-            "off, buffered": Variant(None, True, True),
-            "msgpack int32, buffered": Variant("int32", True, True)}
+            "off, buffered": Variant(None, True, "buffered"),
+            "msgpack int32, buffered": Variant("int32", True, "buffered"),
+            "off, readinto": Variant(None, True, "readinto"),
+            "msgpack int32, readinto": Variant("int32", True, "readinto"),
+            "msgpack uint8, readinto": Variant("uint8", True, "readinto")}
 
 
 def read_into_buffer(response: httpx.Response) -> memoryview:
@@ -82,6 +90,29 @@ def read_into_buffer(response: httpx.Response) -> memoryview:
         view[pos:pos + len(chunk)] = chunk
         pos += len(chunk)
     return view[:pos]
+
+
+def post_readinto(conn: http.client.HTTPConnection, path: str, body: bytes,
+                  headers: dict[str, str]) -> tuple[int, memoryview]:
+    """(status, body) of a POST whose body ``http.client`` reads straight into one numpy
+    buffer of its Content-Length (the recipe of docs/routed_experts.md)."""
+    conn.request("POST", path, body=body, headers={"Content-Type": "application/json",
+                                                   **headers})
+    response = conn.getresponse()
+    buf = np.empty(int(response.getheader("Content-Length")), np.uint8)
+    view, pos = memoryview(buf), 0
+    while pos < len(buf):
+        n = response.readinto(view[pos:])
+        if not n:
+            raise ConnectionError(f"the body ended after {pos} of {len(buf)} bytes")
+        pos += n
+    return response.status, view
+
+
+def _baseline(variant: Variant) -> str:
+    """The variant a variant's added time is taken over: no rows, read the same way."""
+    name = "off" if variant.reader == "content" else f"off, {variant.reader}"
+    return name if name in VARIANTS else "off"
 
 
 def make_model(context: int) -> str:
@@ -137,6 +168,21 @@ MAX_NEW_TOKENS = [1]  # set from --max-new-tokens
 _CLIENT = [httpx.Client(timeout=3600, limits=httpx.Limits(max_connections=256))]
 
 
+# Kept-alive http.client connections, one per concurrent request (each thread takes its own).
+_IDLE: list[http.client.HTTPConnection] = []
+
+
+def _connection(url: str, timeout: float) -> http.client.HTTPConnection:
+    try:
+        conn = _IDLE.pop()
+    except IndexError:
+        conn = http.client.HTTPConnection(httpx.URL(url).host, httpx.URL(url).port)
+    conn.timeout = timeout
+    if conn.sock is not None:
+        conn.sock.settimeout(timeout)
+    return conn
+
+
 def _generate(url: str, ids: list[int], variant: Variant,
               timeout: float = 600) -> tuple[float, float]:
     """(seconds until the body is read, seconds the client then takes to decode the rows)."""
@@ -145,17 +191,21 @@ def _generate(url: str, ids: list[int], variant: Variant,
     if variant.dtype is not None:
         body.update(return_routed_experts=True, routed_experts_dtype=variant.dtype)
     t0 = time.perf_counter()
-    if variant.buffered:
+    if variant.reader == "readinto":
+        conn = _connection(url, timeout)
+        status, data = post_readinto(conn, "/generate", orjson.dumps(body), variant.headers)
+        _IDLE.append(conn)
+    elif variant.reader == "buffered":
         with _CLIENT[0].stream("POST", url + "/generate", json=body, headers=variant.headers,
                                timeout=timeout) as r:
             assert r.status_code == 200, r.read()[:500]
-            data = read_into_buffer(r)
+            status, data = r.status_code, read_into_buffer(r)
     else:
         r = _CLIENT[0].post(url + "/generate", json=body, headers=variant.headers,
                             timeout=timeout)
-        data = r.content
+        status, data = r.status_code, r.content
     secs = time.perf_counter() - t0
-    assert r.status_code == 200, r.text[:500]
+    assert status == 200, bytes(data[:500])
     rows = variant.decode(data)
     decode = time.perf_counter() - t0 - secs
     if variant.dtype is not None:
@@ -173,6 +223,8 @@ def _round(url: str, prompt: list[int], n: int, variant: Variant) -> list[tuple[
 
 def run(args: argparse.Namespace) -> list[str]:
     MAX_NEW_TOKENS[0] = args.max_new_tokens
+    for name in set(VARIANTS) - {"off", *args.variants}:
+        del VARIANTS[name]
     context = max(args.long_tokens + [args.burst_tokens]) + 64
     path = make_model(context)
     vocab = 512
@@ -205,7 +257,7 @@ def run(args: argparse.Namespace) -> list[str]:
             procs = _proc_tree(server.proc.pid)
             t0 = time.perf_counter()
             # rows into the prefix cache
-            _generate(server.url, prompt, VARIANTS["int32"], timeout=3600)
+            _generate(server.url, prompt, Variant("int32"), timeout=3600)
             print(f"{name}: warm-up prefill of {len(prompt)} tokens {time.perf_counter() - t0:.0f}"
                   " s", flush=True)
             for variant in VARIANTS.values():  # compile every shape the rounds use
@@ -232,24 +284,26 @@ def run(args: argparse.Namespace) -> list[str]:
         finally:
             server.stop()
         rows = len(prompt) + args.max_new_tokens - 1  # seq_len - 1
-        off = statistics.median(times["off"]) * 1e3
         lines.append(f"\n**{name}**: {n} request(s) x {len(prompt)} prompt tokens, "
                      f"{args.repeats} rounds\n")
-        lines.append("| variant | payload / request | latency p50 ms | max ms | added p50 ms | "
+        lines.append("| variant | payload / request | latency p50 ms | max ms | baseline | "
+                     "added p50 ms | "
                      "added, paired p50 ms | paired ms / MiB | client decode p50 ms | "
                      + " | ".join(f"peak RSS rise {r} MiB" for r in procs) + " |")
-        lines.append("|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(procs))
+        lines.append("|---|---:|---:|---:|---|---:|---:|---:|---:|" + "---:|" * len(procs))
         for v, variant in VARIANTS.items():
             med = statistics.median(times[v]) * 1e3
-            # Each round's median minus the same round's "off" (run next to it): the drift of
-            # this machine's speed between rounds cancels.
+            base = _baseline(variant)
+            off = statistics.median(times[base]) * 1e3
+            # Each round's median minus the same round's baseline (run next to it): the drift
+            # of this machine's speed between rounds cancels.
             paired = statistics.median(
-                a - b for a, b in zip(round_medians[v], round_medians["off"], strict=True)) * 1e3
+                a - b for a, b in zip(round_medians[v], round_medians[base], strict=True)) * 1e3
             mib = _payload(variant.dtype, rows) / 2**20
             per_mib = f"{paired / mib:+.2f}" if mib else "-"
             peak = " | ".join(f"{max(peaks[v][r]) / 2**20:.0f}" for r in procs)
             lines.append(f"| {v} | {mib:.1f} MiB | {med:.1f} | {max(times[v]) * 1e3:.1f} | "
-                         f"{med - off:+.1f} | {paired:+.1f} | {per_mib} | "
+                         f"{base} | {med - off:+.1f} | {paired:+.1f} | {per_mib} | "
                          f"{statistics.median(decodes[v]) * 1e3:.1f} | {peak} |")
         print("\n".join(lines[-(len(VARIANTS) + 3):]), flush=True)
     return lines
@@ -265,6 +319,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk", type=int, default=4096, help="chunked prefill size")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=1)
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                   help="the variants to run (\"off\", the baseline, always runs)")
     p.add_argument("--routed-experts-shm-mb", type=int, default=256,
                    help="the server's shared memory for large rows (0: the socket side channel)")
 

@@ -7,6 +7,8 @@ and the logprobs are identical; rows are also checked against the float64 refere
 
 from __future__ import annotations
 
+import http.client
+import json
 from typing import Any
 
 import httpx
@@ -251,23 +253,38 @@ def test_httpx_client_as_in_the_docs(server) -> None:
                 parts.append(extract_routed_experts_from_meta_info(chunk))
     np.testing.assert_array_equal(np.concatenate(parts), rows)
 
-    # The buffered read for long bodies (the docs' read_into_buffer).
-    def read_into_buffer(response: httpx.Response) -> memoryview:
-        buf = np.empty(int(response.headers["content-length"]), np.uint8)
+    # The read for long bodies: http.client straight into one numpy buffer (the docs'
+    # post_msgpack), over one kept-alive connection, and its error path.
+    def post_msgpack(conn: http.client.HTTPConnection, path: str, body: dict) -> dict:
+        conn.request("POST", path, body=json.dumps(body),
+                     headers={"Content-Type": "application/json",
+                              "Accept": "application/msgpack"})
+        res = conn.getresponse()
+        buf = np.empty(int(res.getheader("Content-Length")), np.uint8)
         view, pos = memoryview(buf), 0
-        for chunk in response.iter_raw():
-            view[pos:pos + len(chunk)] = chunk
-            pos += len(chunk)
-        return view[:pos]
+        while pos < len(buf):
+            n = res.readinto(view[pos:])
+            if not n:
+                raise ConnectionError("the body ended early")
+            pos += n
+        if res.status != 200:
+            raise RuntimeError(json.loads(bytes(view)))
+        return msgpack.unpackb(view)
 
-    with httpx.stream("POST", url + "/generate", headers={"Accept": "application/msgpack"},
-                      timeout=60,
-                      json={"text": "Waves", "return_routed_experts": True,
-                            "sampling_params": {"max_new_tokens": 3, "temperature": 0}}) as res:
-        res.raise_for_status()
-        buffered = msgpack.unpackb(read_into_buffer(res))
-    assert buffered["output_ids"] == out["output_ids"]
-    np.testing.assert_array_equal(extract_routed_experts_from_meta_info(buffered), rows)
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        body = {"text": "Waves", "return_routed_experts": True,
+                "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+        for _ in range(2):  # the second over the same connection
+            read = post_msgpack(conn, "/generate", body)
+            assert read["output_ids"] == out["output_ids"]
+            np.testing.assert_array_equal(extract_routed_experts_from_meta_info(read), rows)
+        with pytest.raises(RuntimeError, match="max_new_tokens"):
+            post_msgpack(conn, "/generate", {**body, "sampling_params": {"max_new_tokens": -1}})
+        assert post_msgpack(conn, "/generate", body)["output_ids"] == out["output_ids"]
+    finally:
+        conn.close()
 
 
 def test_bad_format_is_a_400_and_the_server_keeps_serving(server) -> None:

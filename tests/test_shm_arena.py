@@ -39,7 +39,7 @@ def arena_hops(hops):  # noqa: F811 (the fixture imported above)
     side.close()
 
 
-@pytest.mark.parametrize("dtype", ["int32", "uint8"])
+@pytest.mark.parametrize("dtype", ["int32", "int16", "uint8", "uint16"])
 def test_rows_go_through_the_arena_exact(arena_hops, dtype: str) -> None:
     to_detok, _, _, side, side_in, _ = arena_hops
     table, slots, rows = _table_with_rows(60)
@@ -47,7 +47,11 @@ def test_rows_go_through_the_arena_exact(arena_hops, dtype: str) -> None:
     got, out = _through(arena_hops, sender, [_finished("a", table, slots, dtype, weights=True)])
     packed = got._wire_columns()[ReqOutput._fields.index("routed")]
     assert type(packed[1][0]) is ArenaRef and type(packed[3][0]) is ArenaRef  # ids, weights
+    # Narrow rows to a signed wire dtype are cast by the copy into the arena; the reference
+    # names the wire dtype.
+    assert np.dtype(packed[1][0].dtype) == np.dtype(dtype)
     routed = out.outputs[0].routed
+    assert routed.ids.dtype == np.dtype(dtype)
     np.testing.assert_array_equal(routed.ids, to_wire_dtype(rows, dtype))
     np.testing.assert_array_equal(routed.weights, table.gather_weights(slots))
     assert is_borrowed(routed.ids) and not routed.ids.flags.writeable
@@ -95,6 +99,23 @@ def test_a_full_arena_sends_through_the_socket(arena_hops) -> None:
     gc.collect()
     third = side.put(second)  # the first range was released when its array was dropped
     assert type(third) is ArenaRef
+
+
+def test_a_cast_on_the_way_equals_astype_through_either_path(arena_hops) -> None:
+    to_detok, detok, manager, side, side_in, _ = arena_hops
+    rows = np.random.default_rng(3).integers(-1, 127, (MiB // 4,), dtype=np.int8)
+    # Into the arena (1 MiB of int32, cast by the copy), then with the arena full, the socket.
+    hog = side.put(np.zeros(3 * MiB // 4, np.int32))
+    refs = [side.put(rows, np.dtype(np.int32)), side.put(rows, np.dtype(np.int32))]
+    assert type(hog) is ArenaRef
+    assert type(refs[0]) is ArenaRef and type(refs[1]) is SideArray
+    side.flush()
+    for ref in refs:
+        send_obj(to_detok, ref)
+        send_obj(detok.send_socket, recv_obj(detok.recv_socket))
+        got = recv_obj(manager, side=side_in)
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, rows.astype(np.int32))
 
 
 def test_a_reference_to_anything_else_is_refused() -> None:

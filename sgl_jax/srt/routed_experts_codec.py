@@ -68,6 +68,13 @@ def _no_router_mask(rows: np.ndarray) -> np.ndarray:
     return rows < 0
 
 
+def is_plain_cast(rows_dtype: np.dtype, name: str) -> bool:
+    """Whether ``to_wire_dtype`` of rows in ``rows_dtype`` is just ``astype`` of the wire
+    dtype ``name`` (signed -> signed: -1 stays -1), so that a copy the rows take anyway can
+    cast them on the way."""
+    return rows_dtype.kind == "i" and wire_dtype(name).kind == "i"
+
+
 def to_wire_dtype(rows: np.ndarray, name: str) -> np.ndarray:
     """Rows of ids in any integer dtype -> the wire dtype ``name`` (the no-router marker
     translated). Done once, where rows leave the engine, before base64.

@@ -14,6 +14,7 @@ from sgl_jax.srt.managers.schedule_batch import Req
 from sgl_jax.srt.managers.transport import SideSender, send_obj
 from sgl_jax.srt.routed_experts_codec import (
     ROUTED_EXPERT_WEIGHTS_DTYPES,
+    is_plain_cast,
     to_wire_dtype,
     wire_dtype,
 )
@@ -115,12 +116,19 @@ class OutputSender:
         else:
             return None
         req.routed_sent += len(rows)
-        ids = to_wire_dtype(rows, opts.dtype)
-        if weights is not None:
-            weights = weights.astype(ROUTED_EXPERT_WEIGHTS_DTYPES[opts.weights_dtype], copy=False)
-        if self.side is not None:  # large ones skip the detokenizer
-            ids = self.side.put(ids)
-            weights = None if weights is None else self.side.put(weights)
+        weights_dtype = ROUTED_EXPERT_WEIGHTS_DTYPES[opts.weights_dtype]
+        if self.side is None:
+            ids = to_wire_dtype(rows, opts.dtype)
+            if weights is not None:
+                weights = weights.astype(weights_dtype, copy=False)
+            return ids, start, weights
+        # Large ones skip the detokenizer; a plain cast is done by their copy into the
+        # shared-memory arena (one pass over the rows, into memory that stays mapped).
+        if is_plain_cast(rows.dtype, opts.dtype):
+            ids = self.side.put(rows, wire_dtype(opts.dtype))
+        else:
+            ids = self.side.put(to_wire_dtype(rows, opts.dtype))
+        weights = None if weights is None else self.side.put(weights, weights_dtype)
         return ids, start, weights
 
     def send(self, reqs: list[Req]) -> None:

@@ -108,20 +108,22 @@ class ArenaWriter:
         logger.info("routed-experts arena: up to %d MiB of shared memory", megabytes)
         return cls(name, fd, mm)
 
-    def put(self, array: np.ndarray) -> ArenaRef | None:
-        """``array`` copied into the arena, or None when no slot or range is free."""
-        nbytes = array.nbytes
+    def put(self, array: np.ndarray, dtype: np.dtype | None = None) -> ArenaRef | None:
+        """``array`` copied into the arena, or None when no slot or range is free. With
+        ``dtype``, the copy is also the cast (``array.astype(dtype)``'s values): one pass over
+        memory that stays mapped, where a cast first would write a fresh array."""
+        dtype = array.dtype if dtype is None else np.dtype(dtype)
+        nbytes = array.size * dtype.itemsize
         self._reclaim()
         slot = self._free_slot()
         offset = None if slot is None else self._first_fit(nbytes)
         if offset is None:
             return None
-        dst = self._data[offset:offset + nbytes].view(array.dtype).reshape(array.shape)
-        np.copyto(dst, array, casting="no")
+        dst = self._data[offset:offset + nbytes].view(dtype).reshape(array.shape)
+        np.copyto(dst, array, casting="unsafe")  # astype's semantics
         self._live[slot] = (offset, nbytes)
         self._states[slot] = BUSY  # before the reference leaves: the reader frees it
-        return ArenaRef(self.name, self.pid, self.fd, slot, offset, array.dtype.str,
-                        array.shape)
+        return ArenaRef(self.name, self.pid, self.fd, slot, offset, dtype.str, array.shape)
 
     def in_use(self) -> int:
         """Slots whose ranges the reader has not released yet."""

@@ -133,13 +133,17 @@ class SideSender:
         self._count += 1
         return self._prefix + self._count.to_bytes(8, "little")
 
-    def put(self, array: np.ndarray) -> np.ndarray | SideArray | ArenaRef:
-        """``array`` itself if it is small (or not contiguous), else its reference: a range of
-        the arena it was copied into, or one to be sent by the next ``flush``."""
-        if array.nbytes < self.min_bytes or not array.flags.c_contiguous:
-            return array
-        if self.arena is not None and (in_arena := self.arena.put(array)) is not None:
+    def put(self, array: np.ndarray,
+            dtype: np.dtype | None = None) -> np.ndarray | SideArray | ArenaRef:
+        """``array`` (cast to ``dtype`` if given, as ``astype`` casts) itself if it is small
+        (or not contiguous), else its reference: a range of the arena it was copied into
+        (cast on the way: one pass), or one to be sent by the next ``flush``."""
+        dtype = array.dtype if dtype is None else np.dtype(dtype)
+        if array.size * dtype.itemsize < self.min_bytes or not array.flags.c_contiguous:
+            return array.astype(dtype, copy=False)
+        if self.arena is not None and (in_arena := self.arena.put(array, dtype)) is not None:
             return in_arena
+        array = array.astype(dtype, copy=False)
         ref = SideArray(self._key, len(self._pending), array.dtype.str, array.shape, array)
         self._pending.append(ref)
         return ref

@@ -22,7 +22,8 @@ tokenizer manager transport, base64, the JSON response, the client reading it). 
 with ``Accept: application/msgpack``; ", buffered" / ", readinto": how the client reads the
 body, see ``Variant``; ``--variants`` picks some, "off" always runs) are interleaved in rounds, order rotated; the figures are
 medians. "added" = variant minus off; "paired" = the median over rounds of each round's
-variant minus that round's off (adjacent runs, so the machine's drift cancels). Latency is the client's until the body is read; the
+variant minus that round's off (adjacent runs, so the machine's drift cancels); "round" is
+the time until a round's slowest request is read (its added share, paired likewise). Latency is the client's until the body is read; the
 client's decoding into a numpy array (``extract_routed_experts_from_meta_info`` after
 ``json.loads`` / ``msgpack.unpackb``) is reported beside it.
 
@@ -96,9 +97,16 @@ def post_readinto(conn: http.client.HTTPConnection, path: str, body: bytes,
                   headers: dict[str, str]) -> tuple[int, memoryview]:
     """(status, body) of a POST whose body ``http.client`` reads straight into one numpy
     buffer of its Content-Length (the recipe of docs/routed_experts.md)."""
-    conn.request("POST", path, body=body, headers={"Content-Type": "application/json",
-                                                   **headers})
-    response = conn.getresponse()
+    for attempt in range(2):
+        try:
+            conn.request("POST", path, body=body,
+                         headers={"Content-Type": "application/json", **headers})
+            response = conn.getresponse()
+            break
+        except ConnectionError:  # a kept-alive connection the server closed: reconnect once
+            conn.close()
+            if attempt:
+                raise
     buf = np.empty(int(response.getheader("Content-Length")), np.uint8)
     view, pos = memoryview(buf), 0
     while pos < len(buf):
@@ -264,6 +272,7 @@ def run(args: argparse.Namespace) -> list[str]:
                 _round(server.url, prompt, n, variant)
             times: dict[str, list[float]] = {v: [] for v in VARIANTS}
             round_medians: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            round_walls: dict[str, list[float]] = {v: [] for v in VARIANTS}  # slowest request
             decodes: dict[str, list[float]] = {v: [] for v in VARIANTS}
             peaks: dict[str, dict[str, list[int]]] = {v: {r: [] for r in procs} for v in VARIANTS}
             order = list(VARIANTS)
@@ -277,6 +286,7 @@ def run(args: argparse.Namespace) -> list[str]:
                         times[v].append(secs)
                         decodes[v].append(decode)
                     round_medians[v].append(statistics.median(s for s, _ in results))
+                    round_walls[v].append(max(s for s, _ in results))
                     print(f"{name} round {i} {v}: p50 {statistics.median(times[v][-n:]) * 1e3:.0f}"
                           " ms", flush=True)
                     for r, p in procs.items():
@@ -287,10 +297,11 @@ def run(args: argparse.Namespace) -> list[str]:
         lines.append(f"\n**{name}**: {n} request(s) x {len(prompt)} prompt tokens, "
                      f"{args.repeats} rounds\n")
         lines.append("| variant | payload / request | latency p50 ms | max ms | baseline | "
-                     "added p50 ms | "
-                     "added, paired p50 ms | paired ms / MiB | client decode p50 ms | "
+                     "added p50 ms | added, paired p50 ms | paired ms / MiB | round p50 ms | "
+                     "round added, paired | client decode p50 ms | "
                      + " | ".join(f"peak RSS rise {r} MiB" for r in procs) + " |")
-        lines.append("|---|---:|---:|---:|---|---:|---:|---:|---:|" + "---:|" * len(procs))
+        lines.append("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"
+                     + "---:|" * len(procs))
         for v, variant in VARIANTS.items():
             med = statistics.median(times[v]) * 1e3
             base = _baseline(variant)
@@ -299,11 +310,17 @@ def run(args: argparse.Namespace) -> list[str]:
             # of this machine's speed between rounds cancels.
             paired = statistics.median(
                 a - b for a, b in zip(round_medians[v], round_medians[base], strict=True)) * 1e3
+            # A round lasts until its slowest request is read: its added time, paired, as a
+            # share of the baseline's round.
+            wall = statistics.median(round_walls[v]) * 1e3
+            wall_added = statistics.median(
+                (a - b) / b for a, b in zip(round_walls[v], round_walls[base], strict=True))
             mib = _payload(variant.dtype, rows) / 2**20
             per_mib = f"{paired / mib:+.2f}" if mib else "-"
             peak = " | ".join(f"{max(peaks[v][r]) / 2**20:.0f}" for r in procs)
             lines.append(f"| {v} | {mib:.1f} MiB | {med:.1f} | {max(times[v]) * 1e3:.1f} | "
                          f"{base} | {med - off:+.1f} | {paired:+.1f} | {per_mib} | "
+                         f"{wall:.1f} | {wall_added:+.1%} | "
                          f"{statistics.median(decodes[v]) * 1e3:.1f} | {peak} |")
         print("\n".join(lines[-(len(VARIANTS) + 3):]), flush=True)
     return lines

@@ -14,6 +14,10 @@ accepted.
 - **Connection cap**: at most ``max_connections`` are open. One more closes the connection
   that has waited longest for headers (the cheapest to lose: it has asked for nothing yet),
   or the new one if every connection is busy with a request.
+
+And one saving: a slice of a body with a Content-Length goes to the transport as the buffer
+it is (``_UnjoinedConnection``), not joined into a fresh ``bytes`` first: a MessagePack body's
+arrays (``wire.Spliced``) reach the socket from the memory they arrived in.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import asyncio
 import logging
 
 import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +41,12 @@ def guarded_h11_protocol(header_timeout: float, max_connections: int) -> type[H1
 
     class GuardedH11Protocol(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
+
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            limit = self.config.h11_max_incomplete_event_size
+            self.conn = _UnjoinedConnection(
+                h11.SERVER, DEFAULT_MAX_INCOMPLETE_EVENT_SIZE if limit is None else limit)
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -85,3 +95,15 @@ def guarded_h11_protocol(header_timeout: float, max_connections: int) -> type[H1
 
     return GuardedH11Protocol
 
+
+class _UnjoinedConnection(h11.Connection):
+    """h11's connection, but ``send`` returns an event's one piece as it is: h11 joins the
+    pieces of every event into a new ``bytes``, which for a Content-Length body's slice (one
+    piece, the caller's own buffer) is a copy of the whole body on its way to the socket.
+    Framed events (headers, chunks) have several pieces and are joined as before."""
+
+    def send(self, event: h11.Event) -> bytes | memoryview | None:  # type: ignore[override]
+        pieces = self.send_with_data_passthrough(event)
+        if pieces is None:
+            return None
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)

@@ -12,9 +12,10 @@ The arrays reach the HTTP layer as numpy arrays (the request's ``routed_experts_
 placeholder per array, and the body goes out as that rest with each array's own buffer spliced
 in (``Spliced``), in slices of at most ``SLICE_BYTES``. A large Python ``bytes`` costs a page
 fault per 4 KiB when it is first written (a 48 MiB body: ~30 ms here, against ~5 ms to copy
-into memory numpy already holds), so the arrays are never copied into one; the HTTP layer
-copies each slice once, into memory it reuses, and its flow control sends the next slice only
-when the socket has taken the last.
+into memory numpy already holds), so the arrays are never copied into one. Each slice goes to
+the transport as the buffer it is (``http_connections._UnjoinedConnection``: h11 would join it
+into a fresh ``bytes``); the transport copies only what the socket does not take at once, and
+its flow control sends the next slice when the socket has taken the last.
 """
 
 from __future__ import annotations

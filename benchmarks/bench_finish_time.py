@@ -338,7 +338,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=1)
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                    help="the variants to run (\"off\", the baseline, always runs)")
-    p.add_argument("--routed-experts-shm-mb", type=int, default=256,
+    p.add_argument("--routed-experts-shm-mb", type=int, default=1024,
                    help="the server's shared memory for large rows (0: the socket side channel)")
 
 

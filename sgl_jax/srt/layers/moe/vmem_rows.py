@@ -13,11 +13,11 @@ operand in VMEM, read it from HBM once and pick the rows there:
   ``held[t, j]`` -> float32 ``[T, D]``; rows not held are never read (``where``, not a
   multiply: they may be garbage, even NaN). The sum runs over ``j = 0 .. k-1`` in order.
 
-Only whole, aligned ``(16, D)`` blocks are loaded from the VMEM copy (Mosaic's dynamic
-sublane offsets must be tile-aligned for packed types); the row within the block is picked
-with a one-hot mask and a sum over the block's 16 rows, which is exact (one nonzero term, the
-other terms are selected zeros). The kernels' cost estimates are what they move: the operand
-once, the result once, the indices.
+The kernel copies the operand, read from HBM once, into a float32 VMEM scratch at its first
+grid step (exact for any narrower float dtype) and loads each row with a dynamic sublane
+offset there (Mosaic cannot load a single row of a packed bfloat16 ref at an offset it cannot
+prove aligned; it can for 32-bit refs): ``D / 128`` vector loads per row. The kernels' cost
+estimates are what they move: the operand once, the result once, the indices.
 
 :func:`fits` says whether an operand is small enough (``MAX_VMEM_OPERAND``); the callers
 fall back to XLA's gathers otherwise (prefill).
@@ -34,31 +34,33 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 BLOCK = 16  # rows of a bfloat16 (16, 128) tile; also a multiple of float32's 8
-MAX_VMEM_OPERAND = 8 * 1024 * 1024  # largest operand held whole in VMEM (decode: T <= 1024)
-VMEM_LIMIT = 24 * 1024 * 1024  # scoped VMEM of a kernel: the operand + 2 output blocks (4 MiB)
-OUT_ROWS = 256  # rows of one output block (a grid step)
+MAX_VMEM_OPERAND = 8 * 1024 * 1024  # largest operand held whole in VMEM (decode: T*k <= 2048)
+# Scoped VMEM of a kernel: the operand (<= 8 MiB), its float32 copy (<= 16 MiB), two output
+# blocks (<= 2 MiB) and Mosaic's own scratch; below the 95 / 128 MiB of v5p / v5e / v6e.
+VMEM_LIMIT = 40 * 1024 * 1024
+OUT_ROWS = 64  # rows of one output block (a grid step)
 
 
 def fits(rows: int, width: int, itemsize: int) -> bool:
     """Whether a ``[rows, width]`` operand is held whole in VMEM by these kernels."""
-    return rows * width * itemsize <= MAX_VMEM_OPERAND
+    return rows * width * max(itemsize, 2) <= MAX_VMEM_OPERAND and itemsize <= 4
 
 
-def _pick(ref: jax.Array, row: jax.Array) -> jax.Array:
-    """float32 ``[1, D]``: row ``row`` of the VMEM ref, from its aligned 16-row block."""
-    start = pl.multiple_of(jnp.bitwise_and(row, -BLOCK), BLOCK)  # row >= 0; BLOCK a power of 2
-    block = ref[pl.ds(start, BLOCK), :].astype(jnp.float32)
-    lane_rows = jax.lax.broadcasted_iota(jnp.int32, block.shape, 0)
-    picked = jnp.where(lane_rows == jnp.bitwise_and(row, BLOCK - 1), block, jnp.zeros_like(block))
-    return jnp.sum(picked, axis=0, keepdims=True)
+def _widen(src_ref, f32_ref) -> None:
+    """At the first grid step, the float32 copy of the VMEM operand (kept across the steps:
+    the grid runs in order on one core, ``arbitrary``)."""
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+        f32_ref[...] = src_ref[...].astype(jnp.float32)
 
 
-def _gather_kernel(idx_ref, x_ref, o_ref):
+def _gather_kernel(idx_ref, x_ref, o_ref, xf_ref):
+    _widen(x_ref, xf_ref)
     base = pl.program_id(0) * o_ref.shape[0]
 
     def block(b, carry):
         first = base + b * BLOCK
-        rows = [_pick(x_ref, idx_ref[first + r]) for r in range(BLOCK)]
+        rows = [xf_ref[pl.ds(idx_ref[first + r], 1), :] for r in range(BLOCK)]
         start = pl.multiple_of(b * BLOCK, BLOCK)
         o_ref[pl.ds(start, BLOCK), :] = jnp.concatenate(rows, axis=0).astype(o_ref.dtype)
         return carry
@@ -66,7 +68,8 @@ def _gather_kernel(idx_ref, x_ref, o_ref):
     jax.lax.fori_loop(0, o_ref.shape[0] // BLOCK, block, 0)
 
 
-def _sum_kernel(top_k, code_ref, rows_ref, o_ref):
+def _sum_kernel(top_k, code_ref, rows_ref, o_ref, rf_ref):
+    _widen(rows_ref, rf_ref)
     base = pl.program_id(0) * o_ref.shape[0]
 
     def block(b, carry):
@@ -76,7 +79,7 @@ def _sum_kernel(top_k, code_ref, rows_ref, o_ref):
             acc = jnp.zeros((1, o_ref.shape[1]), jnp.float32)
             for j in range(top_k):
                 code = code_ref[token * top_k + j]  # row index, or -1: not held
-                row = _pick(rows_ref, jnp.maximum(code, 0))
+                row = rf_ref[pl.ds(jnp.maximum(code, 0), 1), :]
                 acc = acc + jnp.where(code >= 0, row, jnp.zeros_like(row))
             out.append(acc)
         start = pl.multiple_of(b * BLOCK, BLOCK)
@@ -134,6 +137,7 @@ def gather_rows(x: jax.Array, idx: jax.Array, rows: int, interpret: bool) -> jax
                 grid=(rows // tm,),
                 in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
                 out_specs=pl.BlockSpec((tm, d), lambda i, idx_ref: (i, 0)),
+                scratch_shapes=[pltpu.VMEM((n_pad, d), jnp.float32)],
             ),
             compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                                  vmem_limit_bytes=VMEM_LIMIT),
@@ -176,6 +180,7 @@ def sum_rows(rows: jax.Array, index: jax.Array, held: jax.Array, interpret: bool
                 grid=(t_pad // tt,),
                 in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
                 out_specs=pl.BlockSpec((tt, d), lambda i, code_ref: (i, 0)),
+                scratch_shapes=[pltpu.VMEM((m_pad, d), jnp.float32)],
             ),
             compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
                                                  vmem_limit_bytes=VMEM_LIMIT),

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sgl_jax.srt.layers.moe import gmm
+from sgl_jax.srt.layers.moe import gmm, vmem_rows
 from sgl_jax.srt.layers.moe.ep_moe import ep_moe_forward
 from sgl_jax.srt.layers.moe.experts import (
     MOE_BACKEND_CHOICES,
@@ -139,10 +139,20 @@ def test_rows_outside_every_group_never_reach_the_result(nan_in_unwritten_rows):
     assert rel_err(got, local_reference(case)) < REL_TOL
 
 
-def test_lane_tiled_gathers_with_garbage_rows(nan_in_unwritten_rows):
+@pytest.fixture(params=["vmem", "xla"])
+def row_gathers(request, monkeypatch):
+    """Both ways of gathering rows: the VMEM kernels (``vmem_rows``, decode-sized operands)
+    and XLA's gathers (``take_rows`` / ``sum_token_rows``, what larger operands take)."""
+    if request.param == "xla":
+        monkeypatch.setattr(vmem_rows, "MAX_VMEM_OPERAND", 0)
+    return request.param
+
+
+def test_lane_tiled_gathers_with_garbage_rows(nan_in_unwritten_rows, row_gathers):
     """H a multiple of 128 takes the tile-shaped paths (``take_rows`` of the token rows,
-    ``sum_token_rows``' [T, k, H/128, 128] un-permute): still the float64 reference, with
-    NaN in every row the kernel leaves unwritten and assignments held elsewhere."""
+    ``sum_token_rows``' [T, k, H/128, 128] un-permute) or the VMEM kernels: still the
+    float64 reference, with NaN in every row the kernel leaves unwritten and assignments
+    held elsewhere."""
     full = make_case(41, 19, hidden=256, inter=128)
     ids = full["topk_ids"]
     case = {"x": full["x"], "topk_weights": full["topk_weights"],
@@ -152,6 +162,51 @@ def test_lane_tiled_gathers_with_garbage_rows(nan_in_unwritten_rows):
     got = np.asarray(jax.jit(gmm.gmm_experts)(*args))
     assert got.shape == (19, 256) and np.isfinite(got).all()
     assert rel_err(got, local_reference(case)) < REL_TOL
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_vmem_gather_rows_is_exact(dtype):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((37, 256)), dtype)  # rows not a multiple of 16
+    idx = jnp.asarray(rng.integers(0, 37, 148), jnp.int32)
+    got = vmem_rows.gather_rows(x, idx, 160, True)
+    assert got.shape == (160, 256) and got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got[:148]), np.asarray(x)[np.asarray(idx)])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_vmem_sum_rows_skips_rows_not_held(dtype):
+    """float32 sums over j in order, exactly; rows not held are never read (NaN there)."""
+    rng = np.random.default_rng(1)
+    tokens, top_k, rows = 19, 4, 83
+    index = rng.integers(0, rows, (tokens, top_k)).astype(np.int32)
+    held = rng.random((tokens, top_k)) < 0.7
+    # Values representable in dtype; NaN in every row only assignments not held point at.
+    data = np.array(jnp.asarray(rng.standard_normal((rows, 128)), dtype).astype(jnp.float32))
+    data[np.setdiff1d(index[~held], index[held])] = np.nan
+    got = np.asarray(vmem_rows.sum_rows(jnp.asarray(data, dtype), jnp.asarray(index),
+                                        jnp.asarray(held), True))
+    want = np.zeros((tokens, 128), np.float32)
+    for j in range(top_k):
+        want = want + np.where(held[:, j:j + 1], data[index[:, j]], np.float32(0))
+    assert got.dtype == np.float32 and np.isfinite(got).all()
+    np.testing.assert_array_equal(got, want)
+
+
+def test_bfloat16_gmm_vmem_and_xla_gathers_agree(monkeypatch):
+    """The same bfloat16 layer with both ways of gathering rows: identical rows reach the
+    kernels; the k-sums differ at most in float32 rounding of their order."""
+    full = make_case(43, 40, hidden=256, inter=128)
+    ids = full["topk_ids"]
+    args = [jnp.asarray(full["x"], jnp.bfloat16),
+            np.where(ids < LOCAL_ROWS, ids, LOCAL_ROWS).astype(np.int32),
+            full["topk_weights"],
+            *[jnp.asarray(full[k][:LOCAL_ROWS], jnp.bfloat16)
+              for k in ("w_gate", "w_up", "w_down")]]
+    vmem = np.asarray(jax.jit(gmm.gmm_experts)(*args))
+    monkeypatch.setattr(vmem_rows, "MAX_VMEM_OPERAND", 0)
+    xla = np.asarray(jax.jit(gmm.gmm_experts)(*args))
+    np.testing.assert_allclose(vmem, xla, rtol=1e-6, atol=1e-6)
 
 
 def test_bfloat16_gmm():

@@ -249,3 +249,26 @@ def test_chunked_top_k_and_cumsum_equal_the_whole_row_versions() -> None:
     odd = jnp.asarray(x[:, :251])
     np.testing.assert_array_equal(np.asarray(chunked_top_k(odd, 4, TPU_CHUNKS)[1]),
                                   np.asarray(jax.lax.top_k(odd, 4)[1]))
+
+
+def test_chunked_inverse_cdf_matches_the_whole_row_cumsum() -> None:
+    """One chunk's cumulative sum per row: the same ids as the whole row's inverse CDF (up to
+    a draw within float rounding of a cumulative sum: none here), never an ineligible id,
+    and the same total weight up to rounding."""
+    from sgl_jax.srt.layers.sampler import _inverse_cdf, chunked_inverse_cdf
+
+    rng = np.random.default_rng(9)
+    w = rng.random((64, VOCAB)).astype(np.float32) ** 4
+    w[rng.random(w.shape) < 0.3] = 0.0  # ineligible ids
+    w[3] = 0.0
+    w[3, 17] = 1.0  # one eligible id
+    w[5, VOCAB // 2:] = 0.0  # the back half ineligible
+    u = rng.random(64).astype(np.float32)
+    u[:4] = [0.0, 0.999999, 0.5, 1.0 - 2.0**-24]
+    got, total = jax.jit(chunked_inverse_cdf, static_argnums=2)(jnp.asarray(w), jnp.asarray(u),
+                                                               TPU_CHUNKS)
+    cum = jnp.cumsum(jnp.asarray(w), axis=1)
+    want = _inverse_cdf(cum, jnp.asarray(w) > 0, cum[:, -1], jnp.asarray(u))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert (w[np.arange(64), np.asarray(got)] > 0).all() and int(got[3]) == 17
+    np.testing.assert_allclose(np.asarray(total), w.astype(np.float64).sum(axis=1), rtol=1e-5)

@@ -24,7 +24,9 @@ up with the LM head's shards when the tensor-parallel size divides the count):
 - the head is a top-k per chunk, then a top-k of the chunks' heads (``chunked_top_k``: the
   same values and ids, ties still to the lower id, with no sort of the whole row);
 - cumulative sums run within chunks, then add the totals of the chunks before
-  (``chunked_cumsum``: no gather of the sharded row);
+  (``chunked_cumsum``: no gather of the sharded row); the untruncated rows' inverse CDF over
+  the whole vocabulary sums every chunk but runs a cumulative sum over only the chunk the
+  draw lands in (``chunked_inverse_cdf``);
 - the full-sort fallback sorts only the rows that need it, ``FALLBACK_ROWS`` at a time (on
   every platform).
 
@@ -95,6 +97,37 @@ def chunked_cumsum(x: jax.Array, most: int) -> jax.Array:
     totals = parts[:, :, -1]
     before = jnp.cumsum(totals, axis=1) - totals  # [B, chunks]: mass of the chunks before
     return (parts + before[:, :, None]).reshape(batch, width)
+
+
+def chunked_inverse_cdf(weights: jax.Array, u: jax.Array, most: int
+                        ) -> tuple[jax.Array, jax.Array]:
+    """``_inverse_cdf`` over whole [B, V] rows of ``weights`` (eligible: weight > 0) and the
+    rows' total weight, with a cumulative sum over one chunk per row only (of at most
+    ``most``): the chunks' totals and their running sum pick the chunk the draw lands in (the
+    first whose running total passes ``u * total`` and that holds an eligible id, else the
+    last that holds one), then that chunk's cumulative sum (plus the mass before it) picks
+    the id; no eligible id in it past the draw (float rounding of the two sums): its last
+    eligible id. Never an ineligible id; the token differs from the whole-row cumsum's only
+    where the draw lands within float rounding of a cumulative sum (as ``chunked_cumsum``)."""
+    batch, width = weights.shape
+    chunks = chunk_count(width, most)
+    size = width // chunks
+    w3 = weights.reshape(batch, chunks, size)
+    totals = jnp.sum(w3, axis=2)  # [B, C]
+    upto = jnp.cumsum(totals, axis=1)  # running total through each chunk
+    total = upto[:, -1]
+    threshold = u * total
+    any_eligible = jnp.any(w3 > 0.0, axis=2)  # [B, C]
+    passes = any_eligible & (upto > threshold[:, None])
+    last_chunk = chunks - 1 - jnp.argmax(any_eligible[:, ::-1], axis=1)
+    chunk = jnp.where(jnp.any(passes, axis=1), jnp.argmax(passes, axis=1), last_chunk)
+    # The chosen chunk's weights (one nonzero term per sum: exact; no gather across the
+    # vocabulary's shards).
+    pick = jnp.arange(chunks)[None, :, None] == chunk[:, None, None]
+    w = jnp.sum(jnp.where(pick, w3, 0.0), axis=1)  # [B, size]
+    before = jnp.take_along_axis(upto - totals, chunk[:, None], axis=1)  # [B, 1]
+    pos = _inverse_cdf(jnp.cumsum(w, axis=1) + before, w > 0.0, threshold, jnp.ones_like(u))
+    return (chunk * size + pos).astype(jnp.int32), total
 
 
 def _row_uniforms(seeds: jax.Array, steps: jax.Array) -> jax.Array:
@@ -206,10 +239,13 @@ def sample(logits: jax.Array, meta: SamplingMetadata, head_size: int = 1024,
 
         # Full-vocabulary weights in id order (relative to the row max, so in [0, 1]).
         weights = jnp.exp((logits - jnp.max(logits, axis=1, keepdims=True)) / temps[:, None])
-        cum = chunked_cumsum(weights, vocab_chunks)
-        total = cum[:, -1]
         untruncated = (k >= vocab) & (meta.top_ps >= 1.0) & (meta.min_ps <= 0.0)
-        plain = _inverse_cdf(cum, weights > 0.0, total, u)
+        if chunk_count(vocab, vocab_chunks) > 1:
+            plain, total = chunked_inverse_cdf(weights, u, vocab_chunks)
+        else:
+            cum = jnp.cumsum(weights, axis=1)
+            total = cum[:, -1]
+            plain = _inverse_cdf(cum, weights > 0.0, total, u)
 
         # Ties: lower id first. The barriers keep XLA from fusing later slices (e.g. the last
         # column) into the top-k, which turns XLA:CPU's fast TopK back into a full sort. One

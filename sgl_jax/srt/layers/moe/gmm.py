@@ -7,7 +7,10 @@ Same computation as ``ragged`` (``ragged.py``), with each grouped matmul done by
    sentinel row ``E_l`` of experts held elsewhere sorts last and is counted in no group), the
    token rows gathered in that order and padded to ``M_pad``, a multiple of the row tile ``tm``
    (the kernel tiles rows in whole ``tm`` blocks); padded rows are past ``sum(group_sizes)``,
-   like the sentinel rows, so no group holds them;
+   like the sentinel rows, so no group holds them. When ``x`` is small enough to sit in VMEM
+   (decode; ``vmem_rows.fits``) the rows are picked by a Pallas kernel that reads ``x`` once
+   and writes ``[M_pad, H]`` in the layout the kernel reads (``vmem_rows.gather_rows``);
+   otherwise by XLA's gather of whole tiles (:func:`take_rows`);
 2. gate, up and down are three ``gmm`` calls with the per-expert group sizes, each with its
    own ``(tm, tk, tn)`` tiling (:func:`gmm_tiling`). The kernel accumulates in a float32 VMEM
    scratch whatever its output dtype; gate and up are stored in float32 (they meet in
@@ -20,7 +23,8 @@ Same computation as ``ragged`` (``ragged.py``), with each grouped matmul done by
    the assignments held elsewhere are dropped with a select on ``local_ids`` (the kernel never
    visits a tile that holds no group row and does not store the rows of a partly visited tile
    that belong to no group: those rows hold whatever the output buffer held, maybe NaN), and
-   the k rows of each token are summed in float32.
+   the k rows of each token are summed in float32 (at decode one Pallas kernel does the
+   three, reading down's output once: ``vmem_rows.sum_rows``; else :func:`sum_token_rows`).
 
 Routing is computed before the backend (float32 router): the compute-dtype intermediates
 change the rounding of the MoE output, never which experts a token was routed to in this
@@ -53,6 +57,7 @@ import jax.numpy as jnp
 from jax._src import config as jax_config  # _check_vma: see grouped_matmul
 from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
 
+from sgl_jax.srt.layers.moe import vmem_rows
 from sgl_jax.srt.layers.moe.ragged import group_assignments
 
 # VMEM the kernel's blocks may use: double-buffered lhs [tm, tk] and rhs [tk, tn] input
@@ -267,9 +272,12 @@ def gmm_experts(
     order, group_sizes = group_assignments(local_ids, num_rows)
     m = order.shape[0]
     m_pad = pad_rows(m, row_tile(m, w_gate, w_down))
-    xs = take_rows(x, order // top_k)  # [M, H]: token row of each sorted assignment
-    # Padding rows sit after every group (past sum(group_sizes)): never computed or stored.
-    xs = jnp.pad(xs, ((0, m_pad - m), (0, 0)))
+    # [M_pad, H]: token row of each sorted assignment. Padding rows sit after every group
+    # (past sum(group_sizes)): never computed or stored, whatever they hold.
+    if vmem_rows.fits(num_tokens, x.shape[1], x.dtype.itemsize):  # decode: x read once
+        xs = vmem_rows.gather_rows(x, order // top_k, m_pad, interpret)
+    else:
+        xs = jnp.pad(take_rows(x, order // top_k), ((0, m_pad - m), (0, 0)))
 
     gate = grouped_matmul(xs, w_gate, group_sizes, m, interpret)
     up = grouped_matmul(xs, w_up, group_sizes, m, interpret)
@@ -277,11 +285,14 @@ def gmm_experts(
     weight = jnp.pad(weight, (0, m_pad - m))
     # The routing weight on the [M, I] side, in float32, before the cast (module docstring).
     act = (jax.nn.silu(gate) * up * weight[:, None]).astype(x.dtype)
-    down = grouped_matmul(act, w_down, group_sizes, m, interpret, x.dtype)[:m]  # [M, H]
+    down = grouped_matmul(act, w_down, group_sizes, m, interpret, x.dtype)  # [M_pad, H]
     inverse = jnp.zeros_like(order).at[order].set(
         jnp.arange(m, dtype=order.dtype), unique_indices=True
-    )
-    return sum_token_rows(down, inverse.reshape(num_tokens, top_k), local_ids < num_rows)
+    ).reshape(num_tokens, top_k)
+    held = local_ids < num_rows
+    if vmem_rows.fits(m_pad, down.shape[1], down.dtype.itemsize):  # decode: down read once
+        return vmem_rows.sum_rows(down, inverse, held, interpret)
+    return sum_token_rows(down[:m], inverse, held)
 
 
 def sum_token_rows(rows: jax.Array, index: jax.Array, held: jax.Array) -> jax.Array:

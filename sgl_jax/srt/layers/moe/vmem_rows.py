@@ -1,0 +1,191 @@
+"""Row gathers of the gmm dispatch done in VMEM (Pallas TPU kernels), for small operands.
+
+XLA:TPU gathers single rows of a tiled ``[N, D]`` array a tile at a time: a bfloat16 row is
+one of the 16 rows of a ``(16, 128)`` tile, and XLA's gather reads (and its cost analysis
+counts) whole tiles; the tile-shaped view of ``gmm.take_tiled`` moves whole tiles per row but
+costs a relayout of its operand or result on each side. At decode both gathered arrays are
+small (``x``: ``[T, H]``; ``down``'s output: ``[T * k, H]``), so a kernel can hold the whole
+operand in VMEM, read it from HBM once and pick the rows there:
+
+- :func:`gather_rows`: ``x[idx]`` -> ``[M_pad, H]`` in ``x``'s dtype, in the row-major
+  layout the gmm kernel reads (no relayout); rows past ``len(idx)`` hold row 0.
+- :func:`sum_rows`: for each token ``t``, ``sum_j rows[index[t, j]]`` over the ``j`` with
+  ``held[t, j]`` -> float32 ``[T, D]``; rows not held are never read (``where``, not a
+  multiply: they may be garbage, even NaN). The sum runs over ``j = 0 .. k-1`` in order.
+
+The kernel copies the operand, read from HBM once, into a float32 VMEM scratch at its first
+grid step (exact for any narrower float dtype) and loads each row with a dynamic sublane
+offset there (Mosaic cannot load a single row of a packed bfloat16 ref at an offset it cannot
+prove aligned; it can for 32-bit refs): ``D / 128`` vector loads per row. The kernels' cost
+estimates are what they move: the operand once, the result once, the indices.
+
+:func:`fits` says whether an operand is small enough (``MAX_VMEM_OPERAND``); the callers
+fall back to XLA's gathers otherwise (prefill).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax._src import config as jax_config  # _check_vma: see gmm.grouped_matmul
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+BLOCK = 16  # rows of a bfloat16 (16, 128) tile; also a multiple of float32's 8
+MAX_VMEM_OPERAND = 8 * 1024 * 1024  # largest operand held whole in VMEM (decode: T*k <= 2048)
+# Scoped VMEM of a kernel: the operand (<= 8 MiB), its float32 copy (<= 16 MiB), two output
+# blocks (<= 2 MiB) and Mosaic's own scratch; below the 95 / 128 MiB of v5p / v5e / v6e.
+VMEM_LIMIT = 40 * 1024 * 1024
+OUT_ROWS = 64  # rows of one output block (a grid step)
+
+
+def fits(rows: int, width: int, itemsize: int) -> bool:
+    """Whether a ``[rows, width]`` operand is held whole in VMEM by these kernels."""
+    return rows * width * max(itemsize, 2) <= MAX_VMEM_OPERAND and itemsize <= 4
+
+
+def _widen(src_ref, f32_ref) -> None:
+    """At the first grid step, the float32 copy of the VMEM operand (kept across the steps:
+    the grid runs in order on one core, ``arbitrary``)."""
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+        f32_ref[...] = src_ref[...].astype(jnp.float32)
+
+
+def _gather_kernel(idx_ref, x_ref, o_ref, xf_ref):
+    _widen(x_ref, xf_ref)
+    base = pl.program_id(0) * o_ref.shape[0]
+
+    def block(b, carry):
+        first = base + b * BLOCK
+        rows = [xf_ref[pl.ds(idx_ref[first + r], 1), :] for r in range(BLOCK)]
+        start = pl.multiple_of(b * BLOCK, BLOCK)
+        o_ref[pl.ds(start, BLOCK), :] = jnp.concatenate(rows, axis=0).astype(o_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, o_ref.shape[0] // BLOCK, block, 0)
+
+
+def _sum_kernel(top_k, code_ref, rows_ref, o_ref, rf_ref):
+    _widen(rows_ref, rf_ref)
+    base = pl.program_id(0) * o_ref.shape[0]
+
+    def block(b, carry):
+        out = []
+        for r in range(BLOCK):
+            token = base + b * BLOCK + r
+            acc = jnp.zeros((1, o_ref.shape[1]), jnp.float32)
+            for j in range(top_k):
+                code = code_ref[token * top_k + j]  # row index, or -1: not held
+                row = rf_ref[pl.ds(jnp.maximum(code, 0), 1), :]
+                acc = acc + jnp.where(code >= 0, row, jnp.zeros_like(row))
+            out.append(acc)
+        start = pl.multiple_of(b * BLOCK, BLOCK)
+        o_ref[pl.ds(start, BLOCK), :] = jnp.concatenate(out, axis=0)
+        return carry
+
+    jax.lax.fori_loop(0, o_ref.shape[0] // BLOCK, block, 0)
+
+
+def _varying(out: jax.Array, *operands: jax.Array) -> jax.Array:
+    from sgl_jax.srt.layers.moe.gmm import varying_axes
+
+    missing = varying_axes(*operands) - varying_axes(out)
+    return jax.lax.pcast(out, tuple(sorted(missing)), to="varying") if missing else out
+
+
+def _manual(*arrays: jax.Array) -> bool:
+    """Whether any operand varies over a manual mesh axis (inside ``shard_map``). Pallas's
+    interpret mode (CPU) cannot run these kernels there (its grid loop's carry changes its
+    varying axes); off TPU they are then computed with the same arithmetic in jnp. On TPU
+    the kernels run under ``shard_map`` (the engine's MoE layer)."""
+    from sgl_jax.srt.layers.moe.gmm import varying_axes
+
+    return bool(varying_axes(*arrays))
+
+
+def _out_rows(rows: int) -> int:
+    return min(OUT_ROWS, rows)
+
+
+@functools.partial(jax.jit, static_argnames=("rows", "interpret"))
+def gather_rows(x: jax.Array, idx: jax.Array, rows: int, interpret: bool) -> jax.Array:
+    """``x[idx]`` ([N, D] by [M] indices in bounds) -> ``[rows, D]``, ``rows`` >= M a multiple
+    of 16; rows past M hold ``x[0]``."""
+    n, d = x.shape
+    if rows % BLOCK or rows < idx.shape[0]:
+        raise ValueError(f"{rows} rows: not a multiple of {BLOCK} or fewer than the indices")
+    n_pad = -(-n // BLOCK) * BLOCK
+    x = jnp.pad(x, ((0, n_pad - n), (0, 0))) if n_pad != n else x
+    idx = jnp.pad(idx.astype(jnp.int32), (0, rows - idx.shape[0]))
+    if interpret and _manual(x, idx):
+        return jnp.take(x, idx, axis=0)  # the kernel's result (see _manual)
+    tm = _out_rows(rows)
+    while rows % tm:
+        tm //= 2
+    itemsize = x.dtype.itemsize
+    cost = pl.CostEstimate(flops=0, transcendentals=0,
+                           bytes_accessed=n_pad * d * itemsize + rows * d * itemsize + rows * 4)
+    with jax_config._check_vma(False):
+        out = pl.pallas_call(
+            _gather_kernel,
+            out_shape=jax.ShapeDtypeStruct((rows, d), x.dtype),
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=1,
+                grid=(rows // tm,),
+                in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
+                out_specs=pl.BlockSpec((tm, d), lambda i, idx_ref: (i, 0)),
+                scratch_shapes=[pltpu.VMEM((n_pad, d), jnp.float32)],
+            ),
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                                                 vmem_limit_bytes=VMEM_LIMIT),
+            cost_estimate=cost,
+            interpret=interpret,
+        )(idx, x)
+    return _varying(out, x, idx)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def sum_rows(rows: jax.Array, index: jax.Array, held: jax.Array, interpret: bool) -> jax.Array:
+    """float32 ``[T, D]``: ``sum_j where(held[t, j], rows[index[t, j]], 0)`` of ``rows``
+    ([M, D], any float dtype), j in order; rows not held are never read."""
+    m, d = rows.shape
+    tokens, top_k = index.shape
+    m_pad = -(-m // BLOCK) * BLOCK
+    rows = jnp.pad(rows, ((0, m_pad - m), (0, 0))) if m_pad != m else rows
+    t_pad = -(-tokens // BLOCK) * BLOCK
+    code = jnp.where(held, index, -1).astype(jnp.int32)
+    code = jnp.pad(code, ((0, t_pad - tokens), (0, 0)), constant_values=-1).reshape(-1)
+    if interpret and _manual(rows, code):  # the kernel's arithmetic (see _manual)
+        codes = code.reshape(t_pad, top_k)
+        out = jnp.zeros((t_pad, d), jnp.float32)
+        for j in range(top_k):
+            row = jnp.take(rows, jnp.maximum(codes[:, j], 0), axis=0).astype(jnp.float32)
+            out = out + jnp.where(codes[:, j:j + 1] >= 0, row, jnp.zeros_like(row))
+        return out[:tokens]
+    tt = _out_rows(t_pad)
+    while t_pad % tt:
+        tt //= 2
+    cost = pl.CostEstimate(flops=tokens * top_k * d, transcendentals=0,
+                           bytes_accessed=m_pad * d * rows.dtype.itemsize + t_pad * d * 4
+                           + code.size * 4)
+    with jax_config._check_vma(False):
+        out = pl.pallas_call(
+            functools.partial(_sum_kernel, top_k),
+            out_shape=jax.ShapeDtypeStruct((t_pad, d), jnp.float32),
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=1,
+                grid=(t_pad // tt,),
+                in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
+                out_specs=pl.BlockSpec((tt, d), lambda i, code_ref: (i, 0)),
+                scratch_shapes=[pltpu.VMEM((m_pad, d), jnp.float32)],
+            ),
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                                                 vmem_limit_bytes=VMEM_LIMIT),
+            cost_estimate=cost,
+            interpret=interpret,
+        )(code, rows)
+    out = _varying(out, rows, code)
+    return out[:tokens] if t_pad != tokens else out

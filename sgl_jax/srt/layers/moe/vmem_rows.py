@@ -26,6 +26,8 @@ fall back to XLA's gathers otherwise (prefill).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -106,8 +108,31 @@ def _manual(*arrays: jax.Array) -> bool:
     return bool(varying_axes(*arrays))
 
 
-def _out_rows(rows: int) -> int:
-    return min(OUT_ROWS, rows)
+def _call(kernel: Callable[..., None], scalars: jax.Array, operand: jax.Array, rows: int,
+          dtype: Any, cost: pl.CostEstimate, interpret: bool) -> jax.Array:
+    """``kernel(scalars_ref, operand_ref, out_ref, f32_scratch_ref)`` over a ``[rows, D]``
+    output of ``dtype`` in blocks of at most ``OUT_ROWS`` rows (``rows``: a multiple of
+    ``BLOCK``), the whole ``operand`` in VMEM with its float32 copy, ``scalars`` prefetched
+    to SMEM."""
+    block = min(OUT_ROWS, rows)
+    while rows % block:
+        block //= 2
+    with jax_config._check_vma(False):
+        return pl.pallas_call(
+            kernel,
+            out_shape=jax.ShapeDtypeStruct((rows, operand.shape[1]), dtype),
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=1,
+                grid=(rows // block,),
+                in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
+                out_specs=pl.BlockSpec((block, operand.shape[1]), lambda i, _: (i, 0)),
+                scratch_shapes=[pltpu.VMEM(operand.shape, jnp.float32)],
+            ),
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                                                 vmem_limit_bytes=VMEM_LIMIT),
+            cost_estimate=cost,
+            interpret=interpret,
+        )(scalars, operand)
 
 
 @functools.partial(jax.jit, static_argnames=("rows", "interpret"))
@@ -122,28 +147,9 @@ def gather_rows(x: jax.Array, idx: jax.Array, rows: int, interpret: bool) -> jax
     idx = jnp.pad(idx.astype(jnp.int32), (0, rows - idx.shape[0]))
     if interpret and _manual(x, idx):
         return jnp.take(x, idx, axis=0)  # the kernel's result (see _manual)
-    tm = _out_rows(rows)
-    while rows % tm:
-        tm //= 2
-    itemsize = x.dtype.itemsize
-    cost = pl.CostEstimate(flops=0, transcendentals=0,
-                           bytes_accessed=n_pad * d * itemsize + rows * d * itemsize + rows * 4)
-    with jax_config._check_vma(False):
-        out = pl.pallas_call(
-            _gather_kernel,
-            out_shape=jax.ShapeDtypeStruct((rows, d), x.dtype),
-            grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=1,
-                grid=(rows // tm,),
-                in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
-                out_specs=pl.BlockSpec((tm, d), lambda i, idx_ref: (i, 0)),
-                scratch_shapes=[pltpu.VMEM((n_pad, d), jnp.float32)],
-            ),
-            compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
-                                                 vmem_limit_bytes=VMEM_LIMIT),
-            cost_estimate=cost,
-            interpret=interpret,
-        )(idx, x)
+    cost = pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=(n_pad + rows) * d
+                           * x.dtype.itemsize + rows * 4)
+    out = _call(_gather_kernel, idx, x, rows, x.dtype, cost, interpret)
     return _varying(out, x, idx)
 
 
@@ -165,27 +171,10 @@ def sum_rows(rows: jax.Array, index: jax.Array, held: jax.Array, interpret: bool
             row = jnp.take(rows, jnp.maximum(codes[:, j], 0), axis=0).astype(jnp.float32)
             out = out + jnp.where(codes[:, j:j + 1] >= 0, row, jnp.zeros_like(row))
         return out[:tokens]
-    tt = _out_rows(t_pad)
-    while t_pad % tt:
-        tt //= 2
     cost = pl.CostEstimate(flops=tokens * top_k * d, transcendentals=0,
                            bytes_accessed=m_pad * d * rows.dtype.itemsize + t_pad * d * 4
                            + code.size * 4)
-    with jax_config._check_vma(False):
-        out = pl.pallas_call(
-            functools.partial(_sum_kernel, top_k),
-            out_shape=jax.ShapeDtypeStruct((t_pad, d), jnp.float32),
-            grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=1,
-                grid=(t_pad // tt,),
-                in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
-                out_specs=pl.BlockSpec((tt, d), lambda i, code_ref: (i, 0)),
-                scratch_shapes=[pltpu.VMEM((m_pad, d), jnp.float32)],
-            ),
-            compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
-                                                 vmem_limit_bytes=VMEM_LIMIT),
-            cost_estimate=cost,
-            interpret=interpret,
-        )(code, rows)
+    out = _call(functools.partial(_sum_kernel, top_k), code, rows, t_pad, jnp.float32, cost,
+                interpret)
     out = _varying(out, rows, code)
     return out[:tokens] if t_pad != tokens else out

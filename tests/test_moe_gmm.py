@@ -116,6 +116,29 @@ def test_all_assignments_elsewhere_gives_zero():
     np.testing.assert_array_equal(run_local(case), 0.0)
 
 
+@pytest.mark.parametrize("routing,shards,factor", [
+    ("random", 4, 2.0),  # the default window: usually one pass
+    ("random", 8, 1.0),  # a small window: several passes, groups split across windows
+    ("same", 8, 0.5),  # every token on the same experts: many passes
+])
+def test_passes_over_windows_of_the_local_assignments(routing, shards, factor,
+                                                      nan_in_unwritten_rows):
+    """Under EP (``shards`` > 1) the assignments are computed in windows of
+    ``pass_rows`` sorted positions: however many passes the routing needs, the result is
+    the reference's (nothing dropped, nothing counted twice), with NaN in unwritten rows."""
+    case = local_case(29, 47, routing)
+    held = int((case["local_ids"] < LOCAL_ROWS).sum())
+    rows = gmm.pass_rows(case["local_ids"].size, shards, factor)
+    assert rows < case["local_ids"].size
+    if factor < 2.0:
+        assert held > rows  # more than one window of held assignments
+    args = [case[k] for k in ("x", "local_ids", "topk_weights", "w_gate", "w_up", "w_down")]
+    backend = gmm.GmmExperts(shards=shards, capacity_factor=factor)
+    got = np.asarray(jax.jit(backend)(*args))
+    assert np.isfinite(got).all()
+    assert rel_err(got, local_reference(case)) < REL_TOL
+
+
 @pytest.fixture
 def nan_in_unwritten_rows(monkeypatch):
     """The kernel with NaN in every row past ``sum(group_sizes)`` (sentinel and padding rows),

@@ -41,6 +41,8 @@ What is reported, per bucket (``--json``: one list, one object per bucket):
   size, all ``T * k`` token-expert rows on every device of the "expert" axis, though only the
   device's own share is in its groups: ``ragged_static_excess_flops`` is that excess
   (``(ep - 1)`` times the ideal expert FLOPs) and ``flops_ratio_local_rows`` the ratio without it.
+  With gmm the static size is one pass window, twice the device's share (``gmm.pass_rows``;
+  the excess is then one ideal expert FLOPs).
 - ``ideal_flops``: from the config, ``2 * active_params * tokens + 2 * hidden * vocab *
   sampled + attention`` (sampled: one row per request, one per token in a verify step);
   active parameters per token and layer are the attention projections
@@ -743,7 +745,8 @@ def collective_bytes(hlo: str, n_devices: int) -> tuple[float, float, dict[str, 
 
 
 def compile_bucket(runner: Any, b: Bucket, device_kind: str,
-                   breakdown: bool = False, top_ops: int = 0) -> Compiled:
+                   breakdown: bool = False, top_ops: int = 0,
+                   dump_path: str | None = None) -> Compiled:
     from sgl_jax.srt.forward_batch_info import ForwardMode
 
     mode = {"decode": ForwardMode.DECODE, "verify": ForwardMode.TARGET_VERIFY}.get(
@@ -775,6 +778,8 @@ def compile_bucket(runner: Any, b: Bucket, device_kind: str,
     cost = cost[0] if isinstance(cost, list) else cost
     mem = compiled.memory_analysis()
     hlo = compiled.as_text()
+    if dump_path:
+        Path(dump_path).write_text(hlo)
     calls = sum(
         1 for line in hlo.splitlines()
         if "custom-call(" in line and ATTENTION_KERNEL in line
@@ -1019,15 +1024,23 @@ def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_de
     roofline = max(t_compute, t_memory)
     outputs = c.outputs - c.aliased
     peak = c.arguments + outputs + c.temporaries + c.code
-    # XLA counts ragged_dot at its static size: all T*k assignments on every device of the
-    # "expert" axis, though each device's groups hold only its own experts' share (the rest
-    # sort past the last group, where the grouped-matmul kernel has no work).
+    # XLA counts a grouped matmul at its static size, though each device's groups hold only
+    # its own experts' share of the rows (the rest sort past the last group, where the kernel
+    # has no work): ragged's holds all T*k assignments on every device of the "expert" axis,
+    # gmm's one pass window (gmm.pass_rows: twice the device's share).
     excess = 0.0
     if args.resolved_moe_backend in ("ragged", "gmm") and args.ep_size > 1:
-        expert = 2 * 3 * cfg.num_experts_per_tok * cfg.hidden_size * cfg.moe_intermediate_size
-        # Each device's ragged_dot holds every compiled token's k assignments (with DP: all
-        # ranks' tokens, gathered; idle ranks' padding included), its experts' slice.
-        excess = expert * sum(cfg.moe_layers) * (args.ep_size * b.compiled_tokens - b.tokens)
+        top_k = cfg.num_experts_per_tok
+        per_assignment = 2 * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        # A device's matmuls see every compiled token's k assignments (with DP: all ranks'
+        # tokens, gathered; idle ranks' padding included), its experts' slice.
+        rows = b.compiled_tokens * top_k
+        if args.resolved_moe_backend == "gmm":
+            from sgl_jax.srt.layers.moe.gmm import CAPACITY_FACTOR, pass_rows
+
+            rows = pass_rows(rows, args.ep_size, CAPACITY_FACTOR)
+        excess = per_assignment * sum(cfg.moe_layers) * (args.ep_size * rows
+                                                         - b.tokens * top_k)
     # Sums over devices: the kernel's per-device figure is the busiest rank's; idle ranks
     # (fewer requests than ranks) attend to nothing (rank_load = 1 without DP).
     compiled_flops = (flops_pd - kernel_flops) * n_dev + kernel_flops * n_dev * b.rank_load
@@ -1292,7 +1305,10 @@ def run(args: argparse.Namespace) -> list[dict]:
         for b in buckets:
             logger.info("compiling %s: %d tokens, %d rows, %s ...", b.mode, b.tokens, b.rows,
                         describe_pattern(pattern))
-            c = compile_bucket(runner, b, kind, args.breakdown, args.top_ops)
+            dump = (os.path.join(args.dump_hlo, f"{b.mode}-{b.tokens}x{b.rows}-"
+                                 f"{sum(pattern)}moe{len(pattern)}.hlo")
+                    if args.dump_hlo else None)
+            c = compile_bucket(runner, b, kind, args.breakdown, args.top_ops, dump)
             if args.resolved_attention_backend == "native":
                 c.kernel_calls = float(len(pattern))  # one attention loop per layer
                 if b not in native_counted:  # independent of depth
@@ -1497,6 +1513,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--extend-tokens", type=int, nargs="+", metavar="N",
                    help="also compile, per N, an extend of N new tokens of one request over a "
                    "cached context, its last token at --context-len positions")
+    p.add_argument("--dump-hlo", metavar="DIR",
+                   help="write each compiled step's optimized HLO text to DIR (one file per "
+                   "bucket and depth) for reading what an op of --top-ops is")
     p.add_argument("--scale-from-layers", type=int, nargs=2, metavar=("A", "B"),
                    help="compile A- and B-layer truncations and extrapolate linearly (models "
                    "with dense and MoE layers: A and B MoE layers and 1 dense + A MoE)")

@@ -129,6 +129,7 @@ def ep_moe_forward(
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not {EXPERT_AXIS, TENSOR_AXIS} <= set(mesh.axis_names):
         return backend(x, rows, topk_weights, w_gate, w_up, w_down).astype(x.dtype)
+    backend = backend.sharded(mesh.shape[EXPERT_AXIS])
 
     def local_experts(x: jax.Array, rows: jax.Array, topk_weights: jax.Array,
                       w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:

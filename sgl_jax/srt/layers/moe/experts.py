@@ -25,7 +25,7 @@ and the model's forward calls it, as it calls the attention backend.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import jax
@@ -105,6 +105,14 @@ class MoEBackend:
         w_up: jax.Array, w_down: jax.Array,
     ) -> jax.Array:
         return self.compute(x, local_ids, topk_weights, w_gate, w_up, w_down)
+
+    def sharded(self, shards: int) -> MoEBackend:
+        """The backend on one of ``shards`` devices the experts are split over. ``gmm`` sizes
+        its passes by the device's share of the assignments (``gmm.gmm_experts``, "Passes");
+        ``dense`` and ``ragged`` compute every assignment slot whatever the split."""
+        if isinstance(self.compute, GmmExperts) and shards != self.compute.shards:
+            return MoEBackend(self.name, replace(self.compute, shards=shards))
+        return self
 
 
 def get_moe_backend(name: str, platform: str | None = None) -> MoEBackend:

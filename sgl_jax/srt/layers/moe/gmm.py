@@ -37,6 +37,20 @@ EP most of the ``M`` rows of a device are the sentinel). Its cost estimate (what
 ``lhs_bytes * N / tn + K * N * itemsize * (M_pad / tm + E_l - 1) + M_pad * N * 4`` bytes
 (one [K, N] weight block per possible m tile, the LHS once per n tile).
 
+Passes. Under expert parallelism (``shards`` > 1: the "expert" mesh axis, with or without
+DP attention) a device holds ``E_l = E / shards`` experts and, routing being balanced, about
+``M / shards`` of the ``M`` assignments it sorts (the rest carry the sentinel and sort last).
+Shapes sized for all ``M`` would gather, multiply (by the kernel's static estimate) and sum
+``shards`` times the rows a device has. So its assignments are computed in passes over a
+window of ``rows = CAPACITY_FACTOR * M / shards`` sorted positions (:func:`pass_rows`),
+window ``p`` holding positions ``[p * rows, (p + 1) * rows)``: the groups are clipped to the
+window (a group may span two), and each pass adds its tokens' float32 partial sums. The
+number of passes is data (a ``while_loop``: one unless a device gets more than
+``CAPACITY_FACTOR`` times its share), so no assignment is ever dropped and the result is the
+same whatever the factor; only a token whose assignments straddle two windows has its k-sum
+split in two (float32, in sorted order). XLA's cost analysis counts a ``while_loop`` body
+once: the estimates of ``aot_report`` are one pass.
+
 Gate and up are NOT fused into one ``[E_l, H, 2I]`` matmul: the model stores them as two
 arrays, so a fused call would concatenate the weights inside the step, a copy of both
 projections' weights on every step (read + write of ``2 * E_l * H * I`` elements), more
@@ -75,6 +89,10 @@ PEAK_FLOPS = 918e12
 HBM_BANDWIDTH = 1.64e12
 STEP_SECONDS = 0.35e-6  # fixed cost of one Pallas TPU grid step (pipeline bookkeeping)
 TIE = 0.05  # modelled times within 5% of the best are a tie
+# Rows of one pass under expert parallelism, in units of the device's even share of the
+# assignments (module docstring, "Passes"): a device gets more than twice its share only
+# under a routing skew no trained router shows, and then takes more passes, never drops.
+CAPACITY_FACTOR = 2.0
 
 
 def _lane_tiles(dim: int) -> list[int]:
@@ -251,6 +269,15 @@ def take_rows(a: jax.Array, indices: jax.Array) -> jax.Array:
     return take_tiled(a, indices).reshape(indices.shape[0], a.shape[1])
 
 
+def pass_rows(assignments: int, shards: int, capacity_factor: float) -> int:
+    """Rows of one pass of :func:`gmm_experts`: all ``assignments`` on a device that holds
+    every expert (``shards`` = 1), else ``capacity_factor`` times the device's even share
+    (``assignments / shards``), at most all of them."""
+    if shards <= 1:
+        return assignments
+    return min(assignments, max(1, -(-int(assignments * capacity_factor) // shards)))
+
+
 def gmm_experts(
     x: jax.Array,
     local_ids: jax.Array,
@@ -259,40 +286,92 @@ def gmm_experts(
     w_up: jax.Array,
     w_down: jax.Array,
     platform: str | None = None,
+    shards: int = 1,
+    capacity_factor: float = CAPACITY_FACTOR,
 ) -> jax.Array:
     """The backend entry point (signature: ``experts.ExpertCompute``) -> float32 [T, H].
 
     x [T, H]; local_ids / topk_weights [T, k] (rows of this device's stacked weights, or
     ``E_l`` for experts held elsewhere); w_gate, w_up [E_l, H, I]; w_down [E_l, I, H].
-    ``platform``: what the program is compiled for (:func:`interpret_on`).
+    ``platform``: what the program is compiled for (:func:`interpret_on`). ``shards``: how
+    many devices the experts are split over (the "expert" axis); with more than one, the
+    device's assignments are computed in passes of :func:`pass_rows` rows (module docstring,
+    "Passes").
     """
     interpret = interpret_on(platform)
     num_tokens, top_k = local_ids.shape
     num_rows = w_gate.shape[0]
     order, group_sizes = group_assignments(local_ids, num_rows)
     m = order.shape[0]
-    m_pad = pad_rows(m, row_tile(m, w_gate, w_down))
-    # [M_pad, H]: token row of each sorted assignment. Padding rows sit after every group
-    # (past sum(group_sizes)): never computed or stored, whatever they hold.
-    if vmem_rows.fits(num_tokens, x.shape[1], x.dtype.itemsize):  # decode: x read once
-        xs = vmem_rows.gather_rows(x, order // top_k, m_pad, interpret)
-    else:
-        xs = jnp.pad(take_rows(x, order // top_k), ((0, m_pad - m), (0, 0)))
-
-    gate = grouped_matmul(xs, w_gate, group_sizes, m, interpret)
-    up = grouped_matmul(xs, w_up, group_sizes, m, interpret)
-    weight = jnp.take(topk_weights.reshape(-1).astype(jnp.float32), order)  # [M] sorted
-    weight = jnp.pad(weight, (0, m_pad - m))
-    # The routing weight on the [M, I] side, in float32, before the cast (module docstring).
-    act = (jax.nn.silu(gate) * up * weight[:, None]).astype(x.dtype)
-    down = grouped_matmul(act, w_down, group_sizes, m, interpret, x.dtype)  # [M_pad, H]
+    rows = pass_rows(m, shards, capacity_factor)
+    rows_pad = pad_rows(rows, row_tile(rows, w_gate, w_down))
     inverse = jnp.zeros_like(order).at[order].set(
         jnp.arange(m, dtype=order.dtype), unique_indices=True
-    ).reshape(num_tokens, top_k)
+    ).reshape(num_tokens, top_k)  # [T, k]: sorted position of each assignment
     held = local_ids < num_rows
+    # Sorted assignments, padded so that any window [start, start + rows_pad) with start < m
+    # is in bounds (a dynamic slice past the end would be clamped: a shifted window).
+    tail = rows_pad if rows < m else rows_pad - m
+    token = jnp.pad(order // top_k, (0, tail))
+    weight = jnp.pad(jnp.take(topk_weights.reshape(-1).astype(jnp.float32), order), (0, tail))
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+
+    def one_pass(start: jax.Array | int) -> jax.Array:
+        """float32 [T, H]: the assignments at sorted positions [start, start + rows_pad)."""
+        if rows < m:
+            sizes = jnp.clip(jnp.minimum(ends, start + rows_pad) - jnp.maximum(starts, start),
+                             0).astype(jnp.int32)
+            index, here = inverse - start, held & (inverse >= start) & (inverse < start + rows_pad)
+        else:
+            sizes, index, here = group_sizes, inverse, held
+        window = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=start,
+                                   slice_size=rows_pad)
+        return _expert_rows(x, window(token), window(weight), sizes, rows, index, here,
+                            w_gate, w_up, w_down, interpret)
+
+    if rows >= m:  # one pass holds every assignment
+        return one_pass(0)
+    passes = -(-ends[-1] // rows_pad)  # data: 1 while no device gets capacity_factor x its share
+    operands = (x, local_ids, topk_weights, w_gate, w_up, w_down)
+
+    def step(carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        p, out = carry
+        return p + 1, out + _varying_like(one_pass(p * rows_pad), *operands)
+
+    zero = _varying_like(jnp.zeros((num_tokens, x.shape[1]), jnp.float32), *operands)
+    return jax.lax.while_loop(lambda c: c[0] < passes, step, (jnp.int32(0), zero))[1]
+
+
+def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes: jax.Array,
+                 rows: int, index: jax.Array, held: jax.Array, w_gate: jax.Array,
+                 w_up: jax.Array, w_down: jax.Array, interpret: bool) -> jax.Array:
+    """float32 [T, H]: the three grouped matmuls over ``M_pad`` sorted assignments (token row
+    ``token``, routing weight ``weight``, groups ``group_sizes`` from row 0; rows past their
+    sum are in no group), summed per token through ``index`` [T, k] (the assignment's row)
+    where ``held``."""
+    m_pad = token.shape[0]
+    # [M_pad, H]: token row of each sorted assignment. Rows past the groups are never
+    # computed or stored, whatever they hold.
+    if vmem_rows.fits(x.shape[0], x.shape[1], x.dtype.itemsize):  # decode: x read once
+        xs = vmem_rows.gather_rows(x, token, m_pad, interpret)
+    else:
+        xs = take_rows(x, token)
+    gate = grouped_matmul(xs, w_gate, group_sizes, rows, interpret)
+    up = grouped_matmul(xs, w_up, group_sizes, rows, interpret)
+    # The routing weight on the [M, I] side, in float32, before the cast (module docstring).
+    act = (jax.nn.silu(gate) * up * weight[:, None]).astype(x.dtype)
+    down = grouped_matmul(act, w_down, group_sizes, rows, interpret, x.dtype)  # [M_pad, H]
     if vmem_rows.fits(m_pad, down.shape[1], down.dtype.itemsize):  # decode: down read once
-        return vmem_rows.sum_rows(down, inverse, held, interpret)
-    return sum_token_rows(down[:m], inverse, held)
+        return vmem_rows.sum_rows(down, index, held, interpret)
+    return sum_token_rows(down, jnp.clip(index, 0, m_pad - 1), held)
+
+
+def _varying_like(out: jax.Array, *operands: jax.Array) -> jax.Array:
+    """``out`` marked varying over every manual mesh axis an operand varies over (a
+    ``while_loop`` carry must keep one type across iterations)."""
+    missing = varying_axes(*operands) - varying_axes(out)
+    return jax.lax.pcast(out, tuple(sorted(missing)), to="varying") if missing else out
 
 
 def sum_token_rows(rows: jax.Array, index: jax.Array, held: jax.Array) -> jax.Array:
@@ -316,7 +395,10 @@ class GmmExperts:
     value, as a static of the compiled step must be."""
 
     platform: str | None = None
+    shards: int = 1  # devices the experts are split over (``ep_moe`` sets it)
+    capacity_factor: float = CAPACITY_FACTOR
 
     def __call__(self, x: jax.Array, local_ids: jax.Array, topk_weights: jax.Array,
                  w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-        return gmm_experts(x, local_ids, topk_weights, w_gate, w_up, w_down, self.platform)
+        return gmm_experts(x, local_ids, topk_weights, w_gate, w_up, w_down, self.platform,
+                           self.shards, self.capacity_factor)

@@ -34,9 +34,11 @@ def small_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def report(config: Path, backend: str) -> list[dict]:
+def report(config: Path, backend: str, *layout: str) -> list[dict]:
+    """``aot_report --json`` on v6e:2x2 (tp 4 unless ``layout`` says otherwise)."""
     proc = run_tool(
-        "--model-config", str(config), "--topology", "v6e:2x2", "--tp-size", "4",
+        "--model-config", str(config), "--topology", "v6e:2x2",
+        *(layout or ("--tp-size", "4")),
         "--decode-bs", "64", "--prefill-tokens", "256", "--prefill-requests", "2",
         "--context-len", "512", "--moe-backend", backend, "--json",
     )
@@ -54,3 +56,19 @@ def test_gmm_step_compiles_and_moves_fewer_bytes_than_ragged(small_config: Path)
         assert g["compiled_flops"] == pytest.approx(r["compiled_flops"], rel=0.05)
         # ... with fewer bytes: no relayout copy of the gate/up weights, tile-shaped gathers.
         assert g["bytes_accessed"] < 0.9 * r["bytes_accessed"], (g["mode"], g, r)
+
+
+@needs_libtpu
+def test_gmm_under_dp_attention_compiles_one_window_per_device(small_config: Path) -> None:
+    """DP attention with EP (4 ranks, experts split 4 ways): each device's gmm calls are
+    compiled for one pass window (twice its share of the assignments), not for every rank's
+    assignments as ragged's are, and the step still compiles with the pass loop inside the
+    MoE ``shard_map``."""
+    args = ("--ep-size", "4", "--dp-size", "4", "--tp-size", "1")
+    gmm, ragged = report(small_config, "gmm", *args), report(small_config, "ragged", *args)
+    for g, r in zip(gmm, ragged, strict=True):
+        # ragged: every device computes all ranks' T*k rows (ep x the expert FLOPs); gmm: a
+        # window of 2 x T*k / ep rows, whose excess over the device's share is one ideal.
+        assert g["compiled_flops"] < 0.75 * r["compiled_flops"], (g["mode"], g, r)
+        assert 0.9 <= g["flops_ratio_local_rows"] <= 1.2, g
+        assert g["bytes_accessed"] < r["bytes_accessed"], g["mode"]

@@ -162,12 +162,16 @@ def test_rows_outside_every_group_never_reach_the_result(nan_in_unwritten_rows):
     assert rel_err(got, local_reference(case)) < REL_TOL
 
 
-@pytest.fixture(params=["vmem", "xla"])
+@pytest.fixture(params=["vmem", "vmem_scatter", "xla"])
 def row_gathers(request, monkeypatch):
-    """Both ways of gathering rows: the VMEM kernels (``vmem_rows``, decode-sized operands)
-    and XLA's gathers (``take_rows`` / ``sum_token_rows``, what larger operands take)."""
-    if request.param == "xla":
-        monkeypatch.setattr(vmem_rows, "MAX_VMEM_OPERAND", 0)
+    """Every way of gathering rows: the VMEM kernels (``vmem_rows``) with the un-permute as
+    a gather of held rows (``sum_rows``, decode) or as a scatter into held sums
+    (``add_rows``, prefill: the budget below holds the test's 19-token x and sums, not its
+    rows), and XLA's gathers (``take_rows`` / ``sum_token_rows``, what larger operands
+    take)."""
+    budget = {"vmem_scatter": 32 * 256 * vmem_rows.held_bytes(4), "xla": 0}
+    if request.param in budget:
+        monkeypatch.setattr(vmem_rows, "HELD_BUDGET", budget[request.param])
     return request.param
 
 
@@ -216,6 +220,44 @@ def test_vmem_sum_rows_skips_rows_not_held(dtype):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_vmem_add_rows_skips_rows_not_held(dtype):
+    """float32 sums of each token's rows in row order, exactly; rows coded -1 are never read
+    into a sum (NaN there); tokens no row points at sum to 0."""
+    rng = np.random.default_rng(2)
+    tokens, rows = 21, 90
+    token = rng.integers(-1, tokens - 3, rows).astype(np.int32)  # some tokens get no row
+    data = np.array(jnp.asarray(rng.standard_normal((rows, 256)), dtype).astype(jnp.float32))
+    data[token < 0] = np.nan
+    got = np.asarray(vmem_rows.add_rows(jnp.asarray(data, dtype), jnp.asarray(token), tokens,
+                                        True))
+    want = np.zeros((tokens, 256), np.float32)
+    for m in range(rows):
+        if token[m] >= 0:
+            want[token[m]] = want[token[m]] + data[m]
+    assert got.shape == (tokens, 256) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+
+
+def test_vmem_column_blocks_of_large_operands(monkeypatch):
+    """An operand too large to hold whole is held a column block at a time (prefill): the
+    same rows and sums, block by block."""
+    monkeypatch.setattr(vmem_rows, "HELD_BUDGET", 48 * 128 * vmem_rows.held_bytes(2))
+    assert vmem_rows.column_block(48, 512, vmem_rows.held_bytes(2)) == 128
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((45, 512)), jnp.bfloat16)
+    idx = jnp.asarray(rng.integers(0, 45, 100), jnp.int32)
+    got = vmem_rows.gather_rows(x, idx, 112, True)
+    np.testing.assert_array_equal(np.asarray(got[:100]), np.asarray(x)[np.asarray(idx)])
+    token = jnp.asarray(rng.integers(-1, 12, 112), jnp.int32)
+    sums = np.asarray(vmem_rows.add_rows(got, token, 12, True))
+    rows32, codes = np.asarray(got.astype(jnp.float32)), np.asarray(token)
+    want = np.zeros((12, 512), np.float32)
+    for m in np.flatnonzero(codes >= 0):
+        want[codes[m]] = want[codes[m]] + rows32[m]
+    np.testing.assert_array_equal(sums, want)
+
+
 def test_bfloat16_gmm_vmem_and_xla_gathers_agree(monkeypatch):
     """The same bfloat16 layer with both ways of gathering rows: identical rows reach the
     kernels; the k-sums differ at most in float32 rounding of their order."""
@@ -227,7 +269,7 @@ def test_bfloat16_gmm_vmem_and_xla_gathers_agree(monkeypatch):
             *[jnp.asarray(full[k][:LOCAL_ROWS], jnp.bfloat16)
               for k in ("w_gate", "w_up", "w_down")]]
     vmem = np.asarray(jax.jit(gmm.gmm_experts)(*args))
-    monkeypatch.setattr(vmem_rows, "MAX_VMEM_OPERAND", 0)
+    monkeypatch.setattr(vmem_rows, "HELD_BUDGET", 0)
     xla = np.asarray(jax.jit(gmm.gmm_experts)(*args))
     np.testing.assert_allclose(vmem, xla, rtol=1e-6, atol=1e-6)
 

@@ -7,10 +7,11 @@ Same computation as ``ragged`` (``ragged.py``), with each grouped matmul done by
    sentinel row ``E_l`` of experts held elsewhere sorts last and is counted in no group), the
    token rows gathered in that order and padded to ``M_pad``, a multiple of the row tile ``tm``
    (the kernel tiles rows in whole ``tm`` blocks); padded rows are past ``sum(group_sizes)``,
-   like the sentinel rows, so no group holds them. When ``x`` is small enough to sit in VMEM
-   (decode; ``vmem_rows.fits``) the rows are picked by a Pallas kernel that reads ``x`` once
-   and writes ``[M_pad, H]`` in the layout the kernel reads (``vmem_rows.gather_rows``);
-   otherwise by XLA's gather of whole tiles (:func:`take_rows`);
+   like the sentinel rows, so no group holds them. When a column block of ``x`` fits VMEM
+   (``vmem_rows.fits``: up to 16,384 tokens of a 2,048-wide model) the rows are picked by a
+   Pallas kernel that reads ``x`` once and writes ``[M_pad, H]`` in the layout the kernel
+   reads (``vmem_rows.gather_rows``); otherwise by XLA's gather of whole tiles
+   (:func:`take_rows`);
 2. gate, up and down are three ``gmm`` calls with the per-expert group sizes, each with its
    own ``(tm, tk, tn)`` tiling (:func:`gmm_tiling`). The kernel accumulates in a float32 VMEM
    scratch whatever its output dtype; gate and up are stored in float32 (they meet in
@@ -23,8 +24,10 @@ Same computation as ``ragged`` (``ragged.py``), with each grouped matmul done by
    the assignments held elsewhere are dropped with a select on ``local_ids`` (the kernel never
    visits a tile that holds no group row and does not store the rows of a partly visited tile
    that belong to no group: those rows hold whatever the output buffer held, maybe NaN), and
-   the k rows of each token are summed in float32 (at decode one Pallas kernel does the
-   three, reading down's output once: ``vmem_rows.sum_rows``; else :func:`sum_token_rows`).
+   the k rows of each token are summed in float32. One Pallas kernel does the three, reading
+   down's output once: at decode by gathering from the held rows (``vmem_rows.sum_rows``,
+   j in order), at prefill by adding each row into the held ``[T, H]`` sums
+   (``vmem_rows.add_rows``, in sorted order); beyond both, :func:`sum_token_rows`.
 
 Routing is computed before the backend (float32 router): the compute-dtype intermediates
 change the rounding of the MoE output, never which experts a token was routed to in this
@@ -353,7 +356,7 @@ def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes:
     m_pad = token.shape[0]
     # [M_pad, H]: token row of each sorted assignment. Rows past the groups are never
     # computed or stored, whatever they hold.
-    if vmem_rows.fits(x.shape[0], x.shape[1], x.dtype.itemsize):  # decode: x read once
+    if vmem_rows.fits(x.shape[0], x.shape[1], x.dtype.itemsize):  # x read once
         xs = vmem_rows.gather_rows(x, token, m_pad, interpret)
     else:
         xs = take_rows(x, token)
@@ -362,8 +365,12 @@ def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes:
     # The routing weight on the [M, I] side, in float32, before the cast (module docstring).
     act = (jax.nn.silu(gate) * up * weight[:, None]).astype(x.dtype)
     down = grouped_matmul(act, w_down, group_sizes, rows, interpret, x.dtype)  # [M_pad, H]
-    if vmem_rows.fits(m_pad, down.shape[1], down.dtype.itemsize):  # decode: down read once
+    num_tokens, hidden = x.shape
+    if vmem_rows.fits(m_pad, hidden, down.dtype.itemsize):  # decode: down's rows held
         return vmem_rows.sum_rows(down, index, held, interpret)
+    if vmem_rows.fits_sums(num_tokens, hidden):  # prefill: the [T, H] sums held
+        in_groups = jnp.arange(m_pad) < jnp.sum(group_sizes)  # the held assignments
+        return vmem_rows.add_rows(down, jnp.where(in_groups, token, -1), num_tokens, interpret)
     return sum_token_rows(down, jnp.clip(index, 0, m_pad - 1), held)
 
 

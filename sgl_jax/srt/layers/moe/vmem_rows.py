@@ -1,26 +1,32 @@
-"""Row gathers of the gmm dispatch done in VMEM (Pallas TPU kernels), for small operands.
+"""Row gathers of the gmm dispatch done in VMEM (Pallas TPU kernels).
 
 XLA:TPU gathers single rows of a tiled ``[N, D]`` array a tile at a time: a bfloat16 row is
 one of the 16 rows of a ``(16, 128)`` tile, and XLA's gather reads (and its cost analysis
 counts) whole tiles; the tile-shaped view of ``gmm.take_tiled`` moves whole tiles per row but
-costs a relayout of its operand or result on each side. At decode both gathered arrays are
-small (``x``: ``[T, H]``; ``down``'s output: ``[T * k, H]``), so a kernel can hold the whole
-operand in VMEM, read it from HBM once and pick the rows there:
+costs a relayout of its operand or result on each side. A row gather is separable by columns,
+so a kernel can hold the operand in VMEM a column block at a time (the whole width at decode;
+256 or 128 of ``H`` columns at prefill, :func:`column_block`), read it from HBM once and pick
+the rows there while the result streams out in row blocks:
 
 - :func:`gather_rows`: ``x[idx]`` -> ``[M_pad, H]`` in ``x``'s dtype, in the row-major
   layout the gmm kernel reads (no relayout); rows past ``len(idx)`` hold row 0.
 - :func:`sum_rows`: for each token ``t``, ``sum_j rows[index[t, j]]`` over the ``j`` with
   ``held[t, j]`` -> float32 ``[T, D]``; rows not held are never read (``where``, not a
   multiply: they may be garbage, even NaN). The sum runs over ``j = 0 .. k-1`` in order.
+  It holds the ``[T * k, D]`` rows: decode.
+- :func:`add_rows`: the same sums in scatter form, for when the rows are too many to hold
+  (prefill) but the float32 ``[T, D]`` sums are not: the sums' column block stays in VMEM
+  while the rows stream in, each added at its token (or skipped: code -1), in row order.
 
-The kernel copies the operand, read from HBM once, into a float32 VMEM scratch at its first
-grid step (exact for any narrower float dtype) and loads each row with a dynamic sublane
-offset there (Mosaic cannot load a single row of a packed bfloat16 ref at an offset it cannot
-prove aligned; it can for 32-bit refs): ``D / 128`` vector loads per row. The kernels' cost
+The gathering kernels copy the operand block, read from HBM once, into a float32 VMEM
+scratch at the block's first row step (exact for any narrower float dtype) and load each row
+with a dynamic sublane offset there (Mosaic cannot load a single row of a packed bfloat16
+ref at an offset it cannot prove aligned; it can for 32-bit refs): ``cb / 128`` vector loads
+per row and column block, the kernels' own work (not measured: no TPU here). Their cost
 estimates are what they move: the operand once, the result once, the indices.
 
-:func:`fits` says whether an operand is small enough (``MAX_VMEM_OPERAND``); the callers
-fall back to XLA's gathers otherwise (prefill).
+:func:`fits` / :func:`fits_sums` say whether 128 columns of the held array fit
+``HELD_BUDGET``; the callers fall back to XLA's gathers otherwise.
 """
 
 from __future__ import annotations
@@ -36,29 +42,55 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 BLOCK = 16  # rows of a bfloat16 (16, 128) tile; also a multiple of float32's 8
-MAX_VMEM_OPERAND = 8 * 1024 * 1024  # largest operand held whole in VMEM (decode: T*k <= 2048)
-# Scoped VMEM of a kernel: the operand (<= 8 MiB), its float32 copy (<= 16 MiB), two output
-# blocks (<= 2 MiB) and Mosaic's own scratch; below the 95 / 128 MiB of v5p / v5e / v6e.
+LANE = 128
+# VMEM of the block a kernel holds across its grid steps: a column block of the gathered
+# operand (two pipeline buffers and its float32 copy) or of the float32 sums (two buffers).
+HELD_BUDGET = 16 * 1024 * 1024
+# Scoped VMEM of a kernel: the held block (<= 16 MiB), two output or input row blocks
+# (<= 1 MiB each) and Mosaic's own scratch; below the 95 / 128 MiB of v5p / v5e / v6e.
 VMEM_LIMIT = 40 * 1024 * 1024
-OUT_ROWS = 64  # rows of one output block (a grid step)
+OUT_ROWS = 64  # rows of one streamed block (a grid step)
+
+
+def column_block(rows: int, width: int, bytes_per_element: int) -> int | None:
+    """The widest column block of a held ``[rows, width]`` array (the whole width, or a
+    multiple of 128 dividing it) within ``HELD_BUDGET`` at ``bytes_per_element`` of VMEM per
+    element; None: not even 128 columns fit (the callers fall back to XLA's gathers)."""
+    rows = -(-rows // BLOCK) * BLOCK
+    for block in [width] + [c for c in range(width - width % LANE, 0, -LANE) if c != width]:
+        if width % block == 0 and rows * block * bytes_per_element <= HELD_BUDGET:
+            return block
+    return None
+
+
+def held_bytes(itemsize: int) -> int:
+    """VMEM per element of a held operand column block: two buffers and a float32 copy."""
+    return 2 * itemsize + 4
 
 
 def fits(rows: int, width: int, itemsize: int) -> bool:
-    """Whether a ``[rows, width]`` operand is held whole in VMEM by these kernels."""
-    return rows * width * max(itemsize, 2) <= MAX_VMEM_OPERAND and itemsize <= 4
+    """Whether :func:`gather_rows` / :func:`sum_rows` can hold a ``[rows, width]`` operand a
+    column block at a time."""
+    return itemsize <= 4 and column_block(rows, width, held_bytes(itemsize)) is not None
+
+
+def fits_sums(tokens: int, width: int) -> bool:
+    """Whether :func:`add_rows` can hold the float32 ``[tokens, width]`` sums a column block
+    at a time."""
+    return column_block(tokens, width, 8) is not None
 
 
 def _widen(src_ref, f32_ref) -> None:
-    """At the first grid step, the float32 copy of the VMEM operand (kept across the steps:
-    the grid runs in order on one core, ``arbitrary``)."""
-    @pl.when(pl.program_id(0) == 0)
+    """At the first row step of a column block, the float32 copy of the held operand block
+    (kept across the block's row steps: the grid runs in order on one core, ``arbitrary``)."""
+    @pl.when(pl.program_id(1) == 0)
     def _():
         f32_ref[...] = src_ref[...].astype(jnp.float32)
 
 
 def _gather_kernel(idx_ref, x_ref, o_ref, xf_ref):
     _widen(x_ref, xf_ref)
-    base = pl.program_id(0) * o_ref.shape[0]
+    base = pl.program_id(1) * o_ref.shape[0]
 
     def block(b, carry):
         first = base + b * BLOCK
@@ -72,7 +104,7 @@ def _gather_kernel(idx_ref, x_ref, o_ref, xf_ref):
 
 def _sum_kernel(top_k, code_ref, rows_ref, o_ref, rf_ref):
     _widen(rows_ref, rf_ref)
-    base = pl.program_id(0) * o_ref.shape[0]
+    base = pl.program_id(1) * o_ref.shape[0]
 
     def block(b, carry):
         out = []
@@ -89,6 +121,29 @@ def _sum_kernel(top_k, code_ref, rows_ref, o_ref, rf_ref):
         return carry
 
     jax.lax.fori_loop(0, o_ref.shape[0] // BLOCK, block, 0)
+
+
+def _add_kernel(code_ref, rows_ref, o_ref):
+    """Streams ``BLOCK``-row groups of a row block and adds each row into the held float32
+    sums at its token (``code``; -1: skipped), in row order."""
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+        o_ref[...] = jnp.zeros_like(o_ref)
+
+    base = pl.program_id(1) * rows_ref.shape[0]
+
+    def block(b, carry):
+        start = pl.multiple_of(b * BLOCK, BLOCK)
+        group = rows_ref[pl.ds(start, BLOCK), :].astype(jnp.float32)
+        for r in range(BLOCK):
+            code = code_ref[base + b * BLOCK + r]
+            target = jnp.maximum(code, 0)
+            row = o_ref[pl.ds(target, 1), :]
+            o_ref[pl.ds(target, 1), :] = row + jnp.where(code >= 0, group[r:r + 1],
+                                                          jnp.zeros_like(row))
+        return carry
+
+    jax.lax.fori_loop(0, rows_ref.shape[0] // BLOCK, block, 0)
 
 
 def _varying(out: jax.Array, *operands: jax.Array) -> jax.Array:
@@ -108,28 +163,36 @@ def _manual(*arrays: jax.Array) -> bool:
     return bool(varying_axes(*arrays))
 
 
+def _row_block(rows: int) -> int:
+    block = min(OUT_ROWS, rows)
+    while rows % block:
+        block //= 2
+    return block
+
+
 def _call(kernel: Callable[..., None], scalars: jax.Array, operand: jax.Array, rows: int,
           dtype: Any, cost: pl.CostEstimate, interpret: bool) -> jax.Array:
     """``kernel(scalars_ref, operand_ref, out_ref, f32_scratch_ref)`` over a ``[rows, D]``
     output of ``dtype`` in blocks of at most ``OUT_ROWS`` rows (``rows``: a multiple of
-    ``BLOCK``), the whole ``operand`` in VMEM with its float32 copy, ``scalars`` prefetched
-    to SMEM."""
-    block = min(OUT_ROWS, rows)
-    while rows % block:
-        block //= 2
+    ``BLOCK``) by column blocks: for each column block (:func:`column_block`) the operand's
+    ``[N, cb]`` block is held in VMEM with its float32 copy while the row blocks stream out.
+    ``scalars`` prefetched to SMEM."""
+    n, width = operand.shape
+    cols = column_block(n, width, held_bytes(operand.dtype.itemsize))
+    block = _row_block(rows)
     with jax_config._check_vma(False):
         return pl.pallas_call(
             kernel,
-            out_shape=jax.ShapeDtypeStruct((rows, operand.shape[1]), dtype),
+            out_shape=jax.ShapeDtypeStruct((rows, width), dtype),
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=1,
-                grid=(rows // block,),
-                in_specs=[pl.BlockSpec(memory_space=pltpu.VMEM)],
-                out_specs=pl.BlockSpec((block, operand.shape[1]), lambda i, _: (i, 0)),
-                scratch_shapes=[pltpu.VMEM(operand.shape, jnp.float32)],
+                grid=(width // cols, rows // block),
+                in_specs=[pl.BlockSpec((n, cols), lambda c, i, _: (0, c))],
+                out_specs=pl.BlockSpec((block, cols), lambda c, i, _: (i, c)),
+                scratch_shapes=[pltpu.VMEM((n, cols), jnp.float32)],
             ),
-            compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
-                                                 vmem_limit_bytes=VMEM_LIMIT),
+            compiler_params=pltpu.CompilerParams(
+                dimension_semantics=("arbitrary", "arbitrary"), vmem_limit_bytes=VMEM_LIMIT),
             cost_estimate=cost,
             interpret=interpret,
         )(scalars, operand)
@@ -176,5 +239,45 @@ def sum_rows(rows: jax.Array, index: jax.Array, held: jax.Array, interpret: bool
                            + code.size * 4)
     out = _call(functools.partial(_sum_kernel, top_k), code, rows, t_pad, jnp.float32, cost,
                 interpret)
+    out = _varying(out, rows, code)
+    return out[:tokens] if t_pad != tokens else out
+
+
+@functools.partial(jax.jit, static_argnames=("tokens", "interpret"))
+def add_rows(rows: jax.Array, token: jax.Array, tokens: int, interpret: bool) -> jax.Array:
+    """float32 ``[tokens, D]``: each row of ``rows`` ([M, D], any float dtype) added to the
+    sum of its token ``token[m]`` ([M]; -1: a row to skip, never read into a sum: it may be
+    garbage), rows in order. The scatter form of :func:`sum_rows`, for when the rows are too
+    many to hold (prefill) but the sums are not (:func:`fits_sums`)."""
+    m, d = rows.shape
+    m_pad = -(-m // BLOCK) * BLOCK
+    rows = jnp.pad(rows, ((0, m_pad - m), (0, 0))) if m_pad != m else rows
+    code = jnp.pad(token.astype(jnp.int32), (0, m_pad - m), constant_values=-1)
+    t_pad = -(-tokens // BLOCK) * BLOCK
+    if interpret and _manual(rows, code):  # the kernel's arithmetic (see _manual)
+        kept = jnp.where(code[:, None] >= 0, rows.astype(jnp.float32), 0.0)
+        return jnp.zeros((tokens, d), jnp.float32).at[jnp.maximum(code, 0)].add(kept)
+    cols = column_block(t_pad, d, 8)
+    if cols is None:
+        raise ValueError(f"{tokens} x {d} float32 sums do not fit {HELD_BUDGET} bytes of VMEM")
+    block = _row_block(m_pad)
+    cost = pl.CostEstimate(flops=m * d, transcendentals=0,
+                           bytes_accessed=m_pad * d * rows.dtype.itemsize + t_pad * d * 4
+                           + m_pad * 4)
+    with jax_config._check_vma(False):
+        out = pl.pallas_call(
+            _add_kernel,
+            out_shape=jax.ShapeDtypeStruct((t_pad, d), jnp.float32),
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=1,
+                grid=(d // cols, m_pad // block),
+                in_specs=[pl.BlockSpec((block, cols), lambda c, i, _: (i, c))],
+                out_specs=pl.BlockSpec((t_pad, cols), lambda c, i, _: (0, c)),
+            ),
+            compiler_params=pltpu.CompilerParams(
+                dimension_semantics=("arbitrary", "arbitrary"), vmem_limit_bytes=VMEM_LIMIT),
+            cost_estimate=cost,
+            interpret=interpret,
+        )(code, rows)
     out = _varying(out, rows, code)
     return out[:tokens] if t_pad != tokens else out

@@ -34,13 +34,13 @@ def small_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def report(config: Path, backend: str, *layout: str) -> list[dict]:
-    """``aot_report --json`` on v6e:2x2 (tp 4 unless ``layout`` says otherwise)."""
+def report(config: Path, backend: str, *flags: str) -> list[dict]:
+    """``aot_report --json`` on v6e:2x2 at tp 4; ``flags`` override (argparse: the last
+    occurrence of an option wins)."""
     proc = run_tool(
-        "--model-config", str(config), "--topology", "v6e:2x2",
-        *(layout or ("--tp-size", "4")),
+        "--model-config", str(config), "--topology", "v6e:2x2", "--tp-size", "4",
         "--decode-bs", "64", "--prefill-tokens", "256", "--prefill-requests", "2",
-        "--context-len", "512", "--moe-backend", backend, "--json",
+        "--context-len", "512", "--moe-backend", backend, "--json", *flags,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
@@ -64,7 +64,8 @@ def test_gmm_under_dp_attention_compiles_one_window_per_device(small_config: Pat
     compiled for one pass window (twice its share of the assignments), not for every rank's
     assignments as ragged's are, and the step still compiles with the pass loop inside the
     MoE ``shard_map``."""
-    args = ("--ep-size", "4", "--dp-size", "4", "--tp-size", "1")
+    # One prefill request per rank: no idle rank's padding in the local-rows ratio.
+    args = ("--ep-size", "4", "--dp-size", "4", "--tp-size", "1", "--prefill-requests", "4")
     gmm, ragged = report(small_config, "gmm", *args), report(small_config, "ragged", *args)
     for g, r in zip(gmm, ragged, strict=True):
         # ragged: every device computes all ranks' T*k rows (ep x the expert FLOPs); gmm: a

@@ -75,6 +75,7 @@ from jax._src import config as jax_config  # _check_vma: see grouped_matmul
 from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
 
 from sgl_jax.srt.layers.moe import vmem_rows
+from sgl_jax.srt.layers.moe.manual_axes import mark_varying
 from sgl_jax.srt.layers.moe.ragged import group_assignments
 
 # VMEM the kernel's blocks may use: double-buffered lhs [tm, tk] and rhs [tk, tn] input
@@ -212,25 +213,11 @@ def grouped_matmul(lhs: jax.Array, w: jax.Array, group_sizes: jax.Array, rows: i
         raise ValueError(f"{lhs.shape[0]} rows are not a multiple of tm={tiling[0]}")
     transpose = k_minor(k, n)
     rhs = w.swapaxes(1, 2) if transpose else w  # a bitcast of the K-minor layout: no copy
-    # Megablox builds its output type without the mesh axes it varies over, which
-    # ``shard_map``'s default check_vma=True refuses (ep_moe's shard_map). The kernel is traced
-    # with the check off, and its output is then marked varying over every mesh axis any
-    # operand varies over (what the type would have said: the output depends on all three).
+    # Traced with shard_map's check_vma off, its output then marked varying (manual_axes.py).
     with jax_config._check_vma(False):
         out = megablox_gmm(lhs, rhs, group_sizes, preferred_element_type=out_dtype,
                            tiling=tiling, transpose_rhs=transpose, interpret=interpret)
-    missing = varying_axes(lhs, rhs, group_sizes) - varying_axes(out)
-    return jax.lax.pcast(out, tuple(sorted(missing)), to="varying") if missing else out
-
-
-def varying_axes(*arrays: jax.Array) -> frozenset[str]:
-    """The manual mesh axes (inside ``shard_map``) any of ``arrays`` varies over."""
-    axes: frozenset[str] = frozenset()
-    for a in arrays:
-        manual = jax.typeof(a).manual_axis_type
-        if manual is not None:
-            axes |= manual.varying
-    return axes
+    return mark_varying(out, lhs, rhs, group_sizes)
 
 
 def k_minor(k: int, n: int) -> bool:
@@ -340,9 +327,9 @@ def gmm_experts(
 
     def step(carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         p, out = carry
-        return p + 1, out + _varying_like(one_pass(p * rows_pad), *operands)
+        return p + 1, out + mark_varying(one_pass(p * rows_pad), *operands)
 
-    zero = _varying_like(jnp.zeros((num_tokens, x.shape[1]), jnp.float32), *operands)
+    zero = mark_varying(jnp.zeros((num_tokens, x.shape[1]), jnp.float32), *operands)
     return jax.lax.while_loop(lambda c: c[0] < passes, step, (jnp.int32(0), zero))[1]
 
 
@@ -372,13 +359,6 @@ def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes:
         in_groups = jnp.arange(m_pad) < jnp.sum(group_sizes)  # the held assignments
         return vmem_rows.add_rows(down, jnp.where(in_groups, token, -1), num_tokens, interpret)
     return sum_token_rows(down, jnp.clip(index, 0, m_pad - 1), held)
-
-
-def _varying_like(out: jax.Array, *operands: jax.Array) -> jax.Array:
-    """``out`` marked varying over every manual mesh axis an operand varies over (a
-    ``while_loop`` carry must keep one type across iterations)."""
-    missing = varying_axes(*operands) - varying_axes(out)
-    return jax.lax.pcast(out, tuple(sorted(missing)), to="varying") if missing else out
 
 
 def sum_token_rows(rows: jax.Array, index: jax.Array, held: jax.Array) -> jax.Array:

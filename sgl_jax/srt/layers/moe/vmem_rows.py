@@ -41,6 +41,8 @@ from jax._src import config as jax_config  # _check_vma: see gmm.grouped_matmul
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from sgl_jax.srt.layers.moe.manual_axes import mark_varying, varying_axes
+
 BLOCK = 16  # rows of a bfloat16 (16, 128) tile; also a multiple of float32's 8
 LANE = 128
 # VMEM of the block a kernel holds across its grid steps: a column block of the gathered
@@ -146,20 +148,11 @@ def _add_kernel(code_ref, rows_ref, o_ref):
     jax.lax.fori_loop(0, rows_ref.shape[0] // BLOCK, block, 0)
 
 
-def _varying(out: jax.Array, *operands: jax.Array) -> jax.Array:
-    from sgl_jax.srt.layers.moe.gmm import varying_axes
-
-    missing = varying_axes(*operands) - varying_axes(out)
-    return jax.lax.pcast(out, tuple(sorted(missing)), to="varying") if missing else out
-
-
 def _manual(*arrays: jax.Array) -> bool:
     """Whether any operand varies over a manual mesh axis (inside ``shard_map``). Pallas's
     interpret mode (CPU) cannot run these kernels there (its grid loop's carry changes its
     varying axes); off TPU they are then computed with the same arithmetic in jnp. On TPU
     the kernels run under ``shard_map`` (the engine's MoE layer)."""
-    from sgl_jax.srt.layers.moe.gmm import varying_axes
-
     return bool(varying_axes(*arrays))
 
 
@@ -213,7 +206,7 @@ def gather_rows(x: jax.Array, idx: jax.Array, rows: int, interpret: bool) -> jax
     cost = pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=(n_pad + rows) * d
                            * x.dtype.itemsize + rows * 4)
     out = _call(_gather_kernel, idx, x, rows, x.dtype, cost, interpret)
-    return _varying(out, x, idx)
+    return mark_varying(out, x, idx)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -239,7 +232,7 @@ def sum_rows(rows: jax.Array, index: jax.Array, held: jax.Array, interpret: bool
                            + code.size * 4)
     out = _call(functools.partial(_sum_kernel, top_k), code, rows, t_pad, jnp.float32, cost,
                 interpret)
-    out = _varying(out, rows, code)
+    out = mark_varying(out, rows, code)
     return out[:tokens] if t_pad != tokens else out
 
 
@@ -279,5 +272,5 @@ def add_rows(rows: jax.Array, token: jax.Array, tokens: int, interpret: bool) ->
             cost_estimate=cost,
             interpret=interpret,
         )(code, rows)
-    out = _varying(out, rows, code)
+    out = mark_varying(out, rows, code)
     return out[:tokens] if t_pad != tokens else out

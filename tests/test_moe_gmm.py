@@ -50,11 +50,13 @@ REPO = Path(__file__).absolute().parents[1]
 LOCAL_ROWS = 6  # an EP-like device holding logical experts 0..5 as rows 0..5 (of 16)
 
 
-def local_case(seed: int, tokens: int, routing: str = "random") -> dict[str, np.ndarray]:
+def local_case(seed: int, tokens: int, routing: str = "random",
+               experts: int = 16) -> dict[str, np.ndarray]:
     """A device's view of a case: rows 0..LOCAL_ROWS-1 are its experts (``w_*`` sliced),
-    every other assignment has the sentinel row LOCAL_ROWS (``ep_moe``'s convention).
-    ``full`` keeps the whole case for the reference."""
-    case = make_case(seed, tokens, routing)
+    every other assignment has the sentinel row LOCAL_ROWS (``ep_moe``'s convention; with
+    ``experts`` = LOCAL_ROWS the device holds every assignment). ``full`` keeps the whole
+    case for the reference."""
+    case = make_case(seed, tokens, routing, experts=experts)
     ids = case["topk_ids"]
     out: dict[str, Any] = {k: case[k] for k in ("x", "topk_weights")}
     out["local_ids"] = np.where(ids < LOCAL_ROWS, ids, LOCAL_ROWS).astype(np.int32)
@@ -116,22 +118,28 @@ def test_all_assignments_elsewhere_gives_zero():
     np.testing.assert_array_equal(run_local(case), 0.0)
 
 
-@pytest.mark.parametrize("routing,shards,factor", [
-    ("random", 4, 2.0),  # the default window: usually one pass
-    ("random", 8, 1.0),  # a small window: several passes, groups split across windows
-    ("same", 8, 0.5),  # every token on the same experts: many passes
+@pytest.mark.parametrize("routing,shards,factor,experts", [
+    ("random", 4, 2.0, 16),  # the default window: usually one pass
+    ("random", 8, 1.0, 16),  # a small window: several passes, groups split across windows
+    ("same", 8, 0.5, 16),  # every token on the same experts: many passes
+    ("random", 16, 0.5, LOCAL_ROWS),  # every assignment held: the last window runs past M
 ])
-def test_passes_over_windows_of_the_local_assignments(routing, shards, factor,
+def test_passes_over_windows_of_the_local_assignments(routing, shards, factor, experts,
                                                       nan_in_unwritten_rows):
     """Under EP (``shards`` > 1) the assignments are computed in windows of
-    ``pass_rows`` sorted positions: however many passes the routing needs, the result is
-    the reference's (nothing dropped, nothing counted twice), with NaN in unwritten rows."""
-    case = local_case(29, 47, routing)
-    held = int((case["local_ids"] < LOCAL_ROWS).sum())
-    rows = gmm.pass_rows(case["local_ids"].size, shards, factor)
-    assert rows < case["local_ids"].size
+    ``pass_rows`` sorted positions (padded to the row tile): however many passes the routing
+    needs, the result is the reference's (nothing dropped, nothing counted twice), with NaN
+    in unwritten rows."""
+    case = local_case(29, 33 if experts == LOCAL_ROWS else 47, routing, experts)
+    local = case["local_ids"]
+    held = int((local < LOCAL_ROWS).sum())
+    rows = gmm.pass_rows(local.size, shards, factor)
+    window = gmm.pad_rows(rows, gmm.row_tile(rows, case["w_gate"], case["w_down"]))
+    assert window < local.size
     if factor < 2.0:
-        assert held > rows  # more than one window of held assignments
+        assert held > window  # more than one window of held assignments
+    if experts == LOCAL_ROWS:
+        assert held == local.size and held % window  # the last window ends past M
     args = [case[k] for k in ("x", "local_ids", "topk_weights", "w_gate", "w_up", "w_down")]
     backend = gmm.GmmExperts(shards=shards, capacity_factor=factor)
     got = np.asarray(jax.jit(backend)(*args))
@@ -151,6 +159,9 @@ def nan_in_unwritten_rows(monkeypatch):
         return jnp.where(tail[:, None], jnp.nan, out)
 
     monkeypatch.setattr(gmm, "megablox_gmm", garbage_tail)
+    jax.clear_caches()  # read at trace time: no program traced with the real kernel
+    yield
+    jax.clear_caches()
 
 
 def test_rows_outside_every_group_never_reach_the_result(nan_in_unwritten_rows):
@@ -172,7 +183,9 @@ def row_gathers(request, monkeypatch):
     budget = {"vmem_scatter": 32 * 256 * vmem_rows.held_bytes(4), "xla": 0}
     if request.param in budget:
         monkeypatch.setattr(vmem_rows, "HELD_BUDGET", budget[request.param])
-    return request.param
+    jax.clear_caches()  # the budget is read at trace time: no program traced with another
+    yield request.param
+    jax.clear_caches()
 
 
 def test_lane_tiled_gathers_with_garbage_rows(nan_in_unwritten_rows, row_gathers):
@@ -186,6 +199,11 @@ def test_lane_tiled_gathers_with_garbage_rows(nan_in_unwritten_rows, row_gathers
             "local_ids": np.where(ids < LOCAL_ROWS, ids, LOCAL_ROWS).astype(np.int32),
             **{k: full[k][:LOCAL_ROWS] for k in ("w_gate", "w_up", "w_down")}, "full": full}
     args = [case[k] for k in ("x", "local_ids", "topk_weights", "w_gate", "w_up", "w_down")]
+    traced = str(jax.make_jaxpr(gmm.gmm_experts)(*args))  # the path this case takes
+    kernels = {"vmem": {"gather_rows", "sum_rows"}, "vmem_scatter": {"gather_rows", "add_rows"},
+               "xla": set()}[row_gathers]
+    assert {k for k in ("gather_rows", "sum_rows", "add_rows") if f"name={k}" in traced} \
+        == kernels
     got = np.asarray(jax.jit(gmm.gmm_experts)(*args))
     assert got.shape == (19, 256) and np.isfinite(got).all()
     assert rel_err(got, local_reference(case)) < REL_TOL
@@ -270,7 +288,9 @@ def test_bfloat16_gmm_vmem_and_xla_gathers_agree(monkeypatch):
               for k in ("w_gate", "w_up", "w_down")]]
     vmem = np.asarray(jax.jit(gmm.gmm_experts)(*args))
     monkeypatch.setattr(vmem_rows, "HELD_BUDGET", 0)
+    jax.clear_caches()  # the budget is read at trace time
     xla = np.asarray(jax.jit(gmm.gmm_experts)(*args))
+    jax.clear_caches()
     np.testing.assert_allclose(vmem, xla, rtol=1e-6, atol=1e-6)
 
 

@@ -1536,6 +1536,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--extend-tokens N needs 1 <= N < --context-len")
     if args.extend_tokens and args.dp_size > 1:
         p.error("--extend-tokens with --dp-size > 1 is not supported")
+    if args.dump_hlo:
+        Path(args.dump_hlo).mkdir(parents=True, exist_ok=True)  # before the first compile
     if args.top_ops and not args.breakdown:
         p.error("--top-ops needs --breakdown (its per-op estimate)")
     if args.top_ops < 0:

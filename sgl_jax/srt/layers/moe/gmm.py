@@ -45,10 +45,10 @@ DP attention) a device holds ``E_l = E / shards`` experts and, routing being bal
 ``M / shards`` of the ``M`` assignments it sorts (the rest carry the sentinel and sort last).
 Shapes sized for all ``M`` would gather, multiply (by the kernel's static estimate) and sum
 ``shards`` times the rows a device has. So its assignments are computed in passes over a
-window of ``rows = CAPACITY_FACTOR * M / shards`` sorted positions (:func:`pass_rows`),
-window ``p`` holding positions ``[p * rows, (p + 1) * rows)``: the groups are clipped to the
-window (a group may span two), and each pass adds its tokens' float32 partial sums. The
-number of passes is data (a ``while_loop``: one unless a device gets more than
+window of ``W`` sorted positions, ``CAPACITY_FACTOR * M / shards`` (:func:`pass_rows`) padded
+to the row tile, window ``p`` holding positions ``[p * W, (p + 1) * W)``: the groups are
+clipped to the window (a group may span two), and each pass adds its tokens' float32 partial
+sums. The number of passes is data (a ``while_loop``: one unless a device gets more than
 ``CAPACITY_FACTOR`` times its share), so no assignment is ever dropped and the result is the
 same whatever the factor; only a token whose assignments straddle two windows has its k-sum
 split in two (float32, in sorted order). XLA's cost analysis counts a ``while_loop`` body
@@ -260,9 +260,10 @@ def take_rows(a: jax.Array, indices: jax.Array) -> jax.Array:
 
 
 def pass_rows(assignments: int, shards: int, capacity_factor: float) -> int:
-    """Rows of one pass of :func:`gmm_experts`: all ``assignments`` on a device that holds
-    every expert (``shards`` = 1), else ``capacity_factor`` times the device's even share
-    (``assignments / shards``), at most all of them."""
+    """Rows of one pass of :func:`gmm_experts` before the padding to the row tile: all
+    ``assignments`` on a device that holds every expert (``shards`` = 1), else
+    ``capacity_factor`` times the device's even share (``assignments / shards``), at most all
+    of them."""
     if shards <= 1:
         return assignments
     return min(assignments, max(1, -(-int(assignments * capacity_factor) // shards)))
@@ -312,13 +313,14 @@ def gmm_experts(
         if rows < m:
             sizes = jnp.clip(jnp.minimum(ends, start + rows_pad) - jnp.maximum(starts, start),
                              0).astype(jnp.int32)
-            index, here = inverse - start, held & (inverse >= start) & (inverse < start + rows_pad)
+            row_in_window = inverse - start
+            in_window = held & (row_in_window >= 0) & (row_in_window < rows_pad)
         else:
-            sizes, index, here = group_sizes, inverse, held
+            sizes, row_in_window, in_window = group_sizes, inverse, held
         window = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=start,
                                    slice_size=rows_pad)
-        return _expert_rows(x, window(token), window(weight), sizes, rows, index, here,
-                            w_gate, w_up, w_down, interpret)
+        return _expert_rows(x, window(token), window(weight), sizes, rows, row_in_window,
+                            in_window, w_gate, w_up, w_down, interpret)
 
     if rows >= m:  # one pass holds every assignment
         return one_pass(0)
@@ -343,7 +345,9 @@ def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes:
     m_pad = token.shape[0]
     # [M_pad, H]: token row of each sorted assignment. Rows past the groups are never
     # computed or stored, whatever they hold.
-    if vmem_rows.fits(x.shape[0], x.shape[1], x.dtype.itemsize):  # x read once
+    num_tokens, hidden = x.shape
+    top_k = index.shape[1]
+    if vmem_rows.fits(num_tokens, hidden, x.dtype.itemsize, m_pad):  # x read once
         xs = vmem_rows.gather_rows(x, token, m_pad, interpret)
     else:
         xs = take_rows(x, token)
@@ -352,10 +356,9 @@ def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes:
     # The routing weight on the [M, I] side, in float32, before the cast (module docstring).
     act = (jax.nn.silu(gate) * up * weight[:, None]).astype(x.dtype)
     down = grouped_matmul(act, w_down, group_sizes, rows, interpret, x.dtype)  # [M_pad, H]
-    num_tokens, hidden = x.shape
-    if vmem_rows.fits(m_pad, hidden, down.dtype.itemsize):  # decode: down's rows held
-        return vmem_rows.sum_rows(down, index, held, interpret)
-    if vmem_rows.fits_sums(num_tokens, hidden):  # prefill: the [T, H] sums held
+    if vmem_rows.fits(m_pad, hidden, down.dtype.itemsize, num_tokens * top_k):  # decode
+        return vmem_rows.sum_rows(down, index, held, interpret)  # down's rows held
+    if vmem_rows.fits_sums(num_tokens, hidden, m_pad):  # prefill: the [T, H] sums held
         in_groups = jnp.arange(m_pad) < jnp.sum(group_sizes)  # the held assignments
         return vmem_rows.add_rows(down, jnp.where(in_groups, token, -1), num_tokens, interpret)
     return sum_token_rows(down, jnp.clip(index, 0, m_pad - 1), held)

@@ -26,7 +26,8 @@ per row and column block, the kernels' own work (not measured: no TPU here). The
 estimates are what they move: the operand once, the result once, the indices.
 
 :func:`fits` / :func:`fits_sums` say whether 128 columns of the held array fit
-``HELD_BUDGET``; the callers fall back to XLA's gathers otherwise.
+``HELD_BUDGET`` and the indices ``MAX_INDICES``; the callers fall back to XLA's gathers
+otherwise.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ HELD_BUDGET = 16 * 1024 * 1024
 # (<= 1 MiB each) and Mosaic's own scratch; below the 95 / 128 MiB of v5p / v5e / v6e.
 VMEM_LIMIT = 40 * 1024 * 1024
 OUT_ROWS = 64  # rows of one streamed block (a grid step)
+# Indices a kernel prefetches to SMEM (int32): 512 KiB, the most compiled (v6e, a 16,384-token
+# prefill of the 30B at k = 8: 131,072 assignment rows); more fall back to XLA's gathers.
+MAX_INDICES = 131_072
 
 
 def column_block(rows: int, width: int, bytes_per_element: int) -> int | None:
@@ -70,16 +74,17 @@ def held_bytes(itemsize: int) -> int:
     return 2 * itemsize + 4
 
 
-def fits(rows: int, width: int, itemsize: int) -> bool:
+def fits(rows: int, width: int, itemsize: int, indices: int) -> bool:
     """Whether :func:`gather_rows` / :func:`sum_rows` can hold a ``[rows, width]`` operand a
-    column block at a time."""
-    return itemsize <= 4 and column_block(rows, width, held_bytes(itemsize)) is not None
+    column block at a time, with ``indices`` row indices in SMEM."""
+    return (itemsize <= 4 and indices <= MAX_INDICES
+            and column_block(rows, width, held_bytes(itemsize)) is not None)
 
 
-def fits_sums(tokens: int, width: int) -> bool:
+def fits_sums(tokens: int, width: int, indices: int) -> bool:
     """Whether :func:`add_rows` can hold the float32 ``[tokens, width]`` sums a column block
-    at a time."""
-    return column_block(tokens, width, 8) is not None
+    at a time, with ``indices`` row tokens in SMEM."""
+    return indices <= MAX_INDICES and column_block(tokens, width, 8) is not None
 
 
 def _widen(src_ref, f32_ref) -> None:

@@ -1038,6 +1038,7 @@ def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_de
         if args.resolved_moe_backend == "gmm":
             from sgl_jax.srt.layers.moe.gmm import CAPACITY_FACTOR, pass_rows
 
+            # Unpadded: the kernel pads the window to its row tile (a few percent more).
             rows = pass_rows(rows, args.ep_size, CAPACITY_FACTOR)
         excess = per_assignment * sum(cfg.moe_layers) * (args.ep_size * rows
                                                          - b.tokens * top_k)

@@ -39,7 +39,7 @@ from jax.experimental import topologies  # noqa: E402
 from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
-from sgl_jax.srt.layers.moe import gmm  # noqa: E402
+from sgl_jax.srt.layers.moe import gmm, vmem_rows  # noqa: E402
 from sgl_jax.srt.layers.moe.ragged import group_assignments, ragged_experts  # noqa: E402
 
 # name -> (hidden H, intermediate per device I, experts per device E_l, top k)
@@ -62,7 +62,7 @@ def candidates(m: int, k: int, n: int, groups: int) -> list[tuple[int, int, int]
     tk and tn (multiples of 128 dividing K, N) at the chosen tm."""
     tm, tk, tn = gmm.gmm_tiling(m, k, n, groups)
     out = [(r, tk, tn) for r in gmm.ROW_TILES if r <= gmm.pad_rows(m, 16)]
-    lanes_k, lanes_n = gmm._lane_tiles(k), gmm._lane_tiles(n)
+    lanes_k, lanes_n = vmem_rows.lane_tiles(k), vmem_rows.lane_tiles(n)
     out += [(tm, t, tn) for t in lanes_k[lanes_k.index(tk) + 1:][:1]]
     out += [(tm, tk, t) for t in lanes_n[lanes_n.index(tn) + 1:][:1]]
     return sorted(set(out), key=lambda t: (-t[1], -t[2], -t[0]))

@@ -99,13 +99,6 @@ TIE = 0.05  # modelled times within 5% of the best are a tie
 CAPACITY_FACTOR = 2.0
 
 
-def _lane_tiles(dim: int) -> list[int]:
-    """Tile sizes along a lane dimension (K or N): the whole dimension, and every multiple of
-    128 that divides it (largest first)."""
-    tiles = [dim] + [t for t in range(dim - dim % LANE, 0, -LANE) if t != dim and dim % t == 0]
-    return tiles
-
-
 def vmem_bytes(tm: int, tk: int, tn: int, itemsize: int) -> int:
     """VMEM of one tiling: 2 lhs + 2 rhs input blocks, 2 float32 output blocks, 1 accumulator."""
     return 2 * (tm * tk + tk * tn) * itemsize + 3 * tm * tn * 4
@@ -174,8 +167,8 @@ def gmm_tiling(m: int, k: int, n: int, groups: int, itemsize: int = 2) -> tuple[
     """
     candidates: list[tuple[float, float, tuple[int, int, int]]] = []
     row_cap = pad_rows(m, 16)
-    for tk in _lane_tiles(k):
-        for tn in _lane_tiles(n):
+    for tk in vmem_rows.lane_tiles(k):
+        for tn in vmem_rows.lane_tiles(n):
             for tm in ROW_TILES:
                 if tm > row_cap and tm != ROW_TILES[-1]:
                     continue

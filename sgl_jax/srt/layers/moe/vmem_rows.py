@@ -58,15 +58,19 @@ OUT_ROWS = 64  # rows of one streamed block (a grid step)
 MAX_INDICES = 131_072
 
 
+def lane_tiles(dim: int) -> list[int]:
+    """Block sizes along a lane (minor) dimension a Mosaic kernel accepts: the whole
+    dimension, and every multiple of 128 that divides it (largest first)."""
+    return [dim] + [t for t in range(dim - dim % LANE, 0, -LANE) if t != dim and dim % t == 0]
+
+
 def column_block(rows: int, width: int, bytes_per_element: int) -> int | None:
-    """The widest column block of a held ``[rows, width]`` array (the whole width, or a
-    multiple of 128 dividing it) within ``HELD_BUDGET`` at ``bytes_per_element`` of VMEM per
-    element; None: not even 128 columns fit (the callers fall back to XLA's gathers)."""
+    """The widest column block of a held ``[rows, width]`` array (:func:`lane_tiles`) within
+    ``HELD_BUDGET`` at ``bytes_per_element`` of VMEM per element; None: not even 128 columns
+    fit (the callers fall back to XLA's gathers)."""
     rows = -(-rows // BLOCK) * BLOCK
-    for block in [width] + [c for c in range(width - width % LANE, 0, -LANE) if c != width]:
-        if width % block == 0 and rows * block * bytes_per_element <= HELD_BUDGET:
-            return block
-    return None
+    return next((c for c in lane_tiles(width) if rows * c * bytes_per_element <= HELD_BUDGET),
+                None)
 
 
 def held_bytes(itemsize: int) -> int:
@@ -168,32 +172,42 @@ def _row_block(rows: int) -> int:
     return block
 
 
-def _call(kernel: Callable[..., None], scalars: jax.Array, operand: jax.Array, rows: int,
-          dtype: Any, cost: pl.CostEstimate, interpret: bool) -> jax.Array:
-    """``kernel(scalars_ref, operand_ref, out_ref, f32_scratch_ref)`` over a ``[rows, D]``
-    output of ``dtype`` in blocks of at most ``OUT_ROWS`` rows (``rows``: a multiple of
-    ``BLOCK``) by column blocks: for each column block (:func:`column_block`) the operand's
-    ``[N, cb]`` block is held in VMEM with its float32 copy while the row blocks stream out.
-    ``scalars`` prefetched to SMEM."""
-    n, width = operand.shape
-    cols = column_block(n, width, held_bytes(operand.dtype.itemsize))
-    block = _row_block(rows)
+def _call(kernel: Callable[..., None], scalars: jax.Array, operand: jax.Array,
+          out_shape: jax.ShapeDtypeStruct, grid: tuple[int, int], in_spec: pl.BlockSpec,
+          out_spec: pl.BlockSpec, scratch: list[Any], cost: pl.CostEstimate,
+          interpret: bool) -> jax.Array:
+    """``kernel(scalars_ref, operand_ref, out_ref, *scratch_refs)`` over a (column block, row
+    block) grid run in order on one core (a held block is reused across the row steps),
+    ``scalars`` prefetched to SMEM; traced with ``shard_map``'s check_vma off, the output
+    then marked varying (manual_axes.py)."""
     with jax_config._check_vma(False):
-        return pl.pallas_call(
+        out = pl.pallas_call(
             kernel,
-            out_shape=jax.ShapeDtypeStruct((rows, width), dtype),
+            out_shape=out_shape,
             grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=1,
-                grid=(width // cols, rows // block),
-                in_specs=[pl.BlockSpec((n, cols), lambda c, i, _: (0, c))],
-                out_specs=pl.BlockSpec((block, cols), lambda c, i, _: (i, c)),
-                scratch_shapes=[pltpu.VMEM((n, cols), jnp.float32)],
-            ),
+                num_scalar_prefetch=1, grid=grid, in_specs=[in_spec], out_specs=out_spec,
+                scratch_shapes=scratch),
             compiler_params=pltpu.CompilerParams(
                 dimension_semantics=("arbitrary", "arbitrary"), vmem_limit_bytes=VMEM_LIMIT),
             cost_estimate=cost,
             interpret=interpret,
         )(scalars, operand)
+    return mark_varying(out, scalars, operand)
+
+
+def _gather_call(kernel: Callable[..., None], scalars: jax.Array, operand: jax.Array,
+                 rows: int, dtype: Any, cost: pl.CostEstimate, interpret: bool) -> jax.Array:
+    """A ``[rows, D]`` output of ``dtype`` picked from ``operand`` [N, D]: for each column
+    block (:func:`column_block`) the operand's ``[N, cb]`` block is held in VMEM with its
+    float32 copy while the output's row blocks (at most ``OUT_ROWS``) stream out."""
+    n, width = operand.shape
+    cols = column_block(n, width, held_bytes(operand.dtype.itemsize))
+    block = _row_block(rows)
+    return _call(kernel, scalars, operand, jax.ShapeDtypeStruct((rows, width), dtype),
+                 (width // cols, rows // block),
+                 pl.BlockSpec((n, cols), lambda c, i, _: (0, c)),
+                 pl.BlockSpec((block, cols), lambda c, i, _: (i, c)),
+                 [pltpu.VMEM((n, cols), jnp.float32)], cost, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("rows", "interpret"))
@@ -210,8 +224,7 @@ def gather_rows(x: jax.Array, idx: jax.Array, rows: int, interpret: bool) -> jax
         return jnp.take(x, idx, axis=0)  # the kernel's result (see _manual)
     cost = pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=(n_pad + rows) * d
                            * x.dtype.itemsize + rows * 4)
-    out = _call(_gather_kernel, idx, x, rows, x.dtype, cost, interpret)
-    return mark_varying(out, x, idx)
+    return _gather_call(_gather_kernel, idx, x, rows, x.dtype, cost, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -235,9 +248,8 @@ def sum_rows(rows: jax.Array, index: jax.Array, held: jax.Array, interpret: bool
     cost = pl.CostEstimate(flops=tokens * top_k * d, transcendentals=0,
                            bytes_accessed=m_pad * d * rows.dtype.itemsize + t_pad * d * 4
                            + code.size * 4)
-    out = _call(functools.partial(_sum_kernel, top_k), code, rows, t_pad, jnp.float32, cost,
-                interpret)
-    out = mark_varying(out, rows, code)
+    out = _gather_call(functools.partial(_sum_kernel, top_k), code, rows, t_pad, jnp.float32,
+                       cost, interpret)
     return out[:tokens] if t_pad != tokens else out
 
 
@@ -262,20 +274,8 @@ def add_rows(rows: jax.Array, token: jax.Array, tokens: int, interpret: bool) ->
     cost = pl.CostEstimate(flops=m * d, transcendentals=0,
                            bytes_accessed=m_pad * d * rows.dtype.itemsize + t_pad * d * 4
                            + m_pad * 4)
-    with jax_config._check_vma(False):
-        out = pl.pallas_call(
-            _add_kernel,
-            out_shape=jax.ShapeDtypeStruct((t_pad, d), jnp.float32),
-            grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=1,
-                grid=(d // cols, m_pad // block),
-                in_specs=[pl.BlockSpec((block, cols), lambda c, i, _: (i, c))],
-                out_specs=pl.BlockSpec((t_pad, cols), lambda c, i, _: (0, c)),
-            ),
-            compiler_params=pltpu.CompilerParams(
-                dimension_semantics=("arbitrary", "arbitrary"), vmem_limit_bytes=VMEM_LIMIT),
-            cost_estimate=cost,
-            interpret=interpret,
-        )(code, rows)
-    out = mark_varying(out, rows, code)
+    out = _call(_add_kernel, code, rows, jax.ShapeDtypeStruct((t_pad, d), jnp.float32),
+                (d // cols, m_pad // block),
+                pl.BlockSpec((block, cols), lambda c, i, _: (i, c)),
+                pl.BlockSpec((t_pad, cols), lambda c, i, _: (0, c)), [], cost, interpret)
     return out[:tokens] if t_pad != tokens else out

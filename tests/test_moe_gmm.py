@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sgl_jax.srt.layers.moe import gmm, vmem_rows
+from sgl_jax.srt.layers.moe import gmm, gmm_combine, vmem_rows
 from sgl_jax.srt.layers.moe.ep_moe import ep_moe_forward
 from sgl_jax.srt.layers.moe.experts import (
     MOE_BACKEND_CHOICES,
@@ -159,6 +159,7 @@ def nan_in_unwritten_rows(monkeypatch):
         return jnp.where(tail[:, None], jnp.nan, out)
 
     monkeypatch.setattr(gmm, "megablox_gmm", garbage_tail)
+    monkeypatch.setattr(gmm_combine, "megablox_gmm", garbage_tail)
     jax.clear_caches()  # read at trace time: no program traced with the real kernel
     yield
     jax.clear_caches()
@@ -173,14 +174,14 @@ def test_rows_outside_every_group_never_reach_the_result(nan_in_unwritten_rows):
     assert rel_err(got, local_reference(case)) < REL_TOL
 
 
-@pytest.fixture(params=["vmem", "vmem_scatter", "xla"])
+@pytest.fixture(params=["vmem", "combine_blocks", "xla"])
 def row_gathers(request, monkeypatch):
-    """Every way of gathering rows: the VMEM kernels (``vmem_rows``) with the un-permute as
-    a gather of held rows (``sum_rows``, decode) or as a scatter into held sums
-    (``add_rows``, prefill: the budget below holds the test's 19-token x and sums, not its
-    rows), and XLA's gathers (``take_rows`` / ``sum_token_rows``, what larger operands
-    take)."""
-    budget = {"vmem_scatter": 32 * 256 * vmem_rows.held_bytes(4), "xla": 0}
+    """Every path of the dispatch: the VMEM row gather (``vmem_rows``) and down's combine
+    kernel (``gmm_combine``) with the test's 19-token sums held whole; XLA's gather of the
+    token rows with the sums held 128 of 256 columns at a time (the budget below holds that,
+    not x); XLA's gathers and down as a third gmm (``take_rows`` / ``sum_token_rows``, what
+    operands too large for VMEM take)."""
+    budget = {"combine_blocks": 32 * 128 * gmm_combine.sums_bytes(False), "xla": 0}
     if request.param in budget:
         monkeypatch.setattr(vmem_rows, "HELD_BUDGET", budget[request.param])
     jax.clear_caches()  # the budget is read at trace time: no program traced with another
@@ -200,10 +201,9 @@ def test_lane_tiled_gathers_with_garbage_rows(nan_in_unwritten_rows, row_gathers
             **{k: full[k][:LOCAL_ROWS] for k in ("w_gate", "w_up", "w_down")}, "full": full}
     args = [case[k] for k in ("x", "local_ids", "topk_weights", "w_gate", "w_up", "w_down")]
     traced = str(jax.make_jaxpr(gmm.gmm_experts)(*args))  # the path this case takes
-    kernels = {"vmem": {"gather_rows", "sum_rows"}, "vmem_scatter": {"gather_rows", "add_rows"},
-               "xla": set()}[row_gathers]
-    assert {k for k in ("gather_rows", "sum_rows", "add_rows") if f"name={k}" in traced} \
-        == kernels
+    kernels = {"vmem": {"gather_rows", "down_and_combine"},
+               "combine_blocks": {"down_and_combine"}, "xla": set()}[row_gathers]
+    assert {k for k in ("gather_rows", "down_and_combine") if f"name={k}" in traced} == kernels
     got = np.asarray(jax.jit(gmm.gmm_experts)(*args))
     assert got.shape == (19, 256) and np.isfinite(got).all()
     assert rel_err(got, local_reference(case)) < REL_TOL
@@ -219,47 +219,71 @@ def test_vmem_gather_rows_is_exact(dtype):
     np.testing.assert_array_equal(np.asarray(got[:148]), np.asarray(x)[np.asarray(idx)])
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_vmem_sum_rows_skips_rows_not_held(dtype):
-    """float32 sums over j in order, exactly; rows not held are never read (NaN there)."""
-    rng = np.random.default_rng(1)
-    tokens, top_k, rows = 19, 4, 83
-    index = rng.integers(0, rows, (tokens, top_k)).astype(np.int32)
-    held = rng.random((tokens, top_k)) < 0.7
-    # Values representable in dtype; NaN in every row only assignments not held point at.
-    data = np.array(jnp.asarray(rng.standard_normal((rows, 128)), dtype).astype(jnp.float32))
-    data[np.setdiff1d(index[~held], index[held])] = np.nan
-    got = np.asarray(vmem_rows.sum_rows(jnp.asarray(data, dtype), jnp.asarray(index),
-                                        jnp.asarray(held), True))
-    want = np.zeros((tokens, 128), np.float32)
-    for j in range(top_k):
-        want = want + np.where(held[:, j:j + 1], data[index[:, j]], np.float32(0))
-    assert got.dtype == np.float32 and np.isfinite(got).all()
-    np.testing.assert_array_equal(got, want)
+def combine_case(seed: int, sizes: list[int], m_pad: int, tokens: int, hidden: int,
+                 dtype: Any) -> dict[str, Any]:
+    """Activations sorted by group (NaN in every row past the groups: never to be read),
+    down weights, each row's token, starting sums, and the float64 sums
+    ``init + sum over rows m in the groups of act[m] @ w[group of m]`` at ``token[m]``."""
+    rng = np.random.default_rng(seed)
+    sizes_a = np.asarray(sizes, np.int32)
+    used, inter = int(sizes_a.sum()), 128
+    act = np.array(jnp.asarray(rng.standard_normal((m_pad, inter)), dtype).astype(jnp.float32))
+    act[used:] = np.nan
+    w = np.array(jnp.asarray(rng.standard_normal((len(sizes), inter, hidden)) / 8, dtype)
+                 .astype(jnp.float32))
+    token = rng.integers(0, tokens - 2, m_pad).astype(np.int32)  # the last 2 get no row
+    init = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    want = np.zeros((tokens, hidden))
+    for m, g in enumerate(np.repeat(np.arange(len(sizes)), sizes_a)):
+        want[token[m]] += act[m].astype(np.float64) @ w[g].astype(np.float64)
+    return {"act": jnp.asarray(act, dtype), "w": jnp.asarray(w, dtype), "token": token,
+            "sizes": sizes_a, "init": init, "want": want}
 
 
+@pytest.mark.parametrize("sizes,tm", [
+    ([7, 0, 20, 3, 11], 16),  # empty group, groups sharing tiles, rows past the groups
+    ([40, 24], 32),  # groups on tile boundaries, no row past them
+    ([0, 0, 0], 16),  # no row at all: the sums are the starting ones
+])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_vmem_add_rows_skips_rows_not_held(dtype):
-    """float32 sums of each token's rows in row order, exactly; rows coded -1 are never read
-    into a sum (NaN there); tokens no row points at sum to 0."""
-    rng = np.random.default_rng(2)
-    tokens, rows = 21, 90
-    token = rng.integers(-1, tokens - 3, rows).astype(np.int32)  # some tokens get no row
-    data = np.array(jnp.asarray(rng.standard_normal((rows, 256)), dtype).astype(jnp.float32))
-    data[token < 0] = np.nan
-    got = np.asarray(vmem_rows.add_rows(jnp.asarray(data, dtype), jnp.asarray(token), tokens,
-                                        True))
-    want = np.zeros((tokens, 256), np.float32)
-    for m in range(rows):
-        if token[m] >= 0:
-            want[token[m]] = want[token[m]] + data[m]
-    assert got.shape == (tokens, 256) and got.dtype == np.float32
-    np.testing.assert_array_equal(got, want)
+@pytest.mark.parametrize("with_init", [False, True])
+def test_down_and_combine_adds_each_group_row_at_its_token(sizes, tm, dtype, with_init):
+    """Down's kernel with the combine: every row inside the groups multiplied by its group's
+    weights and added at its token in float32, rows past the groups (NaN) never read, tokens
+    no row points at left at their starting sums (zeros or ``init``)."""
+    tokens, hidden = 37, 256  # tokens not a multiple of 16
+    case = combine_case(7, sizes, 64, tokens, hidden, dtype)
+    init = case["init"] if with_init else None
+    got = np.asarray(gmm_combine.down_and_combine(
+        case["act"], case["w"], jnp.asarray(case["sizes"]), jnp.asarray(case["token"]),
+        None if init is None else jnp.asarray(init), tokens, tm, True))
+    want = case["want"] + (init if with_init else 0.0)
+    assert got.shape == (tokens, hidden) and got.dtype == np.float32
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    if with_init:
+        np.testing.assert_array_equal(got[-2:], init[-2:])
+    else:
+        np.testing.assert_array_equal(got[-2:], 0.0)
+
+
+def test_down_and_combine_column_blocks(monkeypatch):
+    """Sums too wide to hold whole are held a column block at a time (prefill): each block
+    sees every row, the same sums."""
+    tokens, hidden = 45, 512
+    monkeypatch.setattr(vmem_rows, "HELD_BUDGET", 48 * 128 * gmm_combine.sums_bytes(True))
+    assert vmem_rows.column_block(48, hidden, gmm_combine.sums_bytes(True)) == 128
+    assert gmm_combine.fits(tokens, hidden, 96, True)
+    case = combine_case(9, [13, 30, 0, 41], 96, tokens, hidden, jnp.bfloat16)
+    got = np.asarray(gmm_combine.down_and_combine(
+        case["act"], case["w"], jnp.asarray(case["sizes"]), jnp.asarray(case["token"]),
+        jnp.asarray(case["init"]), tokens, 32, True))
+    np.testing.assert_allclose(got, case["want"] + case["init"], rtol=1e-5, atol=1e-5)
 
 
 def test_vmem_column_blocks_of_large_operands(monkeypatch):
     """An operand too large to hold whole is held a column block at a time (prefill): the
-    same rows and sums, block by block."""
+    same rows, block by block."""
     monkeypatch.setattr(vmem_rows, "HELD_BUDGET", 48 * 128 * vmem_rows.held_bytes(2))
     assert vmem_rows.column_block(48, 512, vmem_rows.held_bytes(2)) == 128
     rng = np.random.default_rng(3)
@@ -267,31 +291,27 @@ def test_vmem_column_blocks_of_large_operands(monkeypatch):
     idx = jnp.asarray(rng.integers(0, 45, 100), jnp.int32)
     got = vmem_rows.gather_rows(x, idx, 112, True)
     np.testing.assert_array_equal(np.asarray(got[:100]), np.asarray(x)[np.asarray(idx)])
-    token = jnp.asarray(rng.integers(-1, 12, 112), jnp.int32)
-    sums = np.asarray(vmem_rows.add_rows(got, token, 12, True))
-    rows32, codes = np.asarray(got.astype(jnp.float32)), np.asarray(token)
-    want = np.zeros((12, 512), np.float32)
-    for m in np.flatnonzero(codes >= 0):
-        want[codes[m]] = want[codes[m]] + rows32[m]
-    np.testing.assert_array_equal(sums, want)
 
 
-def test_bfloat16_gmm_vmem_and_xla_gathers_agree(monkeypatch):
-    """The same bfloat16 layer with both ways of gathering rows: identical rows reach the
-    kernels; the k-sums differ at most in float32 rounding of their order."""
+def test_bfloat16_gmm_vmem_and_xla_paths_agree(monkeypatch):
+    """The same bfloat16 layer through the VMEM kernels and through XLA's gathers with down
+    as a third gmm: the same rows reach the kernels, and both are near the float64
+    reference; the combine kernel adds down's rows in float32 where the other path rounds
+    them to bfloat16 first, so it is the nearer of the two."""
     full = make_case(43, 40, hidden=256, inter=128)
     ids = full["topk_ids"]
-    args = [jnp.asarray(full["x"], jnp.bfloat16),
-            np.where(ids < LOCAL_ROWS, ids, LOCAL_ROWS).astype(np.int32),
-            full["topk_weights"],
+    local = np.where(ids < LOCAL_ROWS, ids, LOCAL_ROWS).astype(np.int32)
+    args = [jnp.asarray(full["x"], jnp.bfloat16), local, full["topk_weights"],
             *[jnp.asarray(full[k][:LOCAL_ROWS], jnp.bfloat16)
               for k in ("w_gate", "w_up", "w_down")]]
+    want = local_reference({"local_ids": local, "full": full})
     vmem = np.asarray(jax.jit(gmm.gmm_experts)(*args))
     monkeypatch.setattr(vmem_rows, "HELD_BUDGET", 0)
     jax.clear_caches()  # the budget is read at trace time
     xla = np.asarray(jax.jit(gmm.gmm_experts)(*args))
     jax.clear_caches()
-    np.testing.assert_allclose(vmem, xla, rtol=1e-6, atol=1e-6)
+    assert rel_err(xla, want) < BF16_TOL
+    assert rel_err(vmem, want) <= rel_err(xla, want)
 
 
 def test_bfloat16_gmm():

@@ -12,22 +12,21 @@ Same computation as ``ragged`` (``ragged.py``), with each grouped matmul done by
    Pallas kernel that reads ``x`` once and writes ``[M_pad, H]`` in the layout the kernel
    reads (``vmem_rows.gather_rows``); otherwise by XLA's gather of whole tiles
    (:func:`take_rows`);
-2. gate, up and down are three ``gmm`` calls with the per-expert group sizes, each with its
-   own ``(tm, tk, tn)`` tiling (:func:`gmm_tiling`). The kernel accumulates in a float32 VMEM
-   scratch whatever its output dtype; gate and up are stored in float32 (they meet in
-   ``silu(gate) * up``), the routing weight multiplies that product in float32 before it is
-   cast to the compute dtype, and down is stored in the compute dtype. So the two ``[M, H]``
-   intermediates (down's output and the un-permuted rows) are half the bytes in bfloat16,
-   and the routing weight is applied on the narrow ``[M, I]`` side (``w * down(a) =
-   down(w * a)``), not on ``[M, H]``;
-3. the rows are put back in ``[T, k]`` order (a gather through the inverse permutation),
-   the assignments held elsewhere are dropped with a select on ``local_ids`` (the kernel never
-   visits a tile that holds no group row and does not store the rows of a partly visited tile
-   that belong to no group: those rows hold whatever the output buffer held, maybe NaN), and
-   the k rows of each token are summed in float32. One Pallas kernel does the three, reading
-   down's output once: at decode by gathering from the held rows (``vmem_rows.sum_rows``,
-   j in order), at prefill by adding each row into the held ``[T, H]`` sums
-   (``vmem_rows.add_rows``, in sorted order); beyond both, :func:`sum_token_rows`.
+2. gate and up are two ``gmm`` calls with the per-expert group sizes, each with its own
+   ``(tm, tk, tn)`` tiling (:func:`gmm_tiling`), stored in float32 (they meet in
+   ``silu(gate) * up``); the routing weight multiplies that product in float32 before it is
+   cast to the compute dtype: the weight is applied on the narrow ``[M, I]`` side
+   (``w * down(a) = down(w * a)``), not on ``[M, H]``;
+3. down and the combine are one kernel (``gmm_combine.down_and_combine``) where the float32
+   ``[T, H]`` sums fit VMEM 128 columns at a time (up to ~16k tokens): each m tile's rows of
+   its group are multiplied by the group's weights and added, in float32, straight into
+   their token's sum, so down's ``[M, H]`` rows never reach HBM; rows past the groups
+   (sentinel, padding) are never added. Beyond that, down is a third ``gmm`` call stored in
+   the compute dtype and :func:`sum_token_rows` puts its rows back in ``[T, k]`` order (a
+   gather through the inverse permutation), drops the assignments held elsewhere with a
+   select on ``local_ids`` (the kernel does not store the rows of a partly visited tile that
+   belong to no group: those rows hold whatever the output buffer held, maybe NaN) and sums
+   the k rows of each token in float32.
 
 Routing is computed before the backend (float32 router): the compute-dtype intermediates
 change the rounding of the MoE output, never which experts a token was routed to in this
@@ -47,11 +46,11 @@ Shapes sized for all ``M`` would gather, multiply (by the kernel's static estima
 ``shards`` times the rows a device has. So its assignments are computed in passes over a
 window of ``W`` sorted positions, ``CAPACITY_FACTOR * M / shards`` (:func:`pass_rows`) padded
 to the row tile, window ``p`` holding positions ``[p * W, (p + 1) * W)``: the groups are
-clipped to the window (a group may span two), and each pass adds its tokens' float32 partial
-sums. The number of passes is data (a ``while_loop``: one unless a device gets more than
-``CAPACITY_FACTOR`` times its share), so no assignment is ever dropped and the result is the
-same whatever the factor; only a token whose assignments straddle two windows has its k-sum
-split in two (float32, in sorted order). XLA's cost analysis counts a ``while_loop`` body
+clipped to the window (a group may span two), and each pass adds its rows into the float32
+sums of the passes before (the combine kernel starts from them). The number of passes is
+data (a ``while_loop``: one unless a device gets more than ``CAPACITY_FACTOR`` times its
+share), so no assignment is ever dropped and the result is the same whatever the factor,
+up to the float32 order of the additions. XLA's cost analysis counts a ``while_loop`` body
 once: the estimates of ``aot_report`` are one pass.
 
 Gate and up are NOT fused into one ``[E_l, H, 2I]`` matmul: the model stores them as two
@@ -74,7 +73,7 @@ import jax.numpy as jnp
 from jax._src import config as jax_config  # _check_vma: see grouped_matmul
 from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
 
-from sgl_jax.srt.layers.moe import vmem_rows
+from sgl_jax.srt.layers.moe import gmm_combine, vmem_rows
 from sgl_jax.srt.layers.moe.manual_axes import mark_varying
 from sgl_jax.srt.layers.moe.ragged import group_assignments
 
@@ -301,8 +300,9 @@ def gmm_experts(
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
 
-    def one_pass(start: jax.Array | int) -> jax.Array:
-        """float32 [T, H]: the assignments at sorted positions [start, start + rows_pad)."""
+    def one_pass(start: jax.Array | int, init: jax.Array | None = None) -> jax.Array:
+        """float32 [T, H]: ``init`` plus the assignments at sorted positions
+        [start, start + rows_pad)."""
         if rows < m:
             sizes = jnp.clip(jnp.minimum(ends, start + rows_pad) - jnp.maximum(starts, start),
                              0).astype(jnp.int32)
@@ -313,7 +313,7 @@ def gmm_experts(
         window = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=start,
                                    slice_size=rows_pad)
         return _expert_rows(x, window(token), window(weight), sizes, rows, row_in_window,
-                            in_window, w_gate, w_up, w_down, interpret)
+                            in_window, w_gate, w_up, w_down, interpret, init)
 
     if rows >= m:  # one pass holds every assignment
         return one_pass(0)
@@ -322,7 +322,7 @@ def gmm_experts(
 
     def step(carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         p, out = carry
-        return p + 1, out + mark_varying(one_pass(p * rows_pad), *operands)
+        return p + 1, mark_varying(one_pass(p * rows_pad, out), *operands)
 
     zero = mark_varying(jnp.zeros((num_tokens, x.shape[1]), jnp.float32), *operands)
     return jax.lax.while_loop(lambda c: c[0] < passes, step, (jnp.int32(0), zero))[1]
@@ -330,16 +330,17 @@ def gmm_experts(
 
 def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes: jax.Array,
                  rows: int, index: jax.Array, held: jax.Array, w_gate: jax.Array,
-                 w_up: jax.Array, w_down: jax.Array, interpret: bool) -> jax.Array:
-    """float32 [T, H]: the three grouped matmuls over ``M_pad`` sorted assignments (token row
-    ``token``, routing weight ``weight``, groups ``group_sizes`` from row 0; rows past their
-    sum are in no group), summed per token through ``index`` [T, k] (the assignment's row)
-    where ``held``."""
+                 w_up: jax.Array, w_down: jax.Array, interpret: bool,
+                 init: jax.Array | None = None) -> jax.Array:
+    """float32 [T, H]: ``init`` (or zeros) plus the three grouped matmuls over ``M_pad``
+    sorted assignments (token row ``token``, routing weight ``weight``, groups
+    ``group_sizes`` from row 0; rows past their sum are in no group), summed per token: by
+    down's kernel itself (``gmm_combine``) where the float32 sums fit VMEM, else through
+    ``index`` [T, k] (the assignment's row) where ``held``."""
     m_pad = token.shape[0]
     # [M_pad, H]: token row of each sorted assignment. Rows past the groups are never
     # computed or stored, whatever they hold.
     num_tokens, hidden = x.shape
-    top_k = index.shape[1]
     if vmem_rows.fits(num_tokens, hidden, x.dtype.itemsize, m_pad):  # x read once
         xs = vmem_rows.gather_rows(x, token, m_pad, interpret)
     else:
@@ -348,13 +349,13 @@ def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes:
     up = grouped_matmul(xs, w_up, group_sizes, rows, interpret)
     # The routing weight on the [M, I] side, in float32, before the cast (module docstring).
     act = (jax.nn.silu(gate) * up * weight[:, None]).astype(x.dtype)
+    if hidden % LANE == 0 and gmm_combine.fits(num_tokens, hidden, m_pad, init is not None):
+        tm = row_tile(rows, w_gate, w_down)  # M_pad's own tile: the fewest weight blocks
+        return gmm_combine.down_and_combine(act, w_down, group_sizes, token, init,
+                                            num_tokens, tm, interpret)
     down = grouped_matmul(act, w_down, group_sizes, rows, interpret, x.dtype)  # [M_pad, H]
-    if vmem_rows.fits(m_pad, hidden, down.dtype.itemsize, num_tokens * top_k):  # decode
-        return vmem_rows.sum_rows(down, index, held, interpret)  # down's rows held
-    if vmem_rows.fits_sums(num_tokens, hidden, m_pad):  # prefill: the [T, H] sums held
-        in_groups = jnp.arange(m_pad) < jnp.sum(group_sizes)  # the held assignments
-        return vmem_rows.add_rows(down, jnp.where(in_groups, token, -1), num_tokens, interpret)
-    return sum_token_rows(down, jnp.clip(index, 0, m_pad - 1), held)
+    out = sum_token_rows(down, jnp.clip(index, 0, m_pad - 1), held)
+    return out if init is None else init + out
 
 
 def sum_token_rows(rows: jax.Array, index: jax.Array, held: jax.Array) -> jax.Array:

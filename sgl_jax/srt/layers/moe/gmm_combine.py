@@ -1,0 +1,165 @@
+"""The gmm backend's down projection and per-token combine in one Pallas TPU kernel.
+
+Without it, down writes an ``[M_pad, H]`` array of the sorted assignments' rows (Megablox
+``gmm``) and a second kernel reads it back to add each row into its token's sum
+(``vmem_rows``): at an 8,192-token prefill of the 30B at tp 4 that is 65,536 rows of 2,048
+columns written and read once more per layer. Here each grid step multiplies one m tile of
+the activations ``[tm, I]`` by its group's ``[I, tn]`` weight block and adds the tile's rows
+of that group straight into the float32 sums of their tokens, held in VMEM a column block at
+a time (``[T, tn]``, :func:`fits`): the ``[M_pad, H]`` rows never reach HBM, and the rows are
+added in float32 as the MXU produced them (no rounding to the compute dtype in between).
+
+The grid is ``(n tiles, m tiles of some group)``, the m tiles from Megablox's own group
+metadata (``make_group_metadata``: a tile shared by two groups is visited once per group,
+consecutively; tiles holding only rows past the groups are not visited), so the weights and
+activations move as in Megablox's ``gmm`` with ``tk = K``. A step adds only the rows of its
+group (``[group start, group end)`` clipped to the tile): rows past the groups (sentinel,
+padding) are computed by the MXU with the rest of their tile but never read.
+Rows are added in sorted order (group by group, row by row).
+
+``init`` (the sums of earlier passes, ``gmm.gmm_experts`` under EP) is the held block's
+starting value: the pass's rows are added to it in the same kernel, not by a separate add.
+Off TPU inside ``shard_map`` (where Pallas interpret mode cannot run a kernel with a held
+block, ``vmem_rows.under_manual_axes``) the same arithmetic runs in jnp: Megablox's down in float32
+and a scatter-add in row order.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+from jax._src import config as jax_config  # _check_vma: see gmm.grouped_matmul
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
+
+from sgl_jax.srt.layers.moe import vmem_rows
+from sgl_jax.srt.layers.moe.manual_axes import mark_varying
+
+# The module (the package exports its ``gmm`` function under the same name): its group
+# metadata is the tile schedule this kernel shares with Megablox's.
+megablox_module = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+
+def sums_bytes(with_init: bool) -> int:
+    """VMEM per element of the held sums' column block: the output's two pipeline buffers,
+    and the input's two when the sums start from ``init``."""
+    return 16 if with_init else 8
+
+
+def fits(tokens: int, hidden: int, rows: int, with_init: bool) -> bool:
+    """Whether the float32 ``[tokens, hidden]`` sums can be held 128 columns at a time and
+    the ``rows`` row tokens prefetched to SMEM (``vmem_rows.MAX_INDICES``)."""
+    t_pad = -(-tokens // vmem_rows.BLOCK) * vmem_rows.BLOCK
+    return (rows <= vmem_rows.MAX_INDICES
+            and vmem_rows.column_block(t_pad, hidden, sums_bytes(with_init)) is not None)
+
+
+def _kernel(offsets_ref, groups_ref, m_tiles_ref, token_ref, lhs_ref, w_ref, *refs,
+            with_init: bool):
+    if with_init:
+        init_ref, out_ref, tile_ref = refs
+    else:
+        out_ref, tile_ref = refs
+    step = pl.program_id(1)
+
+    @pl.when(step == 0)
+    def _():
+        out_ref[...] = init_ref[...] if with_init else jnp.zeros_like(out_ref)
+
+    tm = lhs_ref.shape[0]
+    tile_ref[...] = jnp.dot(lhs_ref[...], w_ref[...], preferred_element_type=jnp.float32)
+    group = groups_ref[step]
+    first = m_tiles_ref[step] * tm
+    lo = jnp.maximum(offsets_ref[group] - first, 0)
+    hi = jnp.minimum(offsets_ref[group + 1] - first, tm)
+
+    def add(r, carry):
+        target = token_ref[first + r]
+        out_ref[pl.ds(target, 1), :] = out_ref[pl.ds(target, 1), :] + tile_ref[pl.ds(r, 1), :]
+        return carry
+
+    jax.lax.fori_loop(lo, hi, add, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("tokens", "tm", "interpret"))
+def down_and_combine(act: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
+                     token: jax.Array, init: jax.Array | None, tokens: int, tm: int,
+                     interpret: bool) -> jax.Array:
+    """float32 ``[tokens, H]``: ``init`` (or zeros) plus, for every sorted row ``m`` inside
+    the groups (``m < sum(group_sizes)``), ``act[m] @ w_down[group of m]`` added at its token
+    ``token[m]``.
+
+    act [M_pad, I] sorted by group, ``M_pad`` a multiple of ``tm``; w_down [G, I, H] (H a
+    multiple of 128); group_sizes [G] from row 0; token [M_pad] in ``[0, tokens)`` wherever
+    it is read. The caller checks :func:`fits`."""
+    m_pad, inter = act.shape
+    groups, _, hidden = w_down.shape
+    if m_pad % tm or hidden % vmem_rows.LANE:
+        raise ValueError(f"down_and_combine: {m_pad} rows by tm={tm}, H={hidden}: the rows "
+                         f"must be a multiple of tm and H of {vmem_rows.LANE}")
+    group_sizes = group_sizes.astype(jnp.int32)
+    token = token.astype(jnp.int32)
+    if interpret and vmem_rows.under_manual_axes(act, token, w_down):  # the kernel's arithmetic in jnp
+        return _combine_jnp(act, w_down, group_sizes, token, init, tokens, tm)
+    t_pad = -(-tokens // vmem_rows.BLOCK) * vmem_rows.BLOCK
+    with_init = init is not None
+    cols = vmem_rows.column_block(t_pad, hidden, sums_bytes(with_init))
+    if cols is None:
+        raise ValueError(f"{tokens} x {hidden} float32 sums do not fit "
+                         f"{vmem_rows.HELD_BUDGET} bytes of VMEM")
+    (offsets, group_ids, m_tiles), active = megablox_module.make_group_metadata(
+        group_sizes=group_sizes, m=m_pad, tm=tm, start_group=jnp.int32(0),
+        num_nonzero_groups=groups, visit_empty_groups=False)
+    max_tiles = m_pad // tm + groups - 1
+    tiles_n = hidden // cols
+    sums = pl.BlockSpec((t_pad, cols), lambda n, t, *_: (0, n))
+    in_specs = [pl.BlockSpec((tm, inter), lambda n, t, o, g, mt, tok: (mt[t], 0)),
+                pl.BlockSpec((None, inter, cols), lambda n, t, o, g, mt, tok: (g[t], 0, n))]
+    operands = [act, w_down]
+    if with_init:
+        in_specs.append(sums)
+        operands.append(jnp.pad(init, ((0, t_pad - tokens), (0, 0))))
+    item = act.dtype.itemsize
+    cost = pl.CostEstimate(  # static, as Megablox's: one weight block per possible m tile
+        flops=2 * m_pad * inter * hidden, transcendentals=0,
+        bytes_accessed=(m_pad * inter * item * tiles_n + inter * hidden * item * max_tiles
+                        + t_pad * hidden * 4 * (2 if with_init else 1)
+                        + (m_pad + 2 * max_tiles + groups + 1) * 4))
+    with jax_config._check_vma(False):
+        out = pl.pallas_call(
+            functools.partial(_kernel, with_init=with_init),
+            out_shape=jax.ShapeDtypeStruct((t_pad, hidden), jnp.float32),
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=4,
+                # At least one step, so the sums are written even with no row to add
+                # (the step's group is then empty: nothing is added).
+                grid=(tiles_n, jnp.maximum(active, 1)),
+                in_specs=in_specs, out_specs=sums,
+                scratch_shapes=[pltpu.VMEM((tm, cols), jnp.float32)]),
+            compiler_params=pltpu.CompilerParams(
+                dimension_semantics=("arbitrary", "arbitrary"),
+                vmem_limit_bytes=vmem_rows.VMEM_LIMIT),
+            cost_estimate=cost,
+            interpret=interpret,
+        )(offsets, group_ids, m_tiles, token, *operands)
+    out = mark_varying(out, act, w_down, group_sizes, token)
+    return out[:tokens] if t_pad != tokens else out
+
+
+def _combine_jnp(act: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
+                 token: jax.Array, init: jax.Array | None, tokens: int, tm: int) -> jax.Array:
+    """:func:`down_and_combine`'s arithmetic without the kernel: Megablox's down in float32
+    (interpret mode), its rows inside the groups scatter-added at their tokens."""
+    groups, inter, hidden = w_down.shape
+    with jax_config._check_vma(False):
+        rows = megablox_gmm(act, w_down, group_sizes, preferred_element_type=jnp.float32,
+                            tiling=(tm, inter, hidden), interpret=True)
+    rows = mark_varying(rows, act, w_down, group_sizes)
+    inside = jnp.arange(act.shape[0]) < jnp.sum(group_sizes)
+    kept = jnp.where(inside[:, None], rows, 0.0)  # rows past the groups: unspecified
+    start = init if init is not None else jnp.zeros((tokens, hidden), jnp.float32)
+    return start.at[jnp.where(inside, token, 0)].add(kept)

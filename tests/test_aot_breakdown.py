@@ -106,6 +106,9 @@ ENTRY %main (x: bf16[16,64], w: bf16[64,32], e: bf16[8,64,32], p: pred[]) -> s32
   %ragged-dot-none = f32[16,32]{1,0} custom-call(%x, %copy.1), custom_call_target="tpu_custom_call", metadata={op_name="jit(f)/ragged_dot_general/ragged-dot-none"}, backend_config={"custom_call_config":{"cost_estimate":{"flops":"65536","transcendentals":"0","bytes_accessed":"34816"}}}
   %ar = f32[16,32]{1,0} all-reduce(%ragged-dot-none), replica_groups={{0,1}}, to_apply=%add
   %tup = (f32[16,32]{1,0}) tuple(%ar)
+  %ss = ((bf16[16,64]{1,0}), bf16[8,64]{1,0:S(1)}, s32[]) slice-start(%x), slice={[0:8], [0:64]}
+  %sd = bf16[8,64]{1,0:S(1)} slice-done(%ss)
+  %gu = bf16[16,32]{1,0} custom-call(%x, %e), custom_call_target="tpu_custom_call", metadata={op_name="jit(_step_impl)/shard_map/jit(gate_up_act)/pallas_call"}, backend_config={"custom_call_config":{"cost_estimate":{"flops":"1000","transcendentals":"0","bytes_accessed":"2000"}}}
   ROOT %cond = s32[16]{0} conditional(%p, %tup, %tup), branch_computations={%cheap, %sampled}, metadata={op_name="cond" stack_frame_id=1}
 }
 """
@@ -128,6 +131,12 @@ def test_classes_of_a_hand_written_module() -> None:
     assert hb.op_bytes(m, entry["ragged-dot-none"], types) == 34816
     assert hb.classify(m, entry["ragged-dot-none"]) == "expert_matmuls"
     assert hb.classify(m, entry["ar"]) == "collectives"
+    # The gmm backend's fused kernels are expert matmuls, at their own estimate.
+    assert hb.classify(m, entry["gu"]) == "expert_matmuls"
+    assert hb.op_bytes(m, entry["gu"], types) == 2000
+    # An async slice counts the slice it reads and writes, not its whole operand.
+    assert hb.op_bytes(m, entry["ss"], types) == 2 * 8 * 64 * 2
+    assert hb.op_bytes(m, entry["sd"], types) == 0
     assert hb.classify(m, entry["copy.1"]) == "copies"
     # The conditionals: the outer one counts its costlier branch, the sampled rows, whose own
     # op (negate) is the sampler's; in the inner one the cheap branch keeps its class

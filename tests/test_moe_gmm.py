@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sgl_jax.srt.layers.moe import gmm, gmm_combine, vmem_rows
+from sgl_jax.srt.layers.moe import gmm, gmm_combine, gmm_gate_up, vmem_rows
 from sgl_jax.srt.layers.moe.ep_moe import ep_moe_forward
 from sgl_jax.srt.layers.moe.experts import (
     MOE_BACKEND_CHOICES,
@@ -160,6 +160,7 @@ def nan_in_unwritten_rows(monkeypatch):
 
     monkeypatch.setattr(gmm, "megablox_gmm", garbage_tail)
     monkeypatch.setattr(gmm_combine, "megablox_gmm", garbage_tail)
+    monkeypatch.setattr(gmm_gate_up, "megablox_gmm", garbage_tail)
     jax.clear_caches()  # read at trace time: no program traced with the real kernel
     yield
     jax.clear_caches()
@@ -265,6 +266,36 @@ def test_down_and_combine_adds_each_group_row_at_its_token(sizes, tm, dtype, wit
         np.testing.assert_array_equal(got[-2:], init[-2:])
     else:
         np.testing.assert_array_equal(got[-2:], 0.0)
+
+
+@pytest.mark.parametrize("sizes,tm", [([7, 0, 20, 3, 11], 16), ([40, 24], 32), ([0, 0], 16)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("contract_minor", [False, True])
+def test_gate_up_act_rows_inside_the_groups(sizes, tm, dtype, contract_minor):
+    """Gate, up and the gated activation in one kernel: every row inside the groups is
+    ``silu(x @ gate[g]) * (x @ up[g]) * weight`` of its group g (tiles shared by groups each
+    get their own group's rows), rounded once to the compute dtype; NaN in the rows past the
+    groups stays there. ``contract_minor`` reads the weights as stored K-minor."""
+    rng = np.random.default_rng(5)
+    m_pad, hidden, inter = 64, 256, 128
+    sizes_a = np.asarray(sizes, np.int32)
+    used = int(sizes_a.sum())
+    xs = np.array(jnp.asarray(rng.standard_normal((m_pad, hidden)), dtype).astype(jnp.float32))
+    xs[used:] = np.nan
+    w = [np.array(jnp.asarray(rng.standard_normal((len(sizes), hidden, inter)) / 16, dtype)
+                  .astype(jnp.float32)) for _ in range(2)]
+    weight = rng.random(m_pad).astype(np.float32)
+    got = np.asarray(gmm_gate_up.gate_up_act(
+        jnp.asarray(xs, dtype), jnp.asarray(w[0], dtype), jnp.asarray(w[1], dtype),
+        jnp.asarray(weight), jnp.asarray(sizes_a), tm, contract_minor, True)
+        .astype(jnp.float32))
+    groups = np.repeat(np.arange(len(sizes)), sizes_a)
+    x64 = xs[:used].astype(np.float64)
+    gate = np.einsum("mh,mhi->mi", x64, w[0][groups])
+    up = np.einsum("mh,mhi->mi", x64, w[1][groups])
+    want = gate / (1 + np.exp(-gate)) * up * weight[:used, None]
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2  # one rounding to the compute dtype
+    np.testing.assert_allclose(got[:used], want, rtol=tol, atol=tol)
 
 
 def test_down_and_combine_column_blocks(monkeypatch):

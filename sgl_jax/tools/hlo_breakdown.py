@@ -11,7 +11,7 @@ Counting (per device; the HLO after SPMD partitioning holds per-device shapes):
   computations), is one op; a fusion is one op.
 - Bytes of an op: its operands plus its result, each array padded to its TPU layout's tile as
   stored (``{2,1,0:T(8,128)}``: the minor dimension to a multiple of 128, the next to 8), except
-  that a slice or dynamic-slice (and a
+  that a slice, dynamic-slice or async ``slice-start`` (and a
   fusion parameter read only through them) counts what it reads, a gather what it reads
   times the rows of the operand's layout tile (``T(8,128)``: a gathered row reads its whole
   tile of 8 rows; XLA:TPU's count of 8,192 rows gathered from a [1024, 2048] bf16 array
@@ -44,7 +44,7 @@ Counting (per device; the HLO after SPMD partitioning holds per-device shapes):
 
 Classes, from each op's source stack (the ``StackFrames`` XLA keeps: file and function,
 innermost first), its ``op_name`` metadata and its opcode (``CLASSES`` in this order):
-``expert_matmuls`` (grouped / dense expert matmuls: dots in ``layers/moe/`` expert code,
+``expert_matmuls`` (grouped / dense expert matmuls: the gmm kernels (``MATMUL_KERNELS``), dots in ``layers/moe/`` expert code,
 ``ragged_dot``), ``moe_dispatch`` (the rest of the expert code: sorting assignments by
 expert, gathers, the weighted combine), ``router`` (``layers/moe/router.py``, routing),
 ``attention`` (the attention backend, the kernel's metadata, rotary embedding; not its
@@ -113,6 +113,10 @@ FRAME_RULES: tuple[tuple[str | None, str | None, str], ...] = (
     ("/forward_batch_info.py", None, "other"),
 )
 FALLBACK_FUNCTIONS = ("full_sort",)
+# Pallas kernels of the gmm backend that are grouped matmuls (``jit(name)`` in their op
+# name): Megablox's ``gmm``, gate + up + activation, and down with the per-token combine
+# (whose adds into the sums are counted with its matmul).
+MATMUL_KERNELS = ("gmm", "gate_up_act", "down_and_combine")
 
 
 # -- costs ---------------------------------------------------------------------------------
@@ -245,6 +249,11 @@ def op_bytes(module: Module, ins: Instr, types: dict[str, str]) -> float:
         return (1 + tile) * type_bytes(ins.type) + type_bytes(types.get(ins.operands[1], ""))
     if op == "copy-start" and ins.operands:
         return 2 * type_bytes(types.get(ins.operands[0], ""))
+    if op == "slice-start" and ins.operands:
+        # An async slice (XLA moving part of an operand to on-chip memory): what it reads,
+        # written once; its tuple type holds the whole operand, the slice and an s32 counter.
+        whole = sum(type_bytes(types.get(o, "")) for o in ins.operands)
+        return 2 * max(type_bytes(ins.type) - whole - 4, 0.0)
     if op.endswith("-start") and ins.operands:  # async collective: operands + results
         return sum(type_bytes(types.get(o, "")) for o in ins.operands) * 2
     return sum(type_bytes(types.get(o, "")) for o in ins.operands) + type_bytes(ins.type)
@@ -255,11 +264,18 @@ def _has_dot(module: Module, ins: Instr) -> bool:
     if ins.opcode in ("dot", "convolution"):
         return True
     if ins.opcode == "custom-call":
-        return "ragged-dot" in ins.name or "ragged_dot" in ins.op_name or "gmm" in ins.op_name
+        return _expert_kernel(ins)
     if ins.opcode == "fusion":
         return any(_has_dot(module, i) for c in ins.called
                    for i in module.computations.get(c, []))
     return False
+
+
+def _expert_kernel(ins: Instr) -> bool:
+    """A custom call that is a grouped expert matmul: ``ragged_dot`` or a gmm kernel."""
+    return ins.opcode == "custom-call" and (
+        "ragged-dot" in ins.name or "ragged_dot" in ins.op_name
+        or any(f"jit({k})" in ins.op_name for k in MATMUL_KERNELS))
 
 
 def _frame_chain(module: Module, ins: Instr) -> list[tuple[str, str]]:
@@ -283,7 +299,7 @@ def classify(module: Module, ins: Instr, default: str = "other") -> str:
     if "ragged_paged_attention" in name:
         return "attention"
     dot = _has_dot(module, ins)
-    if "ragged_dot" in name or "ragged-dot" in ins.name:
+    if _expert_kernel(ins) or "ragged_dot" in name:
         return "expert_matmuls"
     for file, function in _frame_chain(module, ins):
         for frag, fn, cls in FRAME_RULES:

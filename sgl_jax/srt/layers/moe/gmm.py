@@ -73,7 +73,7 @@ import jax.numpy as jnp
 from jax._src import config as jax_config  # _check_vma: see grouped_matmul
 from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
 
-from sgl_jax.srt.layers.moe import gmm_combine, vmem_rows
+from sgl_jax.srt.layers.moe import gmm_combine, gmm_gate_up, vmem_rows
 from sgl_jax.srt.layers.moe.manual_axes import mark_varying
 from sgl_jax.srt.layers.moe.ragged import group_assignments
 
@@ -345,12 +345,17 @@ def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes:
         xs = vmem_rows.gather_rows(x, token, m_pad, interpret)
     else:
         xs = take_rows(x, token)
-    gate = grouped_matmul(xs, w_gate, group_sizes, rows, interpret)
-    up = grouped_matmul(xs, w_up, group_sizes, rows, interpret)
+    tm = row_tile(rows, w_gate, w_down)  # M_pad's own tile: the fewest weight blocks
+    inter = w_gate.shape[2]
     # The routing weight on the [M, I] side, in float32, before the cast (module docstring).
-    act = (jax.nn.silu(gate) * up * weight[:, None]).astype(x.dtype)
+    if gmm_gate_up.column_tile(tm, hidden, inter, x.dtype.itemsize) is not None:
+        act = gmm_gate_up.gate_up_act(xs, w_gate, w_up, weight, group_sizes, tm,
+                                      k_minor(hidden, inter), interpret)
+    else:
+        gate = grouped_matmul(xs, w_gate, group_sizes, rows, interpret)
+        up = grouped_matmul(xs, w_up, group_sizes, rows, interpret)
+        act = (jax.nn.silu(gate) * up * weight[:, None]).astype(x.dtype)
     if hidden % LANE == 0 and gmm_combine.fits(num_tokens, hidden, m_pad, init is not None):
-        tm = row_tile(rows, w_gate, w_down)  # M_pad's own tile: the fewest weight blocks
         return gmm_combine.down_and_combine(act, w_down, group_sizes, token, init,
                                             num_tokens, tm, interpret)
     down = grouped_matmul(act, w_down, group_sizes, rows, interpret, x.dtype)  # [M_pad, H]

@@ -175,17 +175,31 @@ def test_rows_outside_every_group_never_reach_the_result(nan_in_unwritten_rows):
     assert rel_err(got, local_reference(case)) < REL_TOL
 
 
-@pytest.fixture(params=["vmem", "combine_blocks", "xla"])
+# The kernels each path of the dispatch traces (by their jitted names).
+PATH_KERNELS = {
+    "vmem": {"gate_up_act", "down_and_combine"},  # gate/up pick x's rows themselves
+    "gathered_rows": {"gather_rows", "gate_up_act", "down_and_combine"},
+    "combine_blocks": {"gate_up_act", "down_and_combine"},
+    "xla": set(),
+}
+KERNEL_NAMES = ("gather_rows", "gate_up_act", "down_and_combine")
+
+
+@pytest.fixture(params=list(PATH_KERNELS))
 def row_gathers(request, monkeypatch):
-    """Every path of the dispatch: the VMEM row gather (``vmem_rows``) and down's combine
-    kernel (``gmm_combine``) with the test's 19-token sums held whole; XLA's gather of the
-    token rows with the sums held 128 of 256 columns at a time (the budget below holds that,
-    not x); XLA's gathers and down as a third gmm (``take_rows`` / ``sum_token_rows``, what
-    operands too large for VMEM take)."""
-    budget = {"combine_blocks": 32 * 128 * gmm_combine.sums_bytes(False), "xla": 0}
-    if request.param in budget:
-        monkeypatch.setattr(vmem_rows, "HELD_BUDGET", budget[request.param])
-    jax.clear_caches()  # the budget is read at trace time: no program traced with another
+    """Every path of the dispatch for the test's 19 tokens (x and the float32 sums [32 rows
+    padded, 256 columns]): x held whole by gate/up, which pick the rows themselves, and the
+    sums by down's combine kernel (the default budget); x too large to hold whole, its rows
+    gathered by ``vmem_rows`` 128 columns at a time (``gathered_rows``); x gathered by XLA
+    and the sums held 128 columns at a time (``combine_blocks``); no kernel of ours at all:
+    XLA's gathers, Megablox's three gmm calls and ``sum_token_rows`` (``xla``)."""
+    held = {"gathered_rows": 32 * 256 * gmm_combine.sums_bytes(False),
+            "combine_blocks": 32 * 128 * gmm_combine.sums_bytes(False), "xla": 0}
+    if request.param in held:
+        monkeypatch.setattr(vmem_rows, "HELD_BUDGET", held[request.param])
+    if request.param == "xla":
+        monkeypatch.setattr(gmm_gate_up, "BLOCKS_BUDGET", 0)
+    jax.clear_caches()  # the budgets are read at trace time: no program traced with another
     yield request.param
     jax.clear_caches()
 
@@ -193,8 +207,8 @@ def row_gathers(request, monkeypatch):
 def test_lane_tiled_gathers_with_garbage_rows(nan_in_unwritten_rows, row_gathers):
     """H a multiple of 128 takes the tile-shaped paths (``take_rows`` of the token rows,
     ``sum_token_rows``' [T, k, H/128, 128] un-permute) or the VMEM kernels: still the
-    float64 reference, with NaN in every row the kernel leaves unwritten and assignments
-    held elsewhere."""
+    float64 reference, with NaN in every row Megablox leaves unwritten and assignments held
+    elsewhere."""
     full = make_case(41, 19, hidden=256, inter=128)
     ids = full["topk_ids"]
     case = {"x": full["x"], "topk_weights": full["topk_weights"],
@@ -202,9 +216,7 @@ def test_lane_tiled_gathers_with_garbage_rows(nan_in_unwritten_rows, row_gathers
             **{k: full[k][:LOCAL_ROWS] for k in ("w_gate", "w_up", "w_down")}, "full": full}
     args = [case[k] for k in ("x", "local_ids", "topk_weights", "w_gate", "w_up", "w_down")]
     traced = str(jax.make_jaxpr(gmm.gmm_experts)(*args))  # the path this case takes
-    kernels = {"vmem": {"gather_rows", "down_and_combine"},
-               "combine_blocks": {"down_and_combine"}, "xla": set()}[row_gathers]
-    assert {k for k in ("gather_rows", "down_and_combine") if f"name={k}" in traced} == kernels
+    assert {k for k in KERNEL_NAMES if f"name={k}" in traced} == PATH_KERNELS[row_gathers]
     got = np.asarray(jax.jit(gmm.gmm_experts)(*args))
     assert got.shape == (19, 256) and np.isfinite(got).all()
     assert rel_err(got, local_reference(case)) < REL_TOL
@@ -271,22 +283,27 @@ def test_down_and_combine_adds_each_group_row_at_its_token(sizes, tm, dtype, wit
 @pytest.mark.parametrize("sizes,tm", [([7, 0, 20, 3, 11], 16), ([40, 24], 32), ([0, 0], 16)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("contract_minor", [False, True])
-def test_gate_up_act_rows_inside_the_groups(sizes, tm, dtype, contract_minor):
+@pytest.mark.parametrize("gather", [False, True])
+def test_gate_up_act_rows_inside_the_groups(sizes, tm, dtype, contract_minor, gather):
     """Gate, up and the gated activation in one kernel: every row inside the groups is
     ``silu(x @ gate[g]) * (x @ up[g]) * weight`` of its group g (tiles shared by groups each
     get their own group's rows), rounded once to the compute dtype; NaN in the rows past the
-    groups stays there. ``contract_minor`` reads the weights as stored K-minor."""
+    groups stays there. ``contract_minor`` reads the weights as stored K-minor; ``gather``:
+    the kernel picks each row from the held tokens [23, H] itself."""
     rng = np.random.default_rng(5)
-    m_pad, hidden, inter = 64, 256, 128
+    m_pad, hidden, inter, tokens = 64, 256, 128, 23
     sizes_a = np.asarray(sizes, np.int32)
     used = int(sizes_a.sum())
-    xs = np.array(jnp.asarray(rng.standard_normal((m_pad, hidden)), dtype).astype(jnp.float32))
+    token = rng.integers(0, tokens, m_pad).astype(np.int32)
+    x = np.array(jnp.asarray(rng.standard_normal((tokens, hidden)), dtype).astype(jnp.float32))
+    xs = x[token]
     xs[used:] = np.nan
     w = [np.array(jnp.asarray(rng.standard_normal((len(sizes), hidden, inter)) / 16, dtype)
                   .astype(jnp.float32)) for _ in range(2)]
     weight = rng.random(m_pad).astype(np.float32)
+    operand, rows = (x, jnp.asarray(token)) if gather else (xs, None)
     got = np.asarray(gmm_gate_up.gate_up_act(
-        jnp.asarray(xs, dtype), jnp.asarray(w[0], dtype), jnp.asarray(w[1], dtype),
+        jnp.asarray(operand, dtype), rows, jnp.asarray(w[0], dtype), jnp.asarray(w[1], dtype),
         jnp.asarray(weight), jnp.asarray(sizes_a), tm, contract_minor, True)
         .astype(jnp.float32))
     groups = np.repeat(np.arange(len(sizes)), sizes_a)

@@ -1,7 +1,8 @@
-"""The ``gmm`` expert backend: dropless grouped matmuls with JAX's Megablox TPU kernel.
+"""The ``gmm`` expert backend: dropless grouped matmuls as Pallas TPU kernels.
 
-Same computation as ``ragged`` (``ragged.py``), with each grouped matmul done by
-``jax.experimental.pallas.ops.tpu.megablox.gmm`` instead of ``jax.lax.ragged_dot``:
+Same computation as ``ragged`` (``ragged.py``), with the grouped matmuls done by Pallas
+kernels on the tile schedule of JAX's Megablox ``gmm``
+(``jax.experimental.pallas.ops.tpu.megablox``) instead of ``jax.lax.ragged_dot``:
 
 1. the ``M = T * k`` assignments are sorted by expert row (``ragged.group_assignments``: the
    sentinel row ``E_l`` of experts held elsewhere sorts last and is counted in no group), the
@@ -12,11 +13,12 @@ Same computation as ``ragged`` (``ragged.py``), with each grouped matmul done by
    Pallas kernel that reads ``x`` once and writes ``[M_pad, H]`` in the layout the kernel
    reads (``vmem_rows.gather_rows``); otherwise by XLA's gather of whole tiles
    (:func:`take_rows`);
-2. gate and up are two ``gmm`` calls with the per-expert group sizes, each with its own
-   ``(tm, tk, tn)`` tiling (:func:`gmm_tiling`), stored in float32 (they meet in
-   ``silu(gate) * up``); the routing weight multiplies that product in float32 before it is
-   cast to the compute dtype: the weight is applied on the narrow ``[M, I]`` side
-   (``w * down(a) = down(w * a)``), not on ``[M, H]``;
+2. gate and up are one kernel (``gmm_gate_up.gate_up_act``): each m tile of the rows is
+   read once, multiplied by its group's gate and up weight blocks in float32, and stored as
+   ``silu(gate) * up * routing weight`` in the compute dtype (the weight applied on the
+   narrow ``[M, I]`` side: ``w * down(a) = down(w * a)``, not on ``[M, H]``). Where its
+   blocks do not fit VMEM, two Megablox ``gmm`` calls (:func:`gmm_tiling`) stored in
+   float32 and the same activation in XLA;
 3. down and the combine are one kernel (``gmm_combine.down_and_combine``) where the float32
    ``[T, H]`` sums fit VMEM 128 columns at a time (up to ~16k tokens): each m tile's rows of
    its group are multiplied by the group's weights and added, in float32, straight into
@@ -32,12 +34,14 @@ Routing is computed before the backend (float32 router): the compute-dtype inter
 change the rounding of the MoE output, never which experts a token was routed to in this
 layer. With a float32 model every intermediate is float32, as in ``ragged``.
 
-The kernel's grid has one step per (n tile, m tile of some group, k tile), and the number of
-m tiles is data: tiles holding only sentinel or padding rows are skipped at run time (under
-EP most of the ``M`` rows of a device are the sentinel). Its cost estimate (what XLA's
+Megablox's grid has one step per (n tile, m tile of some group, k tile), and the number of
+m tiles is data (the fused kernels share its tile schedule, with one k tile): tiles holding
+only sentinel or padding rows are skipped at run time (under EP most of the ``M`` rows of a
+device are the sentinel). Its cost estimate (what XLA's
 ``cost_analysis`` adds for the custom call) is static: ``2 * M_pad * K * N`` FLOPs and
 ``lhs_bytes * N / tn + K * N * itemsize * (M_pad / tm + E_l - 1) + M_pad * N * 4`` bytes
-(one [K, N] weight block per possible m tile, the LHS once per n tile).
+(one [K, N] weight block per possible m tile, the LHS once per n tile); the fused kernels'
+estimates are counted the same way, with their own inputs and outputs.
 
 Passes. Under expert parallelism (``shards`` > 1: the "expert" mesh axis, with or without
 DP attention) a device holds ``E_l = E / shards`` experts and, routing being balanced, about
@@ -53,11 +57,9 @@ share), so no assignment is ever dropped and the result is the same whatever the
 up to the float32 order of the additions. XLA's cost analysis counts a ``while_loop`` body
 once: the estimates of ``aot_report`` are one pass.
 
-Gate and up are NOT fused into one ``[E_l, H, 2I]`` matmul: the model stores them as two
-arrays, so a fused call would concatenate the weights inside the step, a copy of both
-projections' weights on every step (read + write of ``2 * E_l * H * I`` elements), more
-than the second read of the ``[M_pad, H]`` rows it saves at every measured shape
-(``benchmarks/bench_gmm_tiles.py``, column "fused"; ``docs/moe_backends.md``).
+Gate and up are fused without concatenating their weights (the model stores them as two
+arrays: a concatenation inside the step would copy both projections' weights every step):
+the kernel takes both weight arrays and reads two blocks per m tile.
 
 Off TPU the kernel runs in Pallas interpret mode (slow, for tests): the platform is the one
 the program is compiled for (:func:`interpret_on`), which the runner passes in.
@@ -334,24 +336,27 @@ def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes:
                  init: jax.Array | None = None) -> jax.Array:
     """float32 [T, H]: ``init`` (or zeros) plus the three grouped matmuls over ``M_pad``
     sorted assignments (token row ``token``, routing weight ``weight``, groups
-    ``group_sizes`` from row 0; rows past their sum are in no group), summed per token: by
-    down's kernel itself (``gmm_combine``) where the float32 sums fit VMEM, else through
-    ``index`` [T, k] (the assignment's row) where ``held``."""
+    ``group_sizes`` from row 0; rows past their sum are in no group: never stored into a
+    result, whatever they hold), summed per token: by down's kernel itself
+    (``gmm_combine``) where the float32 sums fit VMEM, else through ``index`` [T, k] (the
+    assignment's row) where ``held``. Gate and up take the token rows gathered
+    (:func:`_sorted_rows`), or pick them from x themselves where x fits VMEM whole."""
     m_pad = token.shape[0]
-    # [M_pad, H]: token row of each sorted assignment. Rows past the groups are never
-    # computed or stored, whatever they hold.
     num_tokens, hidden = x.shape
-    if vmem_rows.fits(num_tokens, hidden, x.dtype.itemsize, m_pad):  # x read once
-        xs = vmem_rows.gather_rows(x, token, m_pad, interpret)
-    else:
-        xs = take_rows(x, token)
     tm = row_tile(rows, w_gate, w_down)  # M_pad's own tile: the fewest weight blocks
-    inter = w_gate.shape[2]
-    # The routing weight on the [M, I] side, in float32, before the cast (module docstring).
-    if gmm_gate_up.column_tile(tm, hidden, inter, x.dtype.itemsize) is not None:
-        act = gmm_gate_up.gate_up_act(xs, w_gate, w_up, weight, group_sizes, tm,
-                                      k_minor(hidden, inter), interpret)
+    inter, item = w_gate.shape[2], x.dtype.itemsize
+    minor = k_minor(hidden, inter)
+    t_pad = -(-num_tokens // vmem_rows.BLOCK) * vmem_rows.BLOCK
+    if (gmm_gate_up.holds_tokens(num_tokens, hidden, item, m_pad)
+            and gmm_gate_up.column_tile(tm, hidden, inter, item, t_pad) is not None):
+        # Decode: the kernel holds x and picks the rows itself; [M_pad, H] is never written.
+        act = gmm_gate_up.gate_up_act(x, token, w_gate, w_up, weight, group_sizes, tm, minor,
+                                      interpret)
+    elif gmm_gate_up.column_tile(tm, hidden, inter, item) is not None:
+        act = gmm_gate_up.gate_up_act(_sorted_rows(x, token, interpret), None, w_gate, w_up,
+                                      weight, group_sizes, tm, minor, interpret)
     else:
+        xs = _sorted_rows(x, token, interpret)
         gate = grouped_matmul(xs, w_gate, group_sizes, rows, interpret)
         up = grouped_matmul(xs, w_up, group_sizes, rows, interpret)
         act = (jax.nn.silu(gate) * up * weight[:, None]).astype(x.dtype)
@@ -361,6 +366,14 @@ def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes:
     down = grouped_matmul(act, w_down, group_sizes, rows, interpret, x.dtype)  # [M_pad, H]
     out = sum_token_rows(down, jnp.clip(index, 0, m_pad - 1), held)
     return out if init is None else init + out
+
+
+def _sorted_rows(x: jax.Array, token: jax.Array, interpret: bool) -> jax.Array:
+    """``[M_pad, H]``: the token row of each sorted assignment, by the VMEM kernel (x read
+    once) when a column block of x fits, else by XLA's gather of whole tiles."""
+    if vmem_rows.fits(x.shape[0], x.shape[1], x.dtype.itemsize, token.shape[0]):
+        return vmem_rows.gather_rows(x, token, token.shape[0], interpret)
+    return take_rows(x, token)
 
 
 def sum_token_rows(rows: jax.Array, index: jax.Array, held: jax.Array) -> jax.Array:

@@ -17,6 +17,15 @@ group (``[group start, group end)`` clipped to the tile): rows past the groups (
 padding) are computed by the MXU with the rest of their tile but never read.
 Rows are added in sorted order (group by group, row by row).
 
+Cost. The pipeline skips a block's copy when its index is unchanged from the previous grid
+step, and a group's m tiles are consecutive steps (a tile shared by two groups: two
+consecutive steps on the same activation block). So for each n tile every group's weight
+block is fetched once, however many m tiles it spans, and every m tile's activations once:
+the kernel's estimate is the activations once per n tile, the weights once, the sums (and
+``init``) once and the indices, for any routing. (Megablox's own estimate counts one weight
+block per possible m tile, ``M_pad / tm + G - 1``: its k tiles change the weight block's
+index at every step when ``tk < K``; here ``tk = K`` always.)
+
 ``init`` (the sums of earlier passes, ``gmm.gmm_experts`` under EP) is the held block's
 starting value: the pass's rows are added to it in the same kernel, not by a separate add.
 Off TPU inside ``shard_map`` (where Pallas interpret mode cannot run a kernel with a held
@@ -124,9 +133,9 @@ def down_and_combine(act: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
         in_specs.append(sums)
         operands.append(jnp.pad(init, ((0, t_pad - tokens), (0, 0))))
     item = act.dtype.itemsize
-    cost = pl.CostEstimate(  # static, as Megablox's: one weight block per possible m tile
+    cost = pl.CostEstimate(  # static, whatever the routing (module docstring, "Cost")
         flops=2 * m_pad * inter * hidden, transcendentals=0,
-        bytes_accessed=(m_pad * inter * item * tiles_n + inter * hidden * item * max_tiles
+        bytes_accessed=(m_pad * inter * item * tiles_n + groups * inter * hidden * item
                         + t_pad * hidden * 4 * (2 if with_init else 1)
                         + (m_pad + 2 * max_tiles + groups + 1) * 4))
     with jax_config._check_vma(False):

@@ -14,6 +14,9 @@ VMEM between the visits and each visit stores only its group's rows, as Megablox
 mask does). Rows past the groups are never stored (they hold whatever the output buffer
 held); the caller reads only rows inside the groups.
 
+Cost: as ``gmm_combine``'s (its docstring, "Cost"): the rows once per n tile of I, each
+group's two weight blocks once, the activation once.
+
 Weights stored K-minor (``gmm.k_minor``: I not a multiple of 128) are read as ``[G, I, H]``
 with the contraction on their minor dimension, as Megablox's ``transpose_rhs``: no relayout
 copy of the weights.
@@ -33,29 +36,42 @@ from sgl_jax.srt.layers.moe import vmem_rows
 from sgl_jax.srt.layers.moe.gmm_combine import megablox_gmm, megablox_module
 from sgl_jax.srt.layers.moe.manual_axes import mark_varying
 
-# VMEM of the pipelined blocks: the row tile, both weight blocks and the output block, each
-# double-buffered. tn (a lane tile of I) shrinks until they fit.
+# VMEM of the pipelined blocks: the row tile (or, gathering, the held tokens and the tile
+# assembled from them), both weight blocks and the output block, each double-buffered. tn
+# (a lane tile of I) shrinks until they fit.
 BLOCKS_BUDGET = 24 * 1024 * 1024
 
 
-def _vmem(tm: int, hidden: int, tn: int, itemsize: int) -> int:
-    return 2 * (tm * hidden + 2 * hidden * tn + tm * tn) * itemsize + 2 * tm * 4
+def _vmem(tm: int, hidden: int, tn: int, itemsize: int, held_tokens: int) -> int:
+    rows = (held_tokens * hidden * vmem_rows.held_bytes(itemsize) + tm * hidden * itemsize
+            if held_tokens else 2 * tm * hidden * itemsize)
+    return rows + 2 * (2 * hidden * tn + tm * tn) * itemsize + 2 * tm * 4
 
 
-def column_tile(tm: int, hidden: int, inter: int, itemsize: int) -> int | None:
-    """The widest lane tile of I whose blocks fit ``BLOCKS_BUDGET`` (None: none does)."""
+def column_tile(tm: int, hidden: int, inter: int, itemsize: int,
+                held_tokens: int = 0) -> int | None:
+    """The widest lane tile of I whose blocks fit ``BLOCKS_BUDGET`` (None: none does), with
+    ``held_tokens`` token rows held to gather from (0: the rows come gathered)."""
     return next((t for t in vmem_rows.lane_tiles(inter)
-                 if _vmem(tm, hidden, t, itemsize) <= BLOCKS_BUDGET), None)
+                 if _vmem(tm, hidden, t, itemsize, held_tokens) <= BLOCKS_BUDGET), None)
 
 
-def _kernel(offsets_ref, groups_ref, m_tiles_ref, x_ref, gate_ref, up_ref, weight_ref,
-            out_ref, *, contract_minor: bool):
+def holds_tokens(tokens: int, hidden: int, itemsize: int, rows: int) -> bool:
+    """Whether the kernel can hold all ``tokens`` rows of x whole (decode) and gather its
+    ``rows`` tile rows from them itself (``vmem_rows``' budget and index limit)."""
+    t_pad = -(-tokens // vmem_rows.BLOCK) * vmem_rows.BLOCK
+    return (vmem_rows.fits(t_pad, hidden, itemsize, rows)
+            and vmem_rows.column_block(t_pad, hidden, vmem_rows.held_bytes(itemsize)) == hidden)
+
+
+def _act(rows: jax.Array, gate_ref, up_ref, weight_ref, out_ref, offsets_ref, groups_ref,
+         m_tiles_ref, contract_minor: bool) -> None:
+    """Stores the gated activation of the step's tile ``rows`` [tm, H] for its group's rows."""
     step = pl.program_id(1)
-    tm = x_ref.shape[0]
+    tm = rows.shape[0]
     dims = (((1,), (1,)), ((), ())) if contract_minor else (((1,), (0,)), ((), ()))
-    x = x_ref[...]
-    gate = jax.lax.dot_general(x, gate_ref[...], dims, preferred_element_type=jnp.float32)
-    up = jax.lax.dot_general(x, up_ref[...], dims, preferred_element_type=jnp.float32)
+    gate = jax.lax.dot_general(rows, gate_ref[...], dims, preferred_element_type=jnp.float32)
+    up = jax.lax.dot_general(rows, up_ref[...], dims, preferred_element_type=jnp.float32)
     act = (jax.nn.silu(gate) * up * weight_ref[...]).astype(out_ref.dtype)
     group = groups_ref[step]
     row = m_tiles_ref[step] * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
@@ -63,60 +79,101 @@ def _kernel(offsets_ref, groups_ref, m_tiles_ref, x_ref, gate_ref, up_ref, weigh
     out_ref[...] = jnp.where(mine, act, out_ref[...])
 
 
-@functools.partial(jax.jit, static_argnames=("tm", "contract_minor", "interpret"))
-def gate_up_act(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, weight: jax.Array,
-                group_sizes: jax.Array, tm: int, contract_minor: bool,
-                interpret: bool) -> jax.Array:
-    """``[M_pad, I]`` in xs's dtype: ``silu(xs @ w_gate[g]) * (xs @ w_up[g]) * weight`` for
-    each row inside the groups (g its group; products in float32, one rounding at the end);
-    rows past ``sum(group_sizes)`` unspecified.
+def _rows_kernel(offsets_ref, groups_ref, m_tiles_ref, xs_ref, gate_ref, up_ref, weight_ref,
+                 out_ref, *, contract_minor: bool):
+    _act(xs_ref[...], gate_ref, up_ref, weight_ref, out_ref, offsets_ref, groups_ref,
+         m_tiles_ref, contract_minor)
 
-    xs [M_pad, H] sorted by group, ``M_pad`` a multiple of ``tm``; w_gate, w_up [G, H, I];
-    weight [M_pad] float32; group_sizes [G] from row 0; ``contract_minor``: the weights
-    are laid out K-minor (``gmm.k_minor``). The caller checks :func:`column_tile`."""
-    m_pad, hidden = xs.shape
+
+def _gather_kernel(offsets_ref, groups_ref, m_tiles_ref, token_ref, x_ref, gate_ref, up_ref,
+                   weight_ref, out_ref, xf_ref, rows_ref, *, contract_minor: bool):
+    # The tokens' rows are held whole (their block index never changes: read from HBM once)
+    # with a float32 copy made at the first step, from which the tile's rows are picked by
+    # a dynamic sublane offset (vmem_rows' module docstring says why float32).
+    @pl.when((pl.program_id(0) == 0) & (pl.program_id(1) == 0))
+    def _():
+        xf_ref[...] = x_ref[...].astype(jnp.float32)
+
+    first = m_tiles_ref[pl.program_id(1)] * rows_ref.shape[0]
+    vmem_rows.pick_rows(xf_ref, token_ref, first, rows_ref)
+    _act(rows_ref[...], gate_ref, up_ref, weight_ref, out_ref, offsets_ref, groups_ref,
+         m_tiles_ref, contract_minor)
+
+
+@functools.partial(jax.jit, static_argnames=("tm", "contract_minor", "interpret"))
+def gate_up_act(x: jax.Array, token: jax.Array | None, w_gate: jax.Array, w_up: jax.Array,
+                weight: jax.Array, group_sizes: jax.Array, tm: int, contract_minor: bool,
+                interpret: bool) -> jax.Array:
+    """``[M_pad, I]`` in x's dtype: ``silu(r @ w_gate[g]) * (r @ w_up[g]) * weight`` for each
+    sorted row r inside the groups (g its group; products in float32, one rounding at the
+    end); rows past ``sum(group_sizes)`` unspecified.
+
+    Without ``token``, x is the sorted rows ``[M_pad, H]``; with it ([M_pad] int32), x is the
+    tokens ``[T, H]``, held whole in VMEM (:func:`holds_tokens`), and row m is
+    ``x[token[m]]``, picked by the kernel itself. ``M_pad`` a multiple of ``tm``; w_gate,
+    w_up [G, H, I]; weight [M_pad] float32; group_sizes [G] from row 0; ``contract_minor``:
+    the weights are laid out K-minor (``gmm.k_minor``). The caller checks
+    :func:`column_tile`."""
+    hidden = x.shape[1]
+    m_pad = x.shape[0] if token is None else token.shape[0]
     groups, _, inter = w_gate.shape
     group_sizes = group_sizes.astype(jnp.int32)
     weight = weight.astype(jnp.float32).reshape(m_pad, 1)
-    if interpret and vmem_rows.under_manual_axes(xs, w_gate, weight):
+    if interpret and vmem_rows.under_manual_axes(x, w_gate, weight):
+        xs = x if token is None else jnp.take(x, token, axis=0)
         return _gate_up_jnp(xs, w_gate, w_up, weight, group_sizes, tm)
-    tn = column_tile(tm, hidden, inter, xs.dtype.itemsize)
+    t_pad = 0
+    if token is not None:
+        t_pad = -(-x.shape[0] // vmem_rows.BLOCK) * vmem_rows.BLOCK
+        x = jnp.pad(x, ((0, t_pad - x.shape[0]), (0, 0)))
+        token = token.astype(jnp.int32)
+    tn = column_tile(tm, hidden, inter, x.dtype.itemsize, t_pad)
     if m_pad % tm or tn is None:
         raise ValueError(f"gate_up_act: {m_pad} rows by tm={tm}, H={hidden}, I={inter}: the "
                          f"rows must be a multiple of tm and the blocks fit VMEM")
     (offsets, group_ids, m_tiles), active = megablox_module.make_group_metadata(
         group_sizes=group_sizes, m=m_pad, tm=tm, start_group=jnp.int32(0),
         num_nonzero_groups=groups, visit_empty_groups=False)
+    # Index maps see the grid indices, then the scalar-prefetched arrays (the metadata and,
+    # gathering, the tokens).
     if contract_minor:  # the K-minor layout read as it is stored (a bitcast, no copy)
         w_gate, w_up = w_gate.swapaxes(1, 2), w_up.swapaxes(1, 2)
-        w_block = pl.BlockSpec((None, tn, hidden), lambda n, t, o, g, mt: (g[t], n, 0))
+        w_block = pl.BlockSpec((None, tn, hidden), lambda n, t, o, g, mt, *_: (g[t], n, 0))
     else:
-        w_block = pl.BlockSpec((None, hidden, tn), lambda n, t, o, g, mt: (g[t], 0, n))
-    rows = pl.BlockSpec((tm, hidden), lambda n, t, o, g, mt: (mt[t], 0))
+        w_block = pl.BlockSpec((None, hidden, tn), lambda n, t, o, g, mt, *_: (g[t], 0, n))
+    per_row = pl.BlockSpec((tm, 1), lambda n, t, o, g, mt, *_: (mt[t], 0))
+    out_spec = pl.BlockSpec((tm, tn), lambda n, t, o, g, mt, *_: (mt[t], n))
     max_tiles = m_pad // tm + groups - 1
-    item = xs.dtype.itemsize
-    cost = pl.CostEstimate(  # static, as Megablox's: two weight blocks per possible m tile
+    item = x.dtype.itemsize
+    if token is None:
+        kernel, scalars, scratch = _rows_kernel, (offsets, group_ids, m_tiles), []
+        rows = pl.BlockSpec((tm, hidden), lambda n, t, o, g, mt: (mt[t], 0))
+        rows_bytes = m_pad * hidden * item * (inter // tn)
+    else:
+        kernel, scalars = _gather_kernel, (offsets, group_ids, m_tiles, token)
+        scratch = [pltpu.VMEM((t_pad, hidden), jnp.float32), pltpu.VMEM((tm, hidden), x.dtype)]
+        rows = pl.BlockSpec((t_pad, hidden), lambda *_: (0, 0))
+        rows_bytes = t_pad * hidden * item + m_pad * 4
+    cost = pl.CostEstimate(  # static, whatever the routing (gmm_combine's docstring, "Cost")
         flops=4 * m_pad * hidden * inter, transcendentals=m_pad * inter,
-        bytes_accessed=(m_pad * hidden * item * (inter // tn) + 2 * hidden * inter * item
-                        * max_tiles + m_pad * inter * item + m_pad * 4
-                        + (2 * max_tiles + groups + 1) * 4))
+        bytes_accessed=(rows_bytes + 2 * groups * hidden * inter * item + m_pad * inter * item
+                        + m_pad * 4 + (2 * max_tiles + groups + 1) * 4))
     with jax_config._check_vma(False):
         out = pl.pallas_call(
-            functools.partial(_kernel, contract_minor=contract_minor),
-            out_shape=jax.ShapeDtypeStruct((m_pad, inter), xs.dtype),
+            functools.partial(kernel, contract_minor=contract_minor),
+            out_shape=jax.ShapeDtypeStruct((m_pad, inter), x.dtype),
             grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=3,
+                num_scalar_prefetch=len(scalars),
                 grid=(inter // tn, active),
-                in_specs=[rows, w_block, w_block,
-                          pl.BlockSpec((tm, 1), lambda n, t, o, g, mt: (mt[t], 0))],
-                out_specs=pl.BlockSpec((tm, tn), lambda n, t, o, g, mt: (mt[t], n))),
+                in_specs=[rows, w_block, w_block, per_row],
+                out_specs=out_spec, scratch_shapes=scratch),
             compiler_params=pltpu.CompilerParams(
                 dimension_semantics=("arbitrary", "arbitrary"),
                 vmem_limit_bytes=vmem_rows.VMEM_LIMIT),
             cost_estimate=cost,
             interpret=interpret,
-        )(offsets, group_ids, m_tiles, xs, w_gate, w_up, weight)
-    return mark_varying(out, xs, w_gate, weight, group_sizes)
+        )(*scalars, x, w_gate, w_up, weight)
+    return mark_varying(out, x, w_gate, weight, group_sizes)
 
 
 def _gate_up_jnp(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, weight: jax.Array,

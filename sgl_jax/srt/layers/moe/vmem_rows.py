@@ -83,13 +83,18 @@ def _gather_kernel(idx_ref, x_ref, o_ref, xf_ref):
     def _():
         xf_ref[...] = x_ref[...].astype(jnp.float32)
 
-    base = pl.program_id(1) * o_ref.shape[0]
+    pick_rows(xf_ref, idx_ref, pl.program_id(1) * o_ref.shape[0], o_ref)
 
+
+def pick_rows(xf_ref, idx_ref, first, o_ref) -> None:
+    """``o_ref[r] = xf_ref[idx_ref[first + r]]`` for every row r of ``o_ref`` (a multiple of
+    ``BLOCK`` rows, any float dtype): picked from the float32 ``xf_ref`` by dynamic sublane
+    offsets, stored ``BLOCK`` rows at a time (whole packed tiles)."""
     def block(b, carry):
-        first = base + b * BLOCK
-        rows = [xf_ref[pl.ds(idx_ref[first + r], 1), :] for r in range(BLOCK)]
-        start = pl.multiple_of(b * BLOCK, BLOCK)
-        o_ref[pl.ds(start, BLOCK), :] = jnp.concatenate(rows, axis=0).astype(o_ref.dtype)
+        start = b * BLOCK
+        rows = [xf_ref[pl.ds(idx_ref[first + start + r], 1), :] for r in range(BLOCK)]
+        aligned = pl.multiple_of(start, BLOCK)
+        o_ref[pl.ds(aligned, BLOCK), :] = jnp.concatenate(rows, axis=0).astype(o_ref.dtype)
         return carry
 
     jax.lax.fori_loop(0, o_ref.shape[0] // BLOCK, block, 0)

@@ -13,7 +13,9 @@ ep 4: H 4096, I 384, 32 experts per device, every device sized for all T*k assig
 2. per shape, the whole backend compiled: ``gmm`` vs ``ragged`` (sort, gather, three grouped
    matmuls, weighting, un-permute, k-sum), ``ragged`` with gmm's tile-shaped row gathers
    (``gmm.take_rows``), and gmm with gate and up fused into one call over weights
-   concatenated inside the step (what fusing costs when the weights are stored apart).
+   concatenated inside the step (what fusing costs when the weights are stored apart);
+3. the backend's fused kernels (gate + up + activation; down + the per-token combine)
+   against the Megablox calls they replace, each compiled alone.
 
 Usage (the TPU venv)::
 
@@ -24,6 +26,7 @@ Usage (the TPU venv)::
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -39,7 +42,7 @@ from jax.experimental import topologies  # noqa: E402
 from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
-from sgl_jax.srt.layers.moe import gmm, vmem_rows  # noqa: E402
+from sgl_jax.srt.layers.moe import gmm, gmm_combine, gmm_gate_up, vmem_rows  # noqa: E402
 from sgl_jax.srt.layers.moe.ragged import group_assignments, ragged_experts  # noqa: E402
 
 # name -> (hidden H, intermediate per device I, experts per device E_l, top k)
@@ -181,6 +184,74 @@ def backend_table(device: Any, tokens_list: list[int]) -> None:
                   f"| {weights / 1e9:.3f} |")
 
 
+def kernel_row(device: Any, tokens: int, shape: tuple[int, int, int, int],
+               shards: int) -> dict[str, float | None]:
+    """GB of each kernel compiled alone (see :func:`kernel_table`) for one model and T."""
+    hidden, inter, groups, top_k = shape
+    sh = SingleDeviceSharding(device)
+
+    def spec(shape: tuple[int, ...], dtype: Any = BF16) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+
+    rows = gmm.pass_rows(tokens * top_k, shards, gmm.CAPACITY_FACTOR)
+    tm = max(gmm.gmm_tiling(rows, hidden, inter, groups)[0],
+             gmm.gmm_tiling(rows, inter, hidden, groups)[0])
+    m_pad, minor = gmm.pad_rows(rows, tm), gmm.k_minor(hidden, inter)
+    xs, w_in, w_down = spec((m_pad, hidden)), spec((groups, hidden, inter)), spec(
+        (groups, inter, hidden))
+    sizes, token = spec((groups,), jnp.int32), spec((m_pad,), jnp.int32)
+    weight, act = spec((m_pad,), jnp.float32), spec((m_pad, inter))
+
+    def megablox_gate_up(x, a, b, w, s):
+        gate, up = (gmm.grouped_matmul(x, v, s, rows, False) for v in (a, b))
+        return (jax.nn.silu(gate) * up * w[:, None]).astype(x.dtype)
+
+    def fused_gate_up(x, t, a, b, w, s):
+        return gmm_gate_up.gate_up_act(x, t, a, b, w, s, tm, minor, False)
+
+    def megablox_down(a, w, s, t):
+        down = gmm.grouped_matmul(a, w, s, rows, False, BF16)
+        index = jnp.arange(tokens * top_k).reshape(tokens, top_k) % m_pad
+        return gmm.sum_token_rows(down, index, jnp.ones((tokens, top_k), bool))
+
+    def fused_down(a, w, s, t):
+        return gmm_combine.down_and_combine(a, w, s, t, None, tokens, tm, False)
+
+    gb = {
+        "rows": m_pad,
+        "gu_megablox": compiled_cost(megablox_gate_up, xs, w_in, w_in, weight, sizes)[1],
+        "gu_fused": compiled_cost(functools.partial(fused_gate_up, t=None), xs, w_in, w_in,
+                                  weight, sizes)[1],
+        "gu_picking": None,
+        "down_megablox": compiled_cost(megablox_down, act, w_down, sizes, token)[1],
+        "down_fused": compiled_cost(fused_down, act, w_down, sizes, token)[1],
+    }
+    if gmm_gate_up.holds_tokens(tokens, hidden, 2, m_pad):
+        gb["gu_picking"] = compiled_cost(fused_gate_up, spec((tokens, hidden)), token, w_in,
+                                         w_in, weight, sizes)[1]
+    return gb
+
+
+def kernel_table(device: Any, tokens_list: list[int], shards: dict[str, int]) -> None:
+    """The fused kernels against the Megablox calls they replace (still the backend's path
+    where their blocks do not fit), each compiled alone on one device: gate + up + the
+    activation (``gmm_gate_up.gate_up_act``, given the sorted rows, or picking x's rows
+    itself where x fits VMEM whole) and down + the per-token combine
+    (``gmm_combine.down_and_combine`` against Megablox's down and ``gmm.sum_token_rows``).
+    Rows: a device's sorted assignments, the pass window under EP (``gmm.pass_rows``)."""
+    print("\n### Fused kernels vs Megablox calls, one layer on one device (compiled, GB)\n")
+    print("| model | T | rows | gate+up+act: Megablox | fused | fused, picking x's rows "
+          "| down+combine: Megablox + sum_token_rows | fused |")
+    print("|---|---|---|---|---|---|---|---|")
+    for model, shape in MODELS.items():
+        for tokens in tokens_list:
+            gb = kernel_row(device, tokens, shape, shards[model])
+            cells = [f"{gb[k] / 1e9:.3f}" if gb[k] is not None else "-"
+                     for k in ("gu_megablox", "gu_fused", "gu_picking", "down_megablox",
+                               "down_fused")]
+            print(f"| {model} | {tokens} | {gb['rows']} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--topology", default="v6e:2x2")
@@ -195,6 +266,7 @@ def main() -> None:
             for tokens in args.tokens:
                 projection_table(device, tokens, model, args.all)
     backend_table(device, args.tokens)
+    kernel_table(device, args.tokens, {"qwen3-30b-a3b tp4": 1, "qwen3-235b-a22b tp4 ep4": 4})
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ Usage (the TPU venv)::
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -220,8 +219,8 @@ def kernel_row(device: Any, tokens: int, shape: tuple[int, int, int, int],
     gb = {
         "rows": m_pad,
         "gu_megablox": compiled_cost(megablox_gate_up, xs, w_in, w_in, weight, sizes)[1],
-        "gu_fused": compiled_cost(functools.partial(fused_gate_up, t=None), xs, w_in, w_in,
-                                  weight, sizes)[1],
+        "gu_fused": compiled_cost(lambda x, a, b, w, s: fused_gate_up(x, None, a, b, w, s),
+                                  xs, w_in, w_in, weight, sizes)[1],
         "gu_picking": None,
         "down_megablox": compiled_cost(megablox_down, act, w_down, sizes, token)[1],
         "down_fused": compiled_cost(fused_down, act, w_down, sizes, token)[1],

@@ -287,9 +287,10 @@ def test_down_and_combine_adds_each_group_row_at_its_token(sizes, tm, dtype, wit
 def test_gate_up_act_rows_inside_the_groups(sizes, tm, dtype, contract_minor, gather):
     """Gate, up and the gated activation in one kernel: every row inside the groups is
     ``silu(x @ gate[g]) * (x @ up[g]) * weight`` of its group g (tiles shared by groups each
-    get their own group's rows), rounded once to the compute dtype; NaN in the rows past the
-    groups stays there. ``contract_minor`` reads the weights as stored K-minor; ``gather``:
-    the kernel picks each row from the held tokens [23, H] itself."""
+    get their own group's rows), rounded once to the compute dtype, whatever the rows past
+    the groups hold (NaN; their results are unspecified). ``contract_minor`` reads the
+    weights as stored K-minor; ``gather``: the kernel picks each row from the held tokens
+    [23, H] itself."""
     rng = np.random.default_rng(5)
     m_pad, hidden, inter, tokens = 64, 256, 128, 23
     sizes_a = np.asarray(sizes, np.int32)
@@ -312,7 +313,37 @@ def test_gate_up_act_rows_inside_the_groups(sizes, tm, dtype, contract_minor, ga
     up = np.einsum("mh,mhi->mi", x64, w[1][groups])
     want = gate / (1 + np.exp(-gate)) * up * weight[:used, None]
     tol = 1e-5 if dtype == jnp.float32 else 1e-2  # one rounding to the compute dtype
+    assert got.shape == (m_pad, inter)
     np.testing.assert_allclose(got[:used], want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_gate_up_act_several_column_tiles(monkeypatch, gather):
+    """I split into column tiles (a VMEM budget that holds 128 of I's 384 columns): each
+    tile's output block, and the held tokens' float32 copy made once for all of them."""
+    rng = np.random.default_rng(6)
+    m_pad, hidden, inter, tokens, tm = 96, 128, 384, 29, 32
+    held = tokens + 3 if gather else 0  # 29 tokens padded to 32 rows
+    budget = gmm_gate_up._vmem(tm, hidden, 128, 4, held)
+    monkeypatch.setattr(gmm_gate_up, "BLOCKS_BUDGET", budget)
+    assert gmm_gate_up.column_tile(tm, hidden, inter, 4, held) == 128
+    sizes = np.asarray([2, 0, 37, 1, 0, 30, 9], np.int32)  # 79 rows; tiles shared by groups
+    used = int(sizes.sum())
+    token = rng.integers(0, tokens, m_pad).astype(np.int32)
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    w = [rng.standard_normal((len(sizes), hidden, inter)).astype(np.float32) / 8
+         for _ in range(2)]
+    weight = rng.random(m_pad).astype(np.float32)
+    operand, rows = (x, jnp.asarray(token)) if gather else (x[token], None)
+    got = np.asarray(gmm_gate_up.gate_up_act(
+        jnp.asarray(operand), rows, jnp.asarray(w[0]), jnp.asarray(w[1]), jnp.asarray(weight),
+        jnp.asarray(sizes), tm, False, True))
+    groups = np.repeat(np.arange(len(sizes)), sizes)
+    x64 = x[token[:used]].astype(np.float64)
+    gate = np.einsum("mh,mhi->mi", x64, w[0][groups])
+    up = np.einsum("mh,mhi->mi", x64, w[1][groups])
+    want = gate / (1 + np.exp(-gate)) * up * weight[:used, None]
+    np.testing.assert_allclose(got[:used], want, rtol=1e-5, atol=1e-5)
 
 
 def test_down_and_combine_column_blocks(monkeypatch):
@@ -321,7 +352,8 @@ def test_down_and_combine_column_blocks(monkeypatch):
     tokens, hidden = 45, 512
     monkeypatch.setattr(vmem_rows, "HELD_BUDGET", 48 * 128 * gmm_combine.sums_bytes(True))
     assert vmem_rows.column_block(48, hidden, gmm_combine.sums_bytes(True)) == 128
-    assert gmm_combine.fits(tokens, hidden, 96, True)
+    assert gmm_combine.column_width(tokens, hidden, 32, 128, 2, True) == 128
+    assert gmm_combine.fits(tokens, hidden, 96, 32, 128, 2, True)
     case = combine_case(9, [13, 30, 0, 41], 96, tokens, hidden, jnp.bfloat16)
     got = np.asarray(gmm_combine.down_and_combine(
         case["act"], case["w"], jnp.asarray(case["sizes"]), jnp.asarray(case["token"]),
@@ -342,8 +374,8 @@ def test_vmem_column_blocks_of_large_operands(monkeypatch):
 
 
 def test_bfloat16_gmm_vmem_and_xla_paths_agree(monkeypatch):
-    """The same bfloat16 layer through the VMEM kernels and through XLA's gathers with down
-    as a third gmm: the same rows reach the kernels, and both are near the float64
+    """The same bfloat16 layer through our kernels and through XLA's gathers with Megablox's
+    three gmm calls: the same rows reach the kernels, and both are near the float64
     reference; the combine kernel adds down's rows in float32 where the other path rounds
     them to bfloat16 first, so it is the nearer of the two."""
     full = make_case(43, 40, hidden=256, inter=128)
@@ -355,7 +387,8 @@ def test_bfloat16_gmm_vmem_and_xla_paths_agree(monkeypatch):
     want = local_reference({"local_ids": local, "full": full})
     vmem = np.asarray(jax.jit(gmm.gmm_experts)(*args))
     monkeypatch.setattr(vmem_rows, "HELD_BUDGET", 0)
-    jax.clear_caches()  # the budget is read at trace time
+    monkeypatch.setattr(gmm_gate_up, "BLOCKS_BUDGET", 0)  # Megablox's three calls
+    jax.clear_caches()  # the budgets are read at trace time
     xla = np.asarray(jax.jit(gmm.gmm_experts)(*args))
     jax.clear_caches()
     assert rel_err(xla, want) < BF16_TOL

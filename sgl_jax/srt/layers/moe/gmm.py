@@ -20,7 +20,8 @@ kernels on the tile schedule of JAX's Megablox ``gmm``
    blocks do not fit VMEM, two Megablox ``gmm`` calls (:func:`gmm_tiling`) stored in
    float32 and the same activation in XLA;
 3. down and the combine are one kernel (``gmm_combine.down_and_combine``) where the float32
-   ``[T, H]`` sums fit VMEM 128 columns at a time (up to ~16k tokens): each m tile's rows of
+   ``[T, H]`` sums fit VMEM 128 columns at a time (up to ~16k tokens of a 2,048-wide model,
+   ~8k when they start from earlier passes' sums): each m tile's rows of
    its group are multiplied by the group's weights and added, in float32, straight into
    their token's sum, so down's ``[M, H]`` rows never reach HBM; rows past the groups
    (sentinel, padding) are never added. Beyond that, down is a third ``gmm`` call stored in
@@ -40,8 +41,8 @@ only sentinel or padding rows are skipped at run time (under EP most of the ``M`
 device are the sentinel). Its cost estimate (what XLA's
 ``cost_analysis`` adds for the custom call) is static: ``2 * M_pad * K * N`` FLOPs and
 ``lhs_bytes * N / tn + K * N * itemsize * (M_pad / tm + E_l - 1) + M_pad * N * 4`` bytes
-(one [K, N] weight block per possible m tile, the LHS once per n tile); the fused kernels'
-estimates are counted the same way, with their own inputs and outputs.
+(one [K, N] weight block per possible m tile, the LHS once per n tile). The fused kernels'
+estimates count each group's weights once per n tile (``gmm_combine``'s docstring, "Cost").
 
 Passes. Under expert parallelism (``shards`` > 1: the "expert" mesh axis, with or without
 DP attention) a device holds ``E_l = E / shards`` experts and, routing being balanced, about
@@ -360,7 +361,7 @@ def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes:
         gate = grouped_matmul(xs, w_gate, group_sizes, rows, interpret)
         up = grouped_matmul(xs, w_up, group_sizes, rows, interpret)
         act = (jax.nn.silu(gate) * up * weight[:, None]).astype(x.dtype)
-    if hidden % LANE == 0 and gmm_combine.fits(num_tokens, hidden, m_pad, init is not None):
+    if gmm_combine.fits(num_tokens, hidden, m_pad, tm, inter, item, init is not None):
         return gmm_combine.down_and_combine(act, w_down, group_sizes, token, init,
                                             num_tokens, tm, interpret)
     down = grouped_matmul(act, w_down, group_sizes, rows, interpret, x.dtype)  # [M_pad, H]

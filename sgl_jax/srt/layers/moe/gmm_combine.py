@@ -6,7 +6,7 @@ Without it, down writes an ``[M_pad, H]`` array of the sorted assignments' rows 
 columns written and read once more per layer. Here each grid step multiplies one m tile of
 the activations ``[tm, I]`` by its group's ``[I, tn]`` weight block and adds the tile's rows
 of that group straight into the float32 sums of their tokens, held in VMEM a column block at
-a time (``[T, tn]``, :func:`fits`): the ``[M_pad, H]`` rows never reach HBM, and the rows are
+a time (``[T, tn]``, :func:`column_width`): the ``[M_pad, H]`` rows never reach HBM, and the rows are
 added in float32 as the MXU produced them (no rounding to the compute dtype in between).
 
 The grid is ``(n tiles, m tiles of some group)``, the m tiles from Megablox's own group
@@ -24,7 +24,9 @@ block is fetched once, however many m tiles it spans, and every m tile's activat
 the kernel's estimate is the activations once per n tile, the weights once, the sums (and
 ``init``) once and the indices, for any routing. (Megablox's own estimate counts one weight
 block per possible m tile, ``M_pad / tm + G - 1``: its k tiles change the weight block's
-index at every step when ``tk < K``; here ``tk = K`` always.)
+index at every step when ``tk < K``; here ``tk = K`` always.) FLOPs are
+``2 * M_pad * I * H``, Megablox's convention: the MXU also multiplies the other rows of a
+partly owned tile, up to ``(M_pad / tm + G - 1) / (M_pad / tm)`` times that at decode.
 
 ``init`` (the sums of earlier passes, ``gmm.gmm_experts`` under EP) is the held block's
 starting value: the pass's rows are added to it in the same kernel, not by a separate add.
@@ -59,12 +61,32 @@ def sums_bytes(with_init: bool) -> int:
     return 16 if with_init else 8
 
 
-def fits(tokens: int, hidden: int, rows: int, with_init: bool) -> bool:
-    """Whether the float32 ``[tokens, hidden]`` sums can be held 128 columns at a time and
-    the ``rows`` row tokens prefetched to SMEM (``vmem_rows.MAX_INDICES``)."""
+def _vmem(t_pad: int, cols: int, tm: int, inter: int, itemsize: int, with_init: bool) -> int:
+    """VMEM of one column width: the held sums (and ``init``), double-buffered activation
+    and weight blocks, the float32 tile scratch and the dot's float32 value."""
+    return (t_pad * cols * sums_bytes(with_init) + 2 * (tm * inter + inter * cols) * itemsize
+            + 2 * tm * cols * 4)
+
+
+def column_width(tokens: int, hidden: int, tm: int, inter: int, itemsize: int,
+                 with_init: bool) -> int | None:
+    """The widest column block of the ``[tokens, hidden]`` sums (a lane tile of H) whose
+    held sums fit ``vmem_rows.HELD_BUDGET`` and whose whole footprint fits
+    ``vmem_rows.KERNEL_BUDGET``; None: not even 128 columns do."""
     t_pad = -(-tokens // vmem_rows.BLOCK) * vmem_rows.BLOCK
-    return (rows <= vmem_rows.MAX_INDICES
-            and vmem_rows.column_block(t_pad, hidden, sums_bytes(with_init)) is not None)
+    return next((c for c in vmem_rows.lane_tiles(hidden)
+                 if t_pad * c * sums_bytes(with_init) <= vmem_rows.HELD_BUDGET
+                 and _vmem(t_pad, c, tm, inter, itemsize, with_init)
+                 <= vmem_rows.KERNEL_BUDGET), None)
+
+
+def fits(tokens: int, hidden: int, rows: int, tm: int, inter: int, itemsize: int,
+         with_init: bool) -> bool:
+    """Whether :func:`down_and_combine` can run: H a multiple of 128, a column width
+    (:func:`column_width`), and the ``rows`` row tokens prefetched to SMEM
+    (``vmem_rows.MAX_INDICES``)."""
+    return (hidden % vmem_rows.LANE == 0 and rows <= vmem_rows.MAX_INDICES
+            and column_width(tokens, hidden, tm, inter, itemsize, with_init) is not None)
 
 
 def _kernel(offsets_ref, groups_ref, m_tiles_ref, token_ref, lhs_ref, w_ref, *refs,
@@ -116,10 +138,10 @@ def down_and_combine(act: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
         return _combine_jnp(act, w_down, group_sizes, token, init, tokens, tm)
     t_pad = -(-tokens // vmem_rows.BLOCK) * vmem_rows.BLOCK
     with_init = init is not None
-    cols = vmem_rows.column_block(t_pad, hidden, sums_bytes(with_init))
+    cols = column_width(tokens, hidden, tm, inter, act.dtype.itemsize, with_init)
     if cols is None:
         raise ValueError(f"{tokens} x {hidden} float32 sums do not fit "
-                         f"{vmem_rows.HELD_BUDGET} bytes of VMEM")
+                         f"{vmem_rows.HELD_BUDGET} bytes of VMEM 128 columns at a time")
     (offsets, group_ids, m_tiles), active = megablox_module.make_group_metadata(
         group_sizes=group_sizes, m=m_pad, tm=tm, start_group=jnp.int32(0),
         num_nonzero_groups=groups, visit_empty_groups=False)

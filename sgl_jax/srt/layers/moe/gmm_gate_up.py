@@ -11,11 +11,14 @@ tile of the rows ``[tm, H]`` once, multiplies it by its group's gate and up weig
 The grid is ``(n tiles of I, m tiles of some group)`` from Megablox's group metadata (a tile
 shared by two groups is visited once per group, consecutively: the output block stays in
 VMEM between the visits and each visit stores only its group's rows, as Megablox's store
-mask does). Rows past the groups are never stored (they hold whatever the output buffer
-held); the caller reads only rows inside the groups.
+mask does). Rows past the groups are unspecified (a partly owned tile stores them back
+with whatever its buffer held); the caller reads only rows inside the groups.
 
 Cost: as ``gmm_combine``'s (its docstring, "Cost"): the rows once per n tile of I, each
-group's two weight blocks once, the activation once.
+group's two weight blocks once, the activation once, and the routing weight column as the
+kernel's blocks move it (``[M_pad, 1]`` float32 is laid out 128 lanes wide in HBM). FLOPs are
+``4 * M_pad * H * I``, Megablox's convention: the MXU also multiplies the other rows of a
+partly owned tile, up to ``(M_pad / tm + G - 1) / (M_pad / tm)`` times that at decode.
 
 Weights stored K-minor (``gmm.k_minor``: I not a multiple of 128) are read as ``[G, I, H]``
 with the contraction on their minor dimension, as Megablox's ``transpose_rhs``: no relayout
@@ -94,8 +97,14 @@ def _gather_kernel(offsets_ref, groups_ref, m_tiles_ref, token_ref, x_ref, gate_
     def _():
         xf_ref[...] = x_ref[...].astype(jnp.float32)
 
-    first = m_tiles_ref[pl.program_id(1)] * rows_ref.shape[0]
-    vmem_rows.pick_rows(xf_ref, token_ref, first, rows_ref)
+    step = pl.program_id(1)
+    tile = m_tiles_ref[step]
+
+    # A tile shared by two groups is visited twice in a row: its rows are picked once.
+    @pl.when((step == 0) | (tile != m_tiles_ref[jnp.maximum(step - 1, 0)]))
+    def _():
+        vmem_rows.pick_rows(xf_ref, token_ref, tile * rows_ref.shape[0], rows_ref)
+
     _act(rows_ref[...], gate_ref, up_ref, weight_ref, out_ref, offsets_ref, groups_ref,
          m_tiles_ref, contract_minor)
 
@@ -157,7 +166,8 @@ def gate_up_act(x: jax.Array, token: jax.Array | None, w_gate: jax.Array, w_up: 
     cost = pl.CostEstimate(  # static, whatever the routing (gmm_combine's docstring, "Cost")
         flops=4 * m_pad * hidden * inter, transcendentals=m_pad * inter,
         bytes_accessed=(rows_bytes + 2 * groups * hidden * inter * item + m_pad * inter * item
-                        + m_pad * 4 + (2 * max_tiles + groups + 1) * 4))
+                        + m_pad * vmem_rows.LANE * 4 * (inter // tn)
+                        + (2 * max_tiles + groups + 1) * 4))
     with jax_config._check_vma(False):
         out = pl.pallas_call(
             functools.partial(kernel, contract_minor=contract_minor),

@@ -40,9 +40,11 @@ LANE = 128
 # VMEM of the block a kernel holds across its grid steps: a column block of the gathered
 # operand (two pipeline buffers and its float32 copy), or of gmm_combine's float32 sums.
 HELD_BUDGET = 16 * 1024 * 1024
-# Scoped VMEM of a kernel: the held block (<= 16 MiB), two output or input row blocks
-# (<= 1 MiB each) and Mosaic's own scratch; below the 95 / 128 MiB of v5p / v5e / v6e.
+# Scoped VMEM a kernel may ask for (below the 95 / 128 MiB of v5p / v5e / v6e), and what the
+# kernels size their blocks to within it (the held block, the streamed blocks, scratch and
+# values), leaving the rest to Mosaic's own scratch.
 VMEM_LIMIT = 40 * 1024 * 1024
+KERNEL_BUDGET = 32 * 1024 * 1024
 OUT_ROWS = 64  # rows of one streamed block (a grid step)
 # Indices a kernel prefetches to SMEM (int32): 512 KiB, the most compiled (v6e, a 16,384-token
 # prefill of the 30B at k = 8: 131,072 assignment rows); more fall back to XLA's gathers.

@@ -193,7 +193,7 @@ def row_gathers(request, monkeypatch):
     gathered by ``vmem_rows`` 128 columns at a time (``gathered_rows``); x gathered by XLA
     and the sums held 128 columns at a time (``combine_blocks``); no kernel of ours at all:
     XLA's gathers, Megablox's three gmm calls and ``sum_token_rows`` (``xla``)."""
-    held = {"gathered_rows": 32 * 256 * gmm_combine.sums_bytes(False),
+    held = {"gathered_rows": 32 * 128 * vmem_rows.held_bytes(4),
             "combine_blocks": 32 * 128 * gmm_combine.sums_bytes(False), "xla": 0}
     if request.param in held:
         monkeypatch.setattr(vmem_rows, "HELD_BUDGET", held[request.param])

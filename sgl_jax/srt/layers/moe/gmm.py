@@ -20,8 +20,8 @@ kernels on the tile schedule of JAX's Megablox ``gmm``
    blocks do not fit VMEM, two Megablox ``gmm`` calls (:func:`gmm_tiling`) stored in
    float32 and the same activation in XLA;
 3. down and the combine are one kernel (``gmm_combine.down_and_combine``) where the float32
-   ``[T, H]`` sums fit VMEM 128 columns at a time (up to ~16k tokens of a 2,048-wide model,
-   ~8k when they start from earlier passes' sums): each m tile's rows of
+   ``[T, H]`` sums fit VMEM 128 columns at a time (32k tokens, 16k when they start from
+   earlier passes' sums) and the rows ``vmem_rows.MAX_INDICES``: each m tile's rows of
    its group are multiplied by the group's weights and added, in float32, straight into
    their token's sum, so down's ``[M, H]`` rows never reach HBM; rows past the groups
    (sentinel, padding) are never added. Beyond that, down is a third ``gmm`` call stored in

@@ -11,8 +11,8 @@ Counting (per device; the HLO after SPMD partitioning holds per-device shapes):
   computations), is one op; a fusion is one op.
 - Bytes of an op: its operands plus its result, each array padded to its TPU layout's tile as
   stored (``{2,1,0:T(8,128)}``: the minor dimension to a multiple of 128, the next to 8), except
-  that a slice, dynamic-slice or async ``slice-start`` (and a
-  fusion parameter read only through them) counts what it reads, a gather what it reads
+  that a slice, dynamic-slice or async ``slice-start`` (and a fusion parameter read only
+  through them) counts what it reads, a gather what it reads
   times the rows of the operand's layout tile (``T(8,128)``: a gathered row reads its whole
   tile of 8 rows; XLA:TPU's count of 8,192 rows gathered from a [1024, 2048] bf16 array
   compiled alone is 319 MB, this rule gives 302 MB), and a ``copy-start`` (a prefetch into
@@ -44,8 +44,8 @@ Counting (per device; the HLO after SPMD partitioning holds per-device shapes):
 
 Classes, from each op's source stack (the ``StackFrames`` XLA keeps: file and function,
 innermost first), its ``op_name`` metadata and its opcode (``CLASSES`` in this order):
-``expert_matmuls`` (grouped / dense expert matmuls: the gmm kernels (``MATMUL_KERNELS``), dots in ``layers/moe/`` expert code,
-``ragged_dot``), ``moe_dispatch`` (the rest of the expert code: sorting assignments by
+``expert_matmuls`` (grouped / dense expert matmuls: the gmm kernels (``MATMUL_KERNELS``), dots
+in ``layers/moe/`` expert code, ``ragged_dot``), ``moe_dispatch`` (the rest of the expert code: sorting assignments by
 expert, gathers, the weighted combine), ``router`` (``layers/moe/router.py``, routing),
 ``attention`` (the attention backend, the kernel's metadata, rotary embedding; not its
 projections), ``kv_cache_write`` (``write_kv``: the step's new K/V into the cache),

@@ -1,13 +1,13 @@
 """The gmm backend's down projection and per-token combine in one Pallas TPU kernel.
 
-Without it, down writes an ``[M_pad, H]`` array of the sorted assignments' rows (Megablox
-``gmm``) and a second kernel reads it back to add each row into its token's sum
-(``vmem_rows``): at an 8,192-token prefill of the 30B at tp 4 that is 65,536 rows of 2,048
-columns written and read once more per layer. Here each grid step multiplies one m tile of
-the activations ``[tm, I]`` by its group's ``[I, tn]`` weight block and adds the tile's rows
-of that group straight into the float32 sums of their tokens, held in VMEM a column block at
-a time (``[T, tn]``, :func:`column_width`): the ``[M_pad, H]`` rows never reach HBM, and the rows are
-added in float32 as the MXU produced them (no rounding to the compute dtype in between).
+Otherwise down writes an ``[M_pad, H]`` array of the sorted assignments' rows (Megablox
+``gmm``) and the un-permute reads it back to add each row into its token's sum: at an
+8,192-token prefill of the 30B at tp 4, 65,536 rows of 2,048 columns written and read once
+more per layer. Here each grid step multiplies one m tile of the activations ``[tm, I]`` by
+its group's ``[I, tn]`` weight block and adds the tile's rows of that group straight into
+the float32 sums of their tokens, held in VMEM a column block at a time (``[T, tn]``,
+:func:`column_width`): the ``[M_pad, H]`` rows never reach HBM, and they are added in float32
+as the MXU produced them (no rounding to the compute dtype in between).
 
 The grid is ``(n tiles, m tiles of some group)``, the m tiles from Megablox's own group
 metadata (``make_group_metadata``: a tile shared by two groups is visited once per group,
@@ -31,8 +31,8 @@ partly owned tile, up to ``(M_pad / tm + G - 1) / (M_pad / tm)`` times that at d
 ``init`` (the sums of earlier passes, ``gmm.gmm_experts`` under EP) is the held block's
 starting value: the pass's rows are added to it in the same kernel, not by a separate add.
 Off TPU inside ``shard_map`` (where Pallas interpret mode cannot run a kernel with a held
-block, ``vmem_rows.under_manual_axes``) the same arithmetic runs in jnp: Megablox's down in float32
-and a scatter-add in row order.
+block: ``vmem_rows.under_manual_axes``) the same arithmetic runs in jnp: Megablox's down in
+float32 and a scatter-add in row order.
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ def down_and_combine(act: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
                          f"must be a multiple of tm and H of {vmem_rows.LANE}")
     group_sizes = group_sizes.astype(jnp.int32)
     token = token.astype(jnp.int32)
-    if interpret and vmem_rows.under_manual_axes(act, token, w_down):  # the kernel's arithmetic in jnp
+    if interpret and vmem_rows.under_manual_axes(act, token, w_down):
+        # The kernel's arithmetic in jnp (module docstring).
         return _combine_jnp(act, w_down, group_sizes, token, init, tokens, tm)
     t_pad = -(-tokens // vmem_rows.BLOCK) * vmem_rows.BLOCK
     with_init = init is not None

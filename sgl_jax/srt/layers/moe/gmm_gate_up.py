@@ -6,7 +6,9 @@ sorted token rows and write a float32 ``[M_pad, I]`` result, and XLA reads both 
 tile of the rows ``[tm, H]`` once, multiplies it by its group's gate and up weight blocks
 ``[H, tn]`` (accumulating in float32 on the MXU), and stores
 ``(silu(gate) * up * weight).astype(dtype)``: the rows are read once, and the only
-``[M_pad, I]`` array written is the activation down reads.
+``[M_pad, I]`` array written is the activation down reads. At decode, where the tokens
+``[T, H]`` fit VMEM whole, the kernel holds them and picks each tile's rows itself
+(``vmem_rows.pick_rows``): the sorted ``[M_pad, H]`` rows are never written at all.
 
 The grid is ``(n tiles of I, m tiles of some group)`` from Megablox's group metadata (a tile
 shared by two groups is visited once per group, consecutively: the output block stays in
@@ -46,9 +48,13 @@ BLOCKS_BUDGET = 24 * 1024 * 1024
 
 
 def _vmem(tm: int, hidden: int, tn: int, itemsize: int, held_tokens: int) -> int:
+    """VMEM of one tiling: the rows (or the held tokens, their float32 copy and the picked
+    tile), two weight blocks and the output block double-buffered, the routing-weight column
+    (double-buffered, 128 lanes wide) and the two float32 products."""
     rows = (held_tokens * hidden * vmem_rows.held_bytes(itemsize) + tm * hidden * itemsize
             if held_tokens else 2 * tm * hidden * itemsize)
-    return rows + 2 * (2 * hidden * tn + tm * tn) * itemsize + 2 * tm * 4
+    return (rows + 2 * (2 * hidden * tn + tm * tn) * itemsize + 2 * tm * vmem_rows.LANE * 4
+            + 2 * tm * tn * 4)
 
 
 def column_tile(tm: int, hidden: int, inter: int, itemsize: int,

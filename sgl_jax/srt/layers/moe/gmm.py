@@ -347,9 +347,8 @@ def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes:
     tm = row_tile(rows, w_gate, w_down)  # M_pad's own tile: the fewest weight blocks
     inter, item = w_gate.shape[2], x.dtype.itemsize
     minor = k_minor(hidden, inter)
-    t_pad = -(-num_tokens // vmem_rows.BLOCK) * vmem_rows.BLOCK
     if (gmm_gate_up.holds_tokens(num_tokens, hidden, item, m_pad)
-            and gmm_gate_up.column_tile(tm, hidden, inter, item, t_pad) is not None):
+            and gmm_gate_up.column_tile(tm, hidden, inter, item, num_tokens) is not None):
         # Decode: the kernel holds x and picks the rows itself; [M_pad, H] is never written.
         act = gmm_gate_up.gate_up_act(x, token, w_gate, w_up, weight, group_sizes, tm, minor,
                                       interpret)

@@ -51,8 +51,21 @@ from sgl_jax.srt.layers.moe import vmem_rows
 from sgl_jax.srt.layers.moe.manual_axes import mark_varying
 
 # The module (the package exports its ``gmm`` function under the same name): its group
-# metadata is the tile schedule this kernel shares with Megablox's.
+# metadata is the tile schedule the fused kernels share with Megablox's.
 megablox_module = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+
+def tile_schedule(group_sizes: jax.Array, m_pad: int,
+                  tm: int) -> tuple[tuple[jax.Array, jax.Array, jax.Array], jax.Array, int]:
+    """Megablox's tile schedule of ``M_pad`` sorted rows in ``tm``-row tiles: ((group
+    offsets [G + 1], group of each step, m tile of each step), the number of steps (data),
+    the most steps any routing can take, ``M_pad / tm + G - 1``). Empty groups get no
+    step; a tile shared by groups gets one step per group, consecutively."""
+    groups = group_sizes.shape[0]
+    metadata, active = megablox_module.make_group_metadata(
+        group_sizes=group_sizes, m=m_pad, tm=tm, start_group=jnp.int32(0),
+        num_nonzero_groups=groups, visit_empty_groups=False)
+    return metadata, active, m_pad // tm + groups - 1
 
 
 def sums_bytes(with_init: bool) -> int:
@@ -75,7 +88,7 @@ def column_width(tokens: int, hidden: int, tm: int, inter: int, itemsize: int,
     """The widest column block of the ``[tokens, hidden]`` sums (a lane tile of H) whose
     held sums fit ``vmem_rows.HELD_BUDGET`` and whose whole footprint fits
     ``vmem_rows.KERNEL_BUDGET``; None: not even 128 columns do."""
-    t_pad = -(-tokens // vmem_rows.BLOCK) * vmem_rows.BLOCK
+    t_pad = vmem_rows.pad_block(tokens)
     return next((c for c in vmem_rows.lane_tiles(hidden)
                  if t_pad * c * sums_bytes(with_init) <= vmem_rows.HELD_BUDGET
                  and _vmem(t_pad, c, tm, inter, itemsize, with_init)
@@ -139,16 +152,13 @@ def down_and_combine(act: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
     if interpret and vmem_rows.under_manual_axes(act, token, w_down):
         # The kernel's arithmetic in jnp (module docstring).
         return _combine_jnp(act, w_down, group_sizes, token, init, tokens, tm)
-    t_pad = -(-tokens // vmem_rows.BLOCK) * vmem_rows.BLOCK
+    t_pad = vmem_rows.pad_block(tokens)
     with_init = init is not None
     cols = column_width(tokens, hidden, tm, inter, act.dtype.itemsize, with_init)
     if cols is None:
         raise ValueError(f"{tokens} x {hidden} float32 sums do not fit "
                          f"{vmem_rows.HELD_BUDGET} bytes of VMEM 128 columns at a time")
-    (offsets, group_ids, m_tiles), active = megablox_module.make_group_metadata(
-        group_sizes=group_sizes, m=m_pad, tm=tm, start_group=jnp.int32(0),
-        num_nonzero_groups=groups, visit_empty_groups=False)
-    max_tiles = m_pad // tm + groups - 1
+    (offsets, group_ids, m_tiles), active, max_tiles = tile_schedule(group_sizes, m_pad, tm)
     tiles_n = hidden // cols
     sums = pl.BlockSpec((t_pad, cols), lambda n, t, *_: (0, n), pipeline_mode=pl.Buffered(1))
     in_specs = [pl.BlockSpec((tm, inter), lambda n, t, o, g, mt, tok: (mt[t], 0)),

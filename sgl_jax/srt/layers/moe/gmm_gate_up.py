@@ -36,9 +36,10 @@ import jax.numpy as jnp
 from jax._src import config as jax_config  # _check_vma: see gmm.grouped_matmul
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
 
 from sgl_jax.srt.layers.moe import vmem_rows
-from sgl_jax.srt.layers.moe.gmm_combine import megablox_gmm, megablox_module
+from sgl_jax.srt.layers.moe.gmm_combine import tile_schedule
 from sgl_jax.srt.layers.moe.manual_axes import mark_varying
 
 # VMEM of the pipelined blocks: the row tile (or, gathering, the held tokens and the tile
@@ -60,15 +61,16 @@ def _vmem(tm: int, hidden: int, tn: int, itemsize: int, held_tokens: int) -> int
 def column_tile(tm: int, hidden: int, inter: int, itemsize: int,
                 held_tokens: int = 0) -> int | None:
     """The widest lane tile of I whose blocks fit ``BLOCKS_BUDGET`` (None: none does), with
-    ``held_tokens`` token rows held to gather from (0: the rows come gathered)."""
+    ``held_tokens`` tokens held to gather from (0: the rows come gathered)."""
+    held = vmem_rows.pad_block(held_tokens)
     return next((t for t in vmem_rows.lane_tiles(inter)
-                 if _vmem(tm, hidden, t, itemsize, held_tokens) <= BLOCKS_BUDGET), None)
+                 if _vmem(tm, hidden, t, itemsize, held) <= BLOCKS_BUDGET), None)
 
 
 def holds_tokens(tokens: int, hidden: int, itemsize: int, rows: int) -> bool:
     """Whether the kernel can hold all ``tokens`` rows of x whole (decode) and gather its
     ``rows`` tile rows from them itself (``vmem_rows``' budget and index limit)."""
-    t_pad = -(-tokens // vmem_rows.BLOCK) * vmem_rows.BLOCK
+    t_pad = vmem_rows.pad_block(tokens)
     return (vmem_rows.fits(t_pad, hidden, itemsize, rows)
             and vmem_rows.column_block(t_pad, hidden, vmem_rows.held_bytes(itemsize)) == hidden)
 
@@ -139,16 +141,14 @@ def gate_up_act(x: jax.Array, token: jax.Array | None, w_gate: jax.Array, w_up: 
         return _gate_up_jnp(xs, w_gate, w_up, weight, group_sizes, tm)
     t_pad = 0
     if token is not None:
-        t_pad = -(-x.shape[0] // vmem_rows.BLOCK) * vmem_rows.BLOCK
+        t_pad = vmem_rows.pad_block(x.shape[0])
         x = jnp.pad(x, ((0, t_pad - x.shape[0]), (0, 0)))
         token = token.astype(jnp.int32)
     tn = column_tile(tm, hidden, inter, x.dtype.itemsize, t_pad)
     if m_pad % tm or tn is None:
         raise ValueError(f"gate_up_act: {m_pad} rows by tm={tm}, H={hidden}, I={inter}: the "
                          f"rows must be a multiple of tm and the blocks fit VMEM")
-    (offsets, group_ids, m_tiles), active = megablox_module.make_group_metadata(
-        group_sizes=group_sizes, m=m_pad, tm=tm, start_group=jnp.int32(0),
-        num_nonzero_groups=groups, visit_empty_groups=False)
+    (offsets, group_ids, m_tiles), active, max_tiles = tile_schedule(group_sizes, m_pad, tm)
     # Index maps see the grid indices, then the scalar-prefetched arrays (the metadata and,
     # gathering, the tokens).
     if contract_minor:  # the K-minor layout read as it is stored (a bitcast, no copy)
@@ -158,7 +158,6 @@ def gate_up_act(x: jax.Array, token: jax.Array | None, w_gate: jax.Array, w_up: 
         w_block = pl.BlockSpec((None, hidden, tn), lambda n, t, o, g, mt, *_: (g[t], 0, n))
     per_row = pl.BlockSpec((tm, 1), lambda n, t, o, g, mt, *_: (mt[t], 0))
     out_spec = pl.BlockSpec((tm, tn), lambda n, t, o, g, mt, *_: (mt[t], n))
-    max_tiles = m_pad // tm + groups - 1
     item = x.dtype.itemsize
     if token is None:
         kernel, scalars, scratch = _rows_kernel, (offsets, group_ids, m_tiles), []

@@ -51,6 +51,11 @@ OUT_ROWS = 64  # rows of one streamed block (a grid step)
 MAX_INDICES = 131_072
 
 
+def pad_block(rows: int) -> int:
+    """``rows`` rounded up to a whole number of ``BLOCK``-row tiles."""
+    return -(-rows // BLOCK) * BLOCK
+
+
 def lane_tiles(dim: int) -> list[int]:
     """Block sizes along a lane (minor) dimension a Mosaic kernel accepts: the whole
     dimension, and every multiple of 128 that divides it (largest first)."""
@@ -61,7 +66,7 @@ def column_block(rows: int, width: int, bytes_per_element: int) -> int | None:
     """The widest column block of a held ``[rows, width]`` array (:func:`lane_tiles`) within
     ``HELD_BUDGET`` at ``bytes_per_element`` of VMEM per element; None: not even 128 columns
     fit (the callers fall back to XLA's gathers)."""
-    rows = -(-rows // BLOCK) * BLOCK
+    rows = pad_block(rows)
     return next((c for c in lane_tiles(width) if rows * c * bytes_per_element <= HELD_BUDGET),
                 None)
 
@@ -128,7 +133,7 @@ def gather_rows(x: jax.Array, idx: jax.Array, rows: int, interpret: bool) -> jax
     n, d = x.shape
     if rows % BLOCK or rows < idx.shape[0]:
         raise ValueError(f"{rows} rows: not a multiple of {BLOCK} or fewer than the indices")
-    n_pad = -(-n // BLOCK) * BLOCK
+    n_pad = pad_block(n)
     x = jnp.pad(x, ((0, n_pad - n), (0, 0))) if n_pad != n else x
     idx = jnp.pad(idx.astype(jnp.int32), (0, rows - idx.shape[0]))
     if interpret and under_manual_axes(x, idx):

@@ -221,32 +221,32 @@ def kernel_row(device: Any, tokens: int, shape: tuple[int, int, int, int],
         "gu_megablox": compiled_cost(megablox_gate_up, xs, w_in, w_in, weight, sizes)[1],
         "gu_fused": compiled_cost(lambda x, a, b, w, s: fused_gate_up(x, None, a, b, w, s),
                                   xs, w_in, w_in, weight, sizes)[1],
-        "gu_picking": None,
+        "gu_taking": None,
         "down_megablox": compiled_cost(megablox_down, act, w_down, sizes, token)[1],
         "down_fused": compiled_cost(fused_down, act, w_down, sizes, token)[1],
     }
-    if gmm_gate_up.holds_tokens(tokens, hidden, 2, m_pad):
-        gb["gu_picking"] = compiled_cost(fused_gate_up, spec((tokens, hidden)), token, w_in,
-                                         w_in, weight, sizes)[1]
+    if gmm_gate_up.token_mode(tokens, hidden, inter, BF16, m_pad, tm) is not None:
+        gb["gu_taking"] = compiled_cost(fused_gate_up, spec((tokens, hidden)), token, w_in,
+                                        w_in, weight, sizes)[1]
     return gb
 
 
 def kernel_table(device: Any, tokens_list: list[int], shards: dict[str, int]) -> None:
     """The fused kernels against the Megablox calls they replace (still the backend's path
     where their blocks do not fit), each compiled alone on one device: gate + up + the
-    activation (``gmm_gate_up.gate_up_act``, given the sorted rows, or picking x's rows
-    itself where x fits VMEM whole) and down + the per-token combine
+    activation (``gmm_gate_up.gate_up_act``, given the sorted rows, or taking x's rows
+    itself: picked from x held in VMEM at decode, by row DMAs at prefill) and down + the per-token combine
     (``gmm_combine.down_and_combine`` against Megablox's down and ``gmm.sum_token_rows``).
     Rows: a device's sorted assignments, the pass window under EP (``gmm.pass_rows``)."""
     print("\n### Fused kernels vs Megablox calls, one layer on one device (compiled, GB)\n")
-    print("| model | T | rows | gate+up+act: Megablox | fused | fused, picking x's rows "
+    print("| model | T | rows | gate+up+act: Megablox | fused | fused, taking x's rows "
           "| down+combine: Megablox + sum_token_rows | fused |")
     print("|---|---|---|---|---|---|---|---|")
     for model, shape in MODELS.items():
         for tokens in tokens_list:
             gb = kernel_row(device, tokens, shape, shards[model])
             cells = [f"{gb[k] / 1e9:.3f}" if gb[k] is not None else "-"
-                     for k in ("gu_megablox", "gu_fused", "gu_picking", "down_megablox",
+                     for k in ("gu_megablox", "gu_fused", "gu_taking", "down_megablox",
                                "down_fused")]
             print(f"| {model} | {tokens} | {gb['rows']} | " + " | ".join(cells) + " |")
 

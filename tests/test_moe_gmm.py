@@ -178,6 +178,7 @@ def test_rows_outside_every_group_never_reach_the_result(nan_in_unwritten_rows):
 # The kernels each path of the dispatch traces (by their jitted names).
 PATH_KERNELS = {
     "vmem": {"gate_up_act", "down_and_combine"},  # gate/up pick x's rows themselves
+    "fetched_rows": {"gate_up_act", "down_and_combine"},  # gate/up DMA x's rows themselves
     "gathered_rows": {"gather_rows", "gate_up_act", "down_and_combine"},
     "combine_blocks": {"gate_up_act", "down_and_combine"},
     "xla": set(),
@@ -190,13 +191,17 @@ def row_gathers(request, monkeypatch):
     """Every path of the dispatch for the test's 19 tokens (x and the float32 sums [32 rows
     padded, 256 columns]): x held whole by gate/up, which pick the rows themselves, and the
     sums by down's combine kernel (the default budget); x too large to hold whole, its rows
+    copied by gate/up's own row DMAs (``fetched_rows``) or, those not fitting either,
     gathered by ``vmem_rows`` 128 columns at a time (``gathered_rows``); x gathered by XLA
     and the sums held 128 columns at a time (``combine_blocks``); no kernel of ours at all:
     XLA's gathers, Megablox's three gmm calls and ``sum_token_rows`` (``xla``)."""
-    held = {"gathered_rows": 32 * 128 * vmem_rows.held_bytes(4),
+    not_whole = 32 * 128 * vmem_rows.held_bytes(4)  # x held 128 of its 256 columns at most
+    held = {"fetched_rows": not_whole, "gathered_rows": not_whole,
             "combine_blocks": 32 * 128 * gmm_combine.sums_bytes(False), "xla": 0}
     if request.param in held:
         monkeypatch.setattr(vmem_rows, "HELD_BUDGET", held[request.param])
+    if request.param != "fetched_rows":  # x's rows gathered before gate/up, if held
+        monkeypatch.setattr(gmm_gate_up, "FETCH_BUDGET", 0)
     if request.param == "xla":
         monkeypatch.setattr(gmm_gate_up, "BLOCKS_BUDGET", 0)
     jax.clear_caches()  # the budgets are read at trace time: no program traced with another
@@ -230,6 +235,21 @@ def test_vmem_gather_rows_is_exact(dtype):
     got = vmem_rows.gather_rows(x, idx, 160, True)
     assert got.shape == (160, 256) and got.dtype == dtype
     np.testing.assert_array_equal(np.asarray(got[:148]), np.asarray(x)[np.asarray(idx)])
+
+
+def test_packed_pairs_unpack_to_every_bfloat16_value():
+    """The fetch path's packing of bfloat16 rows two columns to a 32-bit word, and its unpack
+    by shifts, give back every one of the 65,536 bfloat16 bit patterns' values (zeros of
+    both signs, subnormals, infinities; NaN stays NaN)."""
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    x = jnp.asarray(bits.view(jnp.bfloat16).reshape(128, 512))
+    words = gmm_gate_up.pack_pairs(x)
+    assert words.shape == (128, 256) and words.dtype == jnp.uint32
+    back = np.asarray(gmm_gate_up._unpack_pairs(words, jnp.bfloat16))
+    want = np.asarray(x)
+    nan = np.isnan(want.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(back.astype(np.float32)), nan)
+    np.testing.assert_array_equal(back.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
 
 
 def combine_case(seed: int, sizes: list[int], m_pad: int, tokens: int, hidden: int,
@@ -283,14 +303,18 @@ def test_down_and_combine_adds_each_group_row_at_its_token(sizes, tm, dtype, wit
 @pytest.mark.parametrize("sizes,tm", [([7, 0, 20, 3, 11], 16), ([40, 24], 32), ([0, 0], 16)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("contract_minor", [False, True])
-@pytest.mark.parametrize("gather", [False, True])
-def test_gate_up_act_rows_inside_the_groups(sizes, tm, dtype, contract_minor, gather):
+@pytest.mark.parametrize("source", ["rows", "hold", "fetch"])
+def test_gate_up_act_rows_inside_the_groups(monkeypatch, sizes, tm, dtype, contract_minor,
+                                            source):
     """Gate, up and the gated activation in one kernel: every row inside the groups is
     ``silu(x @ gate[g]) * (x @ up[g]) * weight`` of its group g (tiles shared by groups each
     get their own group's rows), rounded once to the compute dtype, whatever the rows past
     the groups hold (NaN; their results are unspecified). ``contract_minor`` reads the
-    weights as stored K-minor; ``gather``: the kernel picks each row from the held tokens
-    [23, H] itself."""
+    weights as stored K-minor; ``source``: the sorted rows given, or the kernel takes each
+    row from the tokens [23, H] itself, held in VMEM or by a row DMA (bfloat16 rows packed
+    in pairs of columns)."""
+    if source == "fetch":
+        monkeypatch.setattr(vmem_rows, "HELD_BUDGET", 0)  # x not held: its rows fetched
     rng = np.random.default_rng(5)
     m_pad, hidden, inter, tokens = 64, 256, 128, 23
     sizes_a = np.asarray(sizes, np.int32)
@@ -302,7 +326,9 @@ def test_gate_up_act_rows_inside_the_groups(sizes, tm, dtype, contract_minor, ga
     w = [np.array(jnp.asarray(rng.standard_normal((len(sizes), hidden, inter)) / 16, dtype)
                   .astype(jnp.float32)) for _ in range(2)]
     weight = rng.random(m_pad).astype(np.float32)
-    operand, rows = (x, jnp.asarray(token)) if gather else (xs, None)
+    operand, rows = (xs, None) if source == "rows" else (x, jnp.asarray(token))
+    if rows is not None:
+        assert gmm_gate_up.token_mode(tokens, hidden, inter, dtype, m_pad, tm) == source
     got = np.asarray(gmm_gate_up.gate_up_act(
         jnp.asarray(operand, dtype), rows, jnp.asarray(w[0], dtype), jnp.asarray(w[1], dtype),
         jnp.asarray(weight), jnp.asarray(sizes_a), tm, contract_minor, True)
@@ -317,16 +343,21 @@ def test_gate_up_act_rows_inside_the_groups(sizes, tm, dtype, contract_minor, ga
     np.testing.assert_allclose(got[:used], want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("gather", [False, True])
-def test_gate_up_act_several_column_tiles(monkeypatch, gather):
+@pytest.mark.parametrize("source", ["rows", "hold", "fetch"])
+def test_gate_up_act_several_column_tiles(monkeypatch, source):
     """I split into column tiles (a VMEM budget that holds 128 of I's 384 columns): each
-    tile's output block, and the held tokens' float32 copy made once for all of them."""
+    tile's output block; the held tokens' float32 copy made once for all of them, or every
+    tile's rows fetched again for each column tile (the DMA slots alternating across the
+    column tiles' boundary)."""
     rng = np.random.default_rng(6)
     m_pad, hidden, inter, tokens, tm = 96, 128, 384, 29, 32
-    held = tokens + 3 if gather else 0  # 29 tokens padded to 32 rows
-    budget = gmm_gate_up._vmem(tm, hidden, 128, 4, held)
+    held = tokens + 3 if source == "hold" else 0  # 29 tokens padded to 32 rows
+    budget = gmm_gate_up._vmem(tm, hidden, 128, 4, source, held)
     monkeypatch.setattr(gmm_gate_up, "BLOCKS_BUDGET", budget)
-    assert gmm_gate_up.column_tile(tm, hidden, inter, 4, held) == 128
+    monkeypatch.setattr(gmm_gate_up, "FETCH_BUDGET", budget)
+    if source == "fetch":
+        monkeypatch.setattr(vmem_rows, "HELD_BUDGET", 0)
+    assert gmm_gate_up.column_tile(tm, hidden, inter, 4, source, held) == 128
     sizes = np.asarray([2, 0, 37, 1, 0, 30, 9], np.int32)  # 79 rows; tiles shared by groups
     used = int(sizes.sum())
     token = rng.integers(0, tokens, m_pad).astype(np.int32)
@@ -334,7 +365,9 @@ def test_gate_up_act_several_column_tiles(monkeypatch, gather):
     w = [rng.standard_normal((len(sizes), hidden, inter)).astype(np.float32) / 8
          for _ in range(2)]
     weight = rng.random(m_pad).astype(np.float32)
-    operand, rows = (x, jnp.asarray(token)) if gather else (x[token], None)
+    operand, rows = (x[token], None) if source == "rows" else (x, jnp.asarray(token))
+    if rows is not None:
+        assert gmm_gate_up.token_mode(tokens, hidden, inter, jnp.float32, m_pad, tm) == source
     got = np.asarray(gmm_gate_up.gate_up_act(
         jnp.asarray(operand), rows, jnp.asarray(w[0]), jnp.asarray(w[1]), jnp.asarray(weight),
         jnp.asarray(sizes), tm, False, True))

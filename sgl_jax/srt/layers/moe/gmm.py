@@ -5,20 +5,22 @@ kernels on the tile schedule of JAX's Megablox ``gmm``
 (``jax.experimental.pallas.ops.tpu.megablox``) instead of ``jax.lax.ragged_dot``:
 
 1. the ``M = T * k`` assignments are sorted by expert row (``ragged.group_assignments``: the
-   sentinel row ``E_l`` of experts held elsewhere sorts last and is counted in no group), the
-   token rows gathered in that order and padded to ``M_pad``, a multiple of the row tile ``tm``
-   (the kernel tiles rows in whole ``tm`` blocks); padded rows are past ``sum(group_sizes)``,
-   like the sentinel rows, so no group holds them. When a column block of ``x`` fits VMEM
-   (``vmem_rows.fits``: up to 16,384 tokens of a 2,048-wide model) the rows are picked by a
-   Pallas kernel that reads ``x`` once and writes ``[M_pad, H]`` in the layout the kernel
-   reads (``vmem_rows.gather_rows``); otherwise by XLA's gather of whole tiles
-   (:func:`take_rows`);
-2. gate and up are one kernel (``gmm_gate_up.gate_up_act``): each m tile of the rows is
-   read once, multiplied by its group's gate and up weight blocks in float32, and stored as
-   ``silu(gate) * up * routing weight`` in the compute dtype (the weight applied on the
-   narrow ``[M, I]`` side: ``w * down(a) = down(w * a)``, not on ``[M, H]``). Where its
-   blocks do not fit VMEM, two Megablox ``gmm`` calls (:func:`gmm_tiling`) stored in
-   float32 and the same activation in XLA;
+   sentinel row ``E_l`` of experts held elsewhere sorts last and is counted in no group),
+   their token indices padded to ``M_pad``, a multiple of the row tile ``tm`` (the kernels
+   tile rows in whole ``tm`` blocks); padded rows are past ``sum(group_sizes)``, like the
+   sentinel rows, so no group holds them;
+2. gate and up are one kernel (``gmm_gate_up.gate_up_act``): each m tile of the sorted rows
+   is taken from x by the kernel itself (picked from x held whole in VMEM at decode, copied
+   from HBM one row DMA each at prefill), multiplied by its group's gate and up weight
+   blocks in float32, and stored as ``silu(gate) * up * routing weight`` in the compute
+   dtype (the weight applied on the narrow ``[M, I]`` side: ``w * down(a) = down(w * a)``,
+   not on ``[M, H]``): the sorted ``[M_pad, H]`` rows are never written. Where the kernel
+   cannot take them itself (a dtype or width its DMAs do not handle), the rows are gathered
+   first, by a Pallas kernel that holds a column block of ``x`` in VMEM
+   (``vmem_rows.gather_rows``, up to 16,384 tokens of a 2,048-wide model) or by XLA's
+   gather of whole tiles (:func:`take_rows`); where its blocks do not fit VMEM at all, two
+   Megablox ``gmm`` calls (:func:`gmm_tiling`) stored in float32 and the same activation in
+   XLA;
 3. down and the combine are one kernel (``gmm_combine.down_and_combine``) where the float32
    ``[T, H]`` sums fit VMEM 128 columns at a time (32k tokens, 16k when they start from
    earlier passes' sums) and the rows ``vmem_rows.MAX_INDICES``: each m tile's rows of
@@ -96,9 +98,11 @@ HBM_BANDWIDTH = 1.64e12
 STEP_SECONDS = 0.35e-6  # fixed cost of one Pallas TPU grid step (pipeline bookkeeping)
 TIE = 0.05  # modelled times within 5% of the best are a tie
 # Rows of one pass under expert parallelism, in units of the device's even share of the
-# assignments (module docstring, "Passes"): a device gets more than twice its share only
-# under a routing skew no trained router shows, and then takes more passes, never drops.
-CAPACITY_FACTOR = 2.0
+# assignments (module docstring, "Passes"). XLA's static estimates count one window's rows
+# (1.25x the ideal expert FLOPs); a device routed more than that takes another pass, whose
+# kernels visit only the tiles holding its rows (their grids are data) at the cost of one
+# more read and write of the float32 sums.
+CAPACITY_FACTOR = 1.25
 
 
 def vmem_bytes(tm: int, tk: int, tn: int, itemsize: int) -> int:
@@ -340,16 +344,16 @@ def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes:
     ``group_sizes`` from row 0; rows past their sum are in no group: never stored into a
     result, whatever they hold), summed per token: by down's kernel itself
     (``gmm_combine``) where the float32 sums fit VMEM, else through ``index`` [T, k] (the
-    assignment's row) where ``held``. Gate and up take the token rows gathered
-    (:func:`_sorted_rows`), or pick them from x themselves where x fits VMEM whole."""
+    assignment's row) where ``held``. Gate and up take the token rows from x themselves
+    (``gmm_gate_up.token_mode``), else gathered (:func:`_sorted_rows`)."""
     m_pad = token.shape[0]
     num_tokens, hidden = x.shape
     tm = row_tile(rows, w_gate, w_down)  # M_pad's own tile: the fewest weight blocks
     inter, item = w_gate.shape[2], x.dtype.itemsize
     minor = k_minor(hidden, inter)
-    if (gmm_gate_up.holds_tokens(num_tokens, hidden, item, m_pad)
-            and gmm_gate_up.column_tile(tm, hidden, inter, item, num_tokens) is not None):
-        # Decode: the kernel holds x and picks the rows itself; [M_pad, H] is never written.
+    if gmm_gate_up.token_mode(num_tokens, hidden, inter, x.dtype, m_pad, tm) is not None:
+        # The kernel takes the rows from x itself (held in VMEM at decode, by row DMAs at
+        # prefill): the sorted [M_pad, H] rows are never written.
         act = gmm_gate_up.gate_up_act(x, token, w_gate, w_up, weight, group_sizes, tm, minor,
                                       interpret)
     elif gmm_gate_up.column_tile(tm, hidden, inter, item) is not None:

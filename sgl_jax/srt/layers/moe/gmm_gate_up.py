@@ -22,6 +22,16 @@ kernel's blocks move it (``[M_pad, 1]`` float32 is laid out 128 lanes wide in HB
 ``4 * M_pad * H * I``, Megablox's convention: the MXU also multiplies the other rows of a
 partly owned tile, up to ``(M_pad / tm + G - 1) / (M_pad / tm)`` times that at decode.
 
+At prefill, where the tokens do not fit VMEM, the kernel fetches each tile's rows from HBM
+itself, one DMA per row by the token index in SMEM, the next tile's rows copied while the
+MXU works on this one (two slots): the sorted ``[M_pad, H]`` rows are never written either,
+and x is read once per row that uses it. Mosaic cannot DMA a single row of a packed bfloat16
+array (its row is half of a 32-bit sublane; "offsets along tiled dimensions must be aligned
+to tiles"), so bfloat16 tokens are first packed two columns to a 32-bit word (column ``j``
+in the low half, ``j + H / 2`` in the high half: one XLA fusion reading and writing ``[T,
+H]`` once), whose rows DMA like float32 rows, and unpacked in VMEM by shifts (exact: a
+bfloat16 is the high half of the float32 of the same value).
+
 Weights stored K-minor (``gmm.k_minor``: I not a multiple of 128) are read as ``[G, I, H]``
 with the contraction on their minor dimension, as Megablox's ``transpose_rhs``: no relayout
 copy of the weights.
@@ -44,27 +54,41 @@ from sgl_jax.srt.layers.moe.manual_axes import mark_varying
 
 # VMEM of the pipelined blocks: the row tile (or, gathering, the held tokens and the tile
 # assembled from them), both weight blocks and the output block, each double-buffered. tn
-# (a lane tile of I) shrinks until they fit.
+# (a lane tile of I) shrinks until they fit. Fetching its rows by DMA, the kernel may use all
+# of ``vmem_rows.KERNEL_BUDGET``: a narrower tn would fetch every row once more per tile.
 BLOCKS_BUDGET = 24 * 1024 * 1024
+FETCH_BUDGET = vmem_rows.KERNEL_BUDGET
+
+# How the kernel gets its tile of rows: "rows" given sorted ([M_pad, H], gathered by the
+# caller), "hold" picked from the tokens held whole in VMEM, "fetch" copied by row DMAs from
+# the tokens in HBM.
+ROWS, HOLD, FETCH = "rows", "hold", "fetch"
 
 
-def _vmem(tm: int, hidden: int, tn: int, itemsize: int, held_tokens: int) -> int:
-    """VMEM of one tiling: the rows (or the held tokens, their float32 copy and the picked
-    tile), two weight blocks and the output block double-buffered, the routing-weight column
-    (double-buffered, 128 lanes wide) and the two float32 products."""
-    rows = (held_tokens * hidden * vmem_rows.held_bytes(itemsize) + tm * hidden * itemsize
-            if held_tokens else 2 * tm * hidden * itemsize)
+def _vmem(tm: int, hidden: int, tn: int, itemsize: int, mode: str = ROWS,
+          held_tokens: int = 0) -> int:
+    """VMEM of one tiling: the rows (two pipeline buffers; or the held tokens, their float32
+    copy and the picked tile; or two DMA slots and, packed, the unpacked tile), two weight
+    blocks and the output block double-buffered, the routing-weight column (double-buffered,
+    128 lanes wide) and the two float32 products."""
+    if mode == HOLD:
+        rows = held_tokens * hidden * vmem_rows.held_bytes(itemsize) + tm * hidden * itemsize
+    elif mode == FETCH:
+        rows = 2 * tm * hidden * itemsize + (tm * hidden * itemsize if itemsize == 2 else 0)
+    else:
+        rows = 2 * tm * hidden * itemsize
     return (rows + 2 * (2 * hidden * tn + tm * tn) * itemsize + 2 * tm * vmem_rows.LANE * 4
             + 2 * tm * tn * 4)
 
 
-def column_tile(tm: int, hidden: int, inter: int, itemsize: int,
+def column_tile(tm: int, hidden: int, inter: int, itemsize: int, mode: str = ROWS,
                 held_tokens: int = 0) -> int | None:
-    """The widest lane tile of I whose blocks fit ``BLOCKS_BUDGET`` (None: none does), with
-    ``held_tokens`` tokens held to gather from (0: the rows come gathered)."""
+    """The widest lane tile of I whose blocks fit the mode's budget (None: none does), with
+    ``held_tokens`` tokens held to gather from (mode "hold")."""
+    budget = FETCH_BUDGET if mode == FETCH else BLOCKS_BUDGET
     held = vmem_rows.pad_block(held_tokens)
     return next((t for t in vmem_rows.lane_tiles(inter)
-                 if _vmem(tm, hidden, t, itemsize, held) <= BLOCKS_BUDGET), None)
+                 if _vmem(tm, hidden, t, itemsize, mode, held) <= budget), None)
 
 
 def holds_tokens(tokens: int, hidden: int, itemsize: int, rows: int) -> bool:
@@ -73,6 +97,50 @@ def holds_tokens(tokens: int, hidden: int, itemsize: int, rows: int) -> bool:
     t_pad = vmem_rows.pad_block(tokens)
     return (vmem_rows.fits(t_pad, hidden, itemsize, rows)
             and vmem_rows.column_block(t_pad, hidden, vmem_rows.held_bytes(itemsize)) == hidden)
+
+
+def fetchable(dtype: jnp.dtype, hidden: int, rows: int) -> bool:
+    """Whether the kernel can DMA its ``rows`` tile rows of a ``[T, hidden]`` x itself: 32-bit
+    rows as they are, bfloat16 rows packed two columns to a word (``hidden / 2`` a multiple
+    of 128 lanes); the row indices within SMEM's ``vmem_rows.MAX_INDICES``."""
+    dtype = jnp.dtype(dtype)
+    packs = dtype == jnp.bfloat16 and hidden % (2 * vmem_rows.LANE) == 0
+    return (dtype.itemsize == 4 or packs) and rows <= vmem_rows.MAX_INDICES
+
+
+def token_mode(tokens: int, hidden: int, inter: int, dtype: jnp.dtype, rows: int,
+               tm: int) -> str | None:
+    """How :func:`gate_up_act` takes its ``rows`` rows from the ``[tokens, hidden]`` x itself:
+    "hold" (x fits VMEM whole: decode), else "fetch" (row DMAs: prefill); None: neither fits
+    (the caller gathers the sorted rows)."""
+    item = jnp.dtype(dtype).itemsize
+    if (holds_tokens(tokens, hidden, item, rows)
+            and column_tile(tm, hidden, inter, item, HOLD, tokens) is not None):
+        return HOLD
+    if fetchable(dtype, hidden, rows) and column_tile(tm, hidden, inter, item, FETCH):
+        return FETCH
+    return None
+
+
+def pack_pairs(x: jax.Array) -> jax.Array:
+    """bfloat16 ``[T, H]`` -> uint32 ``[T, H / 2]``: column ``j`` in the low 16 bits, column
+    ``j + H / 2`` in the high 16 bits (:func:`_unpack_pairs` inverts it in VMEM)."""
+    half = x.shape[1] // 2
+
+    def bits(half_columns: jax.Array) -> jax.Array:
+        return jax.lax.bitcast_convert_type(half_columns, jnp.uint16).astype(jnp.uint32)
+
+    # Sliced before the bitcast: one XLA:TPU fusion reading x once and writing the words
+    # once (compile-only v6e, [8192, 2048]: 67 MB; bitcasting x whole first, 201 MB in two).
+    return bits(x[:, :half]) | (bits(x[:, half:]) << 16)
+
+
+def _unpack_pairs(words: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """uint32 ``[tm, H / 2]`` -> ``[tm, H]`` in bfloat16, exactly :func:`pack_pairs`' input:
+    each half moved to the high bits of a float32 is that bfloat16's value."""
+    low = jax.lax.bitcast_convert_type(words << 16, jnp.float32)
+    high = jax.lax.bitcast_convert_type(words & jnp.uint32(0xFFFF0000), jnp.float32)
+    return jnp.concatenate([low, high], axis=1).astype(dtype)
 
 
 def _act(rows: jax.Array, gate_ref, up_ref, weight_ref, out_ref, offsets_ref, groups_ref,
@@ -117,6 +185,67 @@ def _gather_kernel(offsets_ref, groups_ref, m_tiles_ref, token_ref, x_ref, gate_
          m_tiles_ref, contract_minor)
 
 
+def _row_copy(x_hbm, slots, sems, slot, row: int | jax.Array, token: int | jax.Array):
+    """The DMA of token row ``token`` of x (in HBM) into row ``row`` of DMA slot ``slot``."""
+    return pltpu.make_async_copy(x_hbm.at[pl.ds(token, 1)], slots.at[slot, pl.ds(row, 1)],
+                                 sems.at[slot])
+
+
+def _fetch_tile(token_ref, x_hbm, slots, sems, tile: jax.Array, slot: jax.Array) -> None:
+    """Starts the DMAs of m tile ``tile``'s rows into ``slot`` (one per row, one semaphore)."""
+    tm = slots.shape[1]
+
+    def start(r, carry):
+        _row_copy(x_hbm, slots, sems, slot, r, token_ref[tile * tm + r]).start()
+        return carry
+
+    jax.lax.fori_loop(0, tm, start, 0, unroll=8)
+
+
+def _wait_tile(x_hbm, slots, sems, slot: jax.Array) -> None:
+    """Waits for the ``tm`` row DMAs of ``slot`` (a wait per copy, of a copy's size)."""
+    def wait(r, carry):
+        _row_copy(x_hbm, slots, sems, slot, r, 0).wait()
+        return carry
+
+    jax.lax.fori_loop(0, slots.shape[1], wait, 0, unroll=8)
+
+
+def _fetch_kernel(offsets_ref, groups_ref, m_tiles_ref, token_ref, x_hbm, gate_ref, up_ref,
+                  weight_ref, out_ref, slots, sems, *unpacked, contract_minor: bool):
+    # Each n tile visits m tiles 0, 1, ..., last in order (the groups cover rows [0, sum)
+    # contiguously; a tile shared by groups is visited once per group, consecutively), so
+    # the k-th distinct tile of the whole grid is seq = n * (last + 1) + tile and lives in
+    # slot seq % 2; when it is first visited its rows are waited for and the next distinct
+    # tile's (the first tile of the next n tile, after the last) are started into the other
+    # slot, so that copy overlaps this tile's matmuls.
+    n, step = pl.program_id(0), pl.program_id(1)
+    tile = m_tiles_ref[step]
+    last = m_tiles_ref[pl.num_programs(1) - 1]
+    seq = n * (last + 1) + tile
+    slot = seq % 2
+
+    @pl.when((step == 0) | (tile != m_tiles_ref[jnp.maximum(step - 1, 0)]))
+    def _():
+        @pl.when(seq == 0)
+        def _():
+            _fetch_tile(token_ref, x_hbm, slots, sems, tile, slot)
+
+        _wait_tile(x_hbm, slots, sems, slot)
+
+        @pl.when(seq + 1 < pl.num_programs(0) * (last + 1))
+        def _():
+            _fetch_tile(token_ref, x_hbm, slots, sems, jnp.where(tile == last, 0, tile + 1),
+                        1 - slot)
+
+        if unpacked:  # bfloat16 rows, packed in pairs (pack_pairs)
+            unpacked[0][...] = _unpack_pairs(slots[slot], unpacked[0].dtype)
+
+    rows = unpacked[0][...] if unpacked else slots[slot]
+    _act(rows, gate_ref, up_ref, weight_ref, out_ref, offsets_ref, groups_ref, m_tiles_ref,
+         contract_minor)
+
+
 @functools.partial(jax.jit, static_argnames=("tm", "contract_minor", "interpret"))
 def gate_up_act(x: jax.Array, token: jax.Array | None, w_gate: jax.Array, w_up: jax.Array,
                 weight: jax.Array, group_sizes: jax.Array, tm: int, contract_minor: bool,
@@ -126,11 +255,12 @@ def gate_up_act(x: jax.Array, token: jax.Array | None, w_gate: jax.Array, w_up: 
     end); rows past ``sum(group_sizes)`` unspecified.
 
     Without ``token``, x is the sorted rows ``[M_pad, H]``; with it ([M_pad] int32), x is the
-    tokens ``[T, H]``, held whole in VMEM (:func:`holds_tokens`), and row m is
-    ``x[token[m]]``, picked by the kernel itself. ``M_pad`` a multiple of ``tm``; w_gate,
-    w_up [G, H, I]; weight [M_pad] float32; group_sizes [G] from row 0; ``contract_minor``:
-    the weights are laid out K-minor (``gmm.k_minor``). The caller checks
-    :func:`column_tile`."""
+    tokens ``[T, H]`` and row m is ``x[token[m]]``, taken by the kernel itself
+    (:func:`token_mode`: picked from x held whole in VMEM, or copied from HBM by row DMAs).
+    ``M_pad`` a multiple of ``tm``; w_gate, w_up [G, H, I]; weight [M_pad] float32;
+    group_sizes [G] from row 0; ``contract_minor``: the weights are laid out K-minor
+    (``gmm.k_minor``). The caller checks :func:`column_tile` (rows given) or
+    :func:`token_mode`."""
     hidden = x.shape[1]
     m_pad = x.shape[0] if token is None else token.shape[0]
     groups, _, inter = w_gate.shape
@@ -139,18 +269,16 @@ def gate_up_act(x: jax.Array, token: jax.Array | None, w_gate: jax.Array, w_up: 
     if interpret and vmem_rows.under_manual_axes(x, w_gate, weight):
         xs = x if token is None else jnp.take(x, token, axis=0)
         return _gate_up_jnp(xs, w_gate, w_up, weight, group_sizes, tm)
-    t_pad = 0
-    if token is not None:
-        t_pad = vmem_rows.pad_block(x.shape[0])
-        x = jnp.pad(x, ((0, t_pad - x.shape[0]), (0, 0)))
-        token = token.astype(jnp.int32)
-    tn = column_tile(tm, hidden, inter, x.dtype.itemsize, t_pad)
+    item = x.dtype.itemsize
+    mode = ROWS if token is None else token_mode(x.shape[0], hidden, inter, x.dtype, m_pad, tm)
+    t_pad = vmem_rows.pad_block(x.shape[0]) if mode == HOLD else 0
+    tn = None if mode is None else column_tile(tm, hidden, inter, item, mode, t_pad)
     if m_pad % tm or tn is None:
         raise ValueError(f"gate_up_act: {m_pad} rows by tm={tm}, H={hidden}, I={inter}: the "
                          f"rows must be a multiple of tm and the blocks fit VMEM")
     (offsets, group_ids, m_tiles), active, max_tiles = tile_schedule(group_sizes, m_pad, tm)
     # Index maps see the grid indices, then the scalar-prefetched arrays (the metadata and,
-    # gathering, the tokens).
+    # taking the rows from the tokens, the tokens).
     if contract_minor:  # the K-minor layout read as it is stored (a bitcast, no copy)
         w_gate, w_up = w_gate.swapaxes(1, 2), w_up.swapaxes(1, 2)
         w_block = pl.BlockSpec((None, tn, hidden), lambda n, t, o, g, mt, *_: (g[t], n, 0))
@@ -158,16 +286,25 @@ def gate_up_act(x: jax.Array, token: jax.Array | None, w_gate: jax.Array, w_up: 
         w_block = pl.BlockSpec((None, hidden, tn), lambda n, t, o, g, mt, *_: (g[t], 0, n))
     per_row = pl.BlockSpec((tm, 1), lambda n, t, o, g, mt, *_: (mt[t], 0))
     out_spec = pl.BlockSpec((tm, tn), lambda n, t, o, g, mt, *_: (mt[t], n))
-    item = x.dtype.itemsize
-    if token is None:
+    dtype = x.dtype
+    if mode == ROWS:
         kernel, scalars, scratch = _rows_kernel, (offsets, group_ids, m_tiles), []
         rows = pl.BlockSpec((tm, hidden), lambda n, t, o, g, mt: (mt[t], 0))
         rows_bytes = m_pad * hidden * item * (inter // tn)
-    else:
-        kernel, scalars = _gather_kernel, (offsets, group_ids, m_tiles, token)
-        scratch = [pltpu.VMEM((t_pad, hidden), jnp.float32), pltpu.VMEM((tm, hidden), x.dtype)]
+    elif mode == HOLD:
+        x = jnp.pad(x, ((0, t_pad - x.shape[0]), (0, 0)))
+        kernel, scalars = _gather_kernel, (offsets, group_ids, m_tiles, token.astype(jnp.int32))
+        scratch = [pltpu.VMEM((t_pad, hidden), jnp.float32), pltpu.VMEM((tm, hidden), dtype)]
         rows = pl.BlockSpec((t_pad, hidden), lambda *_: (0, 0))
         rows_bytes = t_pad * hidden * item + m_pad * 4
+    else:  # FETCH: every row once per column tile of I, and the indices
+        packed = item == 2
+        x = pack_pairs(x) if packed else x
+        kernel, scalars = _fetch_kernel, (offsets, group_ids, m_tiles, token.astype(jnp.int32))
+        scratch = [pltpu.VMEM((2, tm, x.shape[1]), x.dtype), pltpu.SemaphoreType.DMA((2,))]
+        scratch += [pltpu.VMEM((tm, hidden), dtype)] if packed else []
+        rows = pl.BlockSpec(memory_space=pl.ANY)
+        rows_bytes = m_pad * hidden * item * (inter // tn) + m_pad * 4
     cost = pl.CostEstimate(  # static, whatever the routing (gmm_combine's docstring, "Cost")
         flops=4 * m_pad * hidden * inter, transcendentals=m_pad * inter,
         bytes_accessed=(rows_bytes + 2 * groups * hidden * inter * item + m_pad * inter * item
@@ -176,7 +313,7 @@ def gate_up_act(x: jax.Array, token: jax.Array | None, w_gate: jax.Array, w_up: 
     with jax_config._check_vma(False):
         out = pl.pallas_call(
             functools.partial(kernel, contract_minor=contract_minor),
-            out_shape=jax.ShapeDtypeStruct((m_pad, inter), x.dtype),
+            out_shape=jax.ShapeDtypeStruct((m_pad, inter), dtype),
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=len(scalars),
                 grid=(inter // tn, active),

@@ -42,6 +42,7 @@ HEAD128 = "head128"  # head_dim 128: the Pallas attention kernel's minimum
 RAGGED = {"moe_backend": "ragged"}
 DP2 = {"enable_dp_attention": True, "dp_size": 2}
 A2A = {"moe_dispatch": "ragged_all_to_all"}
+SP = {"sequence_parallel_min_tokens": 1}  # every step whose tokens tp divides split by token
 # name -> (devices of the worker process that runs it, model, tp, ep, mapping, other server
 # args). A worker runs its configurations one after the other; the single-device references
 # use a 1-device mesh (devices[:1]) of a multi-device process, the same single-device program.
@@ -89,9 +90,16 @@ CONFIGS: dict[str, tuple[int, str, int, int, str | None, dict[str, Any]]] = {
     "ep4_dp4_eplb_a2a": (4, TEST_MODEL_PATH, 1, 4, None, {
         "enable_dp_attention": True, "dp_size": 4, "enable_eplb": True,
         "ep_num_redundant_experts": 4, **A2A}),
+    # Sequence parallelism: the residual stream split by token over "tensor" (shared
+    # experts, MLA and dense layers included).
+    "tp2_sp": (2, TEST_MODEL_PATH, 2, 1, None, SP),
+    "wide_tp4_ep2_sp_ragged": (8, WIDE, 4, 2, None, {**SP, **RAGGED}),
+    "qwen2_moe_tp2_ep2_sp": (4, "qwen2_moe", 2, 2, None, SP),
+    "deepseek_v3_tp2_ep2_sp_ragged": (4, "deepseek_v3", 2, 2, None, {**SP, **RAGGED}),
     "deepseek_v3_tp2_ep2_mapped": (4, "deepseek_v3", 2, 2, json.dumps(
         {"default": [[0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]]}), {}),
 }
+SPLIT_CHECKED = ("tp2", "tp2_sp")  # their compiled extend step's collectives are compared
 # Random checkpoints: name -> (make_random_model preset, overrides, seed).
 RANDOM_MODELS = {
     WIDE: ("tiny", {"num_attention_heads": 8, "num_key_value_heads": 8}, 11),
@@ -178,6 +186,12 @@ def _worker(job: dict[str, Any]) -> None:
         arrays = run_scenario(runner)
         np.savez(os.path.join(job["out"], f"{name}.npz"), **arrays)
         results[name] = {**_layout(runner, mapping), "num_compiles": runner.num_compiles}
+        if name in SPLIT_CHECKED:  # how the extend step adds the tensor-parallel partial sums
+            from sgl_jax.srt.forward_batch_info import ForwardMode
+
+            text = runner.lower_bucket(ForwardMode.EXTEND, 32, 4).compile().as_text()
+            results[name]["collectives"] = {
+                op: text.count(f" {op}(") for op in ("all-reduce", "reduce-scatter")}
     # A layout that does not fit this process's devices fails at start-up, clearly.
     n = job["devices"]
     try:
@@ -279,6 +293,18 @@ def test_parameters_really_sharded(results, name):
     assert lay["kv_cache"]["num_shards"] == tp * dp
     # two shapes (one extend bucket, one decode bucket): sharding never forced a recompile
     assert lay["num_compiles"] == 2
+
+
+def test_sequence_parallel_reduce_scatters(results):
+    """With the residual stream split by token, each MoE block's tensor-parallel partial
+    sums are reduce-scattered, where the replicated layout all-reduces them. (The attention
+    output projection's all-reduce followed by the split is XLA's to turn into a
+    reduce-scatter: XLA:TPU does, XLA:CPU keeps the all-reduce; docs/parallelism.md.)"""
+    replicated = _layout_of(results, "tp2")["collectives"]
+    split = _layout_of(results, "tp2_sp")["collectives"]
+    moe_layers = sum(ModelConfig.from_hf(TEST_MODEL_PATH).moe_layers)
+    assert replicated["reduce-scatter"] == 0 and replicated["all-reduce"] >= 2 * moe_layers
+    assert split["reduce-scatter"] >= moe_layers
 
 
 def test_too_many_devices_fails_clearly(results):

@@ -149,6 +149,13 @@ class ServerArgs:
         "reduce-scatter back; T rows each way) or ragged_all_to_all (each assignment to its "
         "expert's device and back; k*T/ep rows each way, less when top-k < ep). "
         "docs/parallelism.md.", choices=MOE_DISPATCHES)
+    sequence_parallel_min_tokens: int = _arg(
+        1024, "With tensor parallelism (and without DP attention), a step of at least this "
+              "many tokens keeps the residual stream split by token over the tensor-parallel "
+              "devices between the layers' projections: norms, residual adds and the router "
+              "run on 1/tp of the tokens, and each block's all-reduce becomes a "
+              "reduce-scatter. Smaller steps (decode) stay replicated. 0: never. "
+              "docs/parallelism.md.")
     device_indexes: list[int] | None = _arg(
         None, "Run on these devices (positions in jax.devices()), e.g. '0 1' next to a trainer "
               "on the other devices of the host; tp_size x ep_size of them form the mesh. "
@@ -318,6 +325,9 @@ class ServerArgs:
                      "max_weight_update_bytes", "dp_size"):
             if getattr(self, name) < 1:
                 fail(f"{name}={getattr(self, name)} must be >= 1")
+        if self.sequence_parallel_min_tokens < 0:
+            fail(f"sequence_parallel_min_tokens={self.sequence_parallel_min_tokens} must be "
+                 f">= 0 (0: never split the residual stream)")
         if not 0 <= self.node_rank < self.nnodes:
             fail(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
         if self.nnodes > 1 and not self.dist_init_addr:

@@ -939,6 +939,8 @@ def build_runner(args: argparse.Namespace, model_dir: str, cfg: Any, devices: li
         page_size=args.page_size,
         enable_return_routed_experts=args.enable_return_routed_experts,
         disable_precompile=True,
+        **({} if args.sequence_parallel_min_tokens is None
+           else {"sequence_parallel_min_tokens": args.sequence_parallel_min_tokens}),
         # Speculative decoding: the runner's verify buckets are bs x K tokens. NGRAM: its
         # drafts need no model (no draft work in the step); EAGLE / NEXTN: the draft head or
         # MTP layer runs inside the step (draft extend + K - 2 chain steps); chain drafts:
@@ -1036,10 +1038,19 @@ def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_de
         # tokens, gathered; idle ranks' padding included), its experts' slice.
         rows = b.compiled_tokens * top_k
         if args.resolved_moe_backend == "gmm":
-            from sgl_jax.srt.layers.moe.gmm import CAPACITY_FACTOR, pass_rows
+            import jax
+            import jax.numpy as jnp
 
-            # Unpadded: the kernel pads the window to its row tile (a few percent more).
-            rows = pass_rows(rows, args.ep_size, CAPACITY_FACTOR)
+            from sgl_jax.srt.layers.moe import gmm
+
+            # The pass window, padded to its row tile, as the kernels' estimates count it.
+            rows = gmm.pass_rows(rows, args.ep_size, gmm.CAPACITY_FACTOR)
+            inter = cfg.moe_intermediate_size // args.tp_size
+            experts = cfg.num_physical_experts // args.ep_size
+            dtype = jnp.dtype(args.dtype)
+            w_gate = jax.ShapeDtypeStruct((experts, cfg.hidden_size, inter), dtype)
+            w_down = jax.ShapeDtypeStruct((experts, inter, cfg.hidden_size), dtype)
+            rows = gmm.pad_rows(rows, gmm.row_tile(rows, w_gate, w_down))
         excess = per_assignment * sum(cfg.moe_layers) * (args.ep_size * rows
                                                          - b.tokens * top_k)
     # Sums over devices: the kernel's per-device figure is the busiest rank's; idle ranks
@@ -1504,6 +1515,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speculative-draft-model-path", default=None,
                    help="EAGLE: the draft's config (a directory, a config.json or a bundled "
                    "name such as qwen3-30b-a3b-eagle)")
+    p.add_argument("--sequence-parallel-min-tokens", type=int, default=None, metavar="N",
+                   help="the server's flag: steps of at least N tokens split the residual "
+                        "stream over tp (0: never; default: the server's default)")
     p.add_argument("--breakdown", action="store_true",
                    help="bytes and FLOPs per op class (expert matmuls, attention, projections, "
                    "router, sampler, collectives, copies, ...) per bucket, summing to XLA's "

@@ -367,6 +367,8 @@ class ModelRunner:
         self.backends = ModelBackends(attention=attention, moe=moe_backend, routing=routing,
                                       batch_invariant=self.deterministic,
                                       dp_attention=self.dp_size > 1,
+                                      sequence_parallel_tokens=(
+                                          server_args.sequence_parallel_min_tokens),
                                       moe_all_to_all=(
                                           ragged_collective(self.platform)
                                           if server_args.moe_dispatch == "ragged_all_to_all"

@@ -27,3 +27,7 @@ class ModelBackends:
     # --moe-dispatch ragged_all_to_all (with DP attention): the collective that sends each
     # assignment to its expert's device (layers/moe/dispatch.py); None: all-gather dispatch.
     moe_all_to_all: RaggedAllToAll | None = None
+    # Sequence parallelism: a step of at least this many tokens keeps its residual stream
+    # (and the norms, residual adds and router on it) split by token over the "tensor" axis
+    # between the layers' projections; 0: never (models/sequence_parallel.py).
+    sequence_parallel_tokens: int = 0

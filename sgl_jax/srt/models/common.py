@@ -39,6 +39,7 @@ from sgl_jax.srt.layers.moe.router import create_router
 from sgl_jax.srt.layers.moe.routing import LayerRouting, stack_routing
 from sgl_jax.srt.layers.norm import RMSNorm
 from sgl_jax.srt.layers.rotary import apply_rotary
+from sgl_jax.srt.models import sequence_parallel
 from sgl_jax.srt.models.backends import ModelBackends
 
 KVCache = list[jax.Array]  # per layer: [pages, page_size, kv_cache_heads, kv_cache_head_dim]
@@ -179,15 +180,22 @@ class SparseMoeBlock(nnx.Module):
         if self.gated_shared:
             self.shared_expert_gate = param((hidden, 1), dtype, (None, None))
 
-    def __call__(self, x: jax.Array, backends: ModelBackends) -> tuple[jax.Array, LayerRouting]:
+    def __call__(self, x: jax.Array, backends: ModelBackends,
+                 sequence_split: bool = False) -> tuple[jax.Array, LayerRouting]:
         """The block's output and its router choice (logical ids, before any device-expert
-        mapping is applied, and their weights)."""
+        mapping is applied, and their weights). ``sequence_split``: x is split by token over
+        "tensor" (``sequence_parallel``), and so is the output."""
         topk_weights, topk_ids = self.gate(x)
+        if sequence_split:  # the router on the split tokens (else XLA runs it on all of them)
+            topk_weights, topk_ids = (sequence_parallel.split_tokens(a)
+                                      for a in (topk_weights, topk_ids))
+            x = sequence_parallel.gather_tokens(x)
         out = ep_moe_forward(
             x, topk_ids, topk_weights, self.w_gate[...], self.w_up[...], self.w_down[...],
             self.expert_order, backend=backends.moe,
             location=(self.replicas[...], self.num_replicas[...]) if self.eplb else None,
             tokens_split=backends.dp_attention, all_to_all=backends.moe_all_to_all,
+            sequence_split=sequence_split,
         )
         if self.shared_name is not None:
             shared = getattr(self, self.shared_name)(x)
@@ -218,16 +226,23 @@ class DecoderLayer(nnx.Module):
         backends: ModelBackends,
     ) -> tuple[jax.Array, jax.Array, LayerRouting]:
         """The new hidden state, the layer's cache and its router choice (None: dense)."""
-        attn_out, kv = self.self_attn(self.input_layernorm(h), batch, meta, kv, backends)
-        h = h + attn_out
+        split = sequence_parallel.splits(backends, h.shape[0])
+        if split:  # h split by token; each block's input gathered, its output reduce-scattered
+            h = sequence_parallel.split_tokens(h)
+            gather, scatter = sequence_parallel.gather_tokens, sequence_parallel.split_tokens
+        else:
+            gather = scatter = lambda a: a
+        attn_out, kv = self.self_attn(gather(self.input_layernorm(h)), batch, meta, kv,
+                                      backends)
+        h = h + scatter(attn_out)
         x = self.post_attention_layernorm(h)
         ffn = getattr(self, self.ffn_name)
         routing = None
-        if self.is_moe:
-            out, routing = ffn(x, backends)
+        if self.is_moe:  # the router runs on the split tokens, the experts on all of them
+            out, routing = ffn(x, backends, split)
         else:
-            out = ffn(x)
-        return h + out, kv, routing
+            out = ffn(gather(x))
+        return h + scatter(out), kv, routing
 
 
 class MoeModel(nnx.Module):

@@ -101,6 +101,7 @@ def ep_moe_forward(
     location: tuple[jax.Array, jax.Array] | None = None,
     tokens_split: bool = False,
     all_to_all: RaggedAllToAll | None = None,
+    sequence_split: bool = False,
 ) -> jax.Array:
     """x [T, H] (replicated); topk_ids / topk_weights [T, k] LOGICAL ids and their weights;
     stacked weights ``[P, ...]`` in physical order; ``backend`` the expert compute chosen at
@@ -121,6 +122,10 @@ def ep_moe_forward(
     exact: the same assignments reach the same experts as without DP. With ``all_to_all``
     (the ragged all-to-all collective to use) each device receives only the assignments to
     its own experts instead (``dispatch.all_to_all_experts``).
+
+    ``sequence_split`` (``models/sequence_parallel.py``, without DP): the result is returned
+    split by token over "tensor", the partial sums of the "tensor" axis reduce-scattered
+    instead of all-reduced (x and the routing are gathered whole before the experts).
     """
     if location is None:
         rows = static_physical_ids(topk_ids, expert_order)
@@ -140,6 +145,10 @@ def ep_moe_forward(
         local = rows - jax.lax.axis_index(EXPERT_AXIS) * rows_here
         local = jnp.where((local >= 0) & (local < rows_here), local, rows_here)
         partial = backend(x, local, topk_weights, w_gate, w_up, w_down)  # float32
+        if sequence_split:
+            summed = jax.lax.psum_scatter(jax.lax.psum(partial, EXPERT_AXIS), TENSOR_AXIS,
+                                          scatter_dimension=0, tiled=True)
+            return summed.astype(x.dtype)
         return jax.lax.psum(partial, (EXPERT_AXIS, TENSOR_AXIS)).astype(x.dtype)
 
     def dispatched_experts(x: jax.Array, rows: jax.Array, topk_weights: jax.Array,
@@ -169,6 +178,6 @@ def ep_moe_forward(
         per_device, mesh=mesh,
         in_specs=(tokens, tokens, tokens, P(*W_GATE_UP_SPEC), P(*W_GATE_UP_SPEC),
                   P(*W_DOWN_SPEC)),
-        out_specs=tokens,
+        out_specs=P(TENSOR_AXIS) if sequence_split and not tokens_split else tokens,
     )
     return moe(x, rows, topk_weights, w_gate, w_up, w_down)

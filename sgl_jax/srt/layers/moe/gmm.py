@@ -204,10 +204,12 @@ def interpret_on(platform: str | None) -> bool:
 def grouped_matmul(lhs: jax.Array, w: jax.Array, group_sizes: jax.Array, rows: int,
                    interpret: bool, out_dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """[M_pad, K] rows sorted by group x [G, K, N] -> [M_pad, N] in ``out_dtype`` (accumulated
-    in float32 whatever it is); ``rows`` the unpadded M the tiling is chosen for. Rows past
-    ``sum(group_sizes)`` are unspecified."""
+    in float32 whatever it is); ``rows`` the unpadded M the tiling is chosen for, its tm at
+    most ``M_pad``'s own row tile (:func:`row_tile`). Rows past ``sum(group_sizes)`` are
+    unspecified."""
     groups, k, n = w.shape
-    tiling = gmm_tiling(rows, k, n, groups, w.dtype.itemsize)
+    tm, tk, tn = gmm_tiling(rows, k, n, groups, w.dtype.itemsize)
+    tiling = (min(tm, lhs.shape[0] & -lhs.shape[0]), tk, tn)  # powers of two times 16
     if lhs.shape[0] % tiling[0]:
         raise ValueError(f"{lhs.shape[0]} rows are not a multiple of tm={tiling[0]}")
     transpose = k_minor(k, n)
@@ -231,11 +233,16 @@ def k_minor(k: int, n: int) -> bool:
 
 def row_tile(rows: int, w_gate: jax.Array, w_down: jax.Array) -> int:
     """The row padding all three calls share: the largest tm of the three tilings (every tm
-    is a power of two times 16, so it is a multiple of the others)."""
+    is a power of two times 16, so it is a multiple of the others), halved while it would
+    pad ``rows`` by more than an eighth (an EP pass window of 160 decode rows would
+    otherwise be 192: XLA's static estimates count the padded rows)."""
     _, hidden, inter = w_gate.shape
     groups, item = w_gate.shape[0], w_gate.dtype.itemsize
-    return max(gmm_tiling(rows, hidden, inter, groups, item)[0],
-               gmm_tiling(rows, inter, hidden, groups, w_down.dtype.itemsize)[0])
+    tm = max(gmm_tiling(rows, hidden, inter, groups, item)[0],
+             gmm_tiling(rows, inter, hidden, groups, w_down.dtype.itemsize)[0])
+    while tm > ROW_TILES[-1] and pad_rows(rows, tm) - rows > rows // 8:
+        tm //= 2
+    return tm
 
 
 def take_tiled(a: jax.Array, indices: jax.Array) -> jax.Array:
@@ -306,6 +313,10 @@ def gmm_experts(
     weight = jnp.pad(jnp.take(topk_weights.reshape(-1).astype(jnp.float32), order), (0, tail))
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
+    # Rows fetched by DMA (prefill): x packed for the DMAs once, not once per pass.
+    fetching = gmm_gate_up.token_mode(num_tokens, x.shape[1], w_gate.shape[2], x.dtype,
+                                      rows_pad, row_tile(rows, w_gate, w_down))
+    words = gmm_gate_up.fetch_source(x) if fetching == gmm_gate_up.FETCH else None
 
     def one_pass(start: jax.Array | int, init: jax.Array | None = None) -> jax.Array:
         """float32 [T, H]: ``init`` plus the assignments at sorted positions
@@ -320,7 +331,7 @@ def gmm_experts(
         window = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=start,
                                    slice_size=rows_pad)
         return _expert_rows(x, window(token), window(weight), sizes, rows, row_in_window,
-                            in_window, w_gate, w_up, w_down, interpret, init)
+                            in_window, w_gate, w_up, w_down, interpret, init, words)
 
     if rows >= m:  # one pass holds every assignment
         return one_pass(0)
@@ -338,14 +349,15 @@ def gmm_experts(
 def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes: jax.Array,
                  rows: int, index: jax.Array, held: jax.Array, w_gate: jax.Array,
                  w_up: jax.Array, w_down: jax.Array, interpret: bool,
-                 init: jax.Array | None = None) -> jax.Array:
+                 init: jax.Array | None = None, words: jax.Array | None = None) -> jax.Array:
     """float32 [T, H]: ``init`` (or zeros) plus the three grouped matmuls over ``M_pad``
     sorted assignments (token row ``token``, routing weight ``weight``, groups
     ``group_sizes`` from row 0; rows past their sum are in no group: never stored into a
     result, whatever they hold), summed per token: by down's kernel itself
     (``gmm_combine``) where the float32 sums fit VMEM, else through ``index`` [T, k] (the
     assignment's row) where ``held``. Gate and up take the token rows from x themselves
-    (``gmm_gate_up.token_mode``), else gathered (:func:`_sorted_rows`)."""
+    (``gmm_gate_up.token_mode``; ``words``: x as their DMAs read it), else gathered
+    (:func:`_sorted_rows`)."""
     m_pad = token.shape[0]
     num_tokens, hidden = x.shape
     tm = row_tile(rows, w_gate, w_down)  # M_pad's own tile: the fewest weight blocks
@@ -355,7 +367,7 @@ def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes:
         # The kernel takes the rows from x itself (held in VMEM at decode, by row DMAs at
         # prefill): the sorted [M_pad, H] rows are never written.
         act = gmm_gate_up.gate_up_act(x, token, w_gate, w_up, weight, group_sizes, tm, minor,
-                                      interpret)
+                                      interpret, words)
     elif gmm_gate_up.column_tile(tm, hidden, inter, item) is not None:
         act = gmm_gate_up.gate_up_act(_sorted_rows(x, token, interpret), None, w_gate, w_up,
                                       weight, group_sizes, tm, minor, interpret)

@@ -189,6 +189,10 @@ def down_and_combine(act: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
                 vmem_limit_bytes=vmem_rows.VMEM_LIMIT),
             cost_estimate=cost,
             interpret=interpret,
+            # The sums are updated in place of init (a column block is read before it is
+            # written back, and never read again): under EP the passes' loop-carried sums
+            # need no copy per pass.
+            input_output_aliases={6: 0} if with_init else {},
         )(offsets, group_ids, m_tiles, token, *operands)
     out = mark_varying(out, act, w_down, group_sizes, token)
     return out[:tokens] if t_pad != tokens else out

@@ -135,6 +135,13 @@ def pack_pairs(x: jax.Array) -> jax.Array:
     return bits(x[:, :half]) | (bits(x[:, half:]) << 16)
 
 
+def fetch_source(x: jax.Array) -> jax.Array:
+    """The array the "fetch" mode DMAs rows of: x's rows packed in pairs of columns
+    (:func:`pack_pairs`) for bfloat16, x itself for 32-bit rows. A caller running several
+    passes over the same x packs it once and passes it as ``gate_up_act``'s ``words``."""
+    return pack_pairs(x) if x.dtype == jnp.bfloat16 else x
+
+
 def _unpack_pairs(words: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """uint32 ``[tm, H / 2]`` -> ``[tm, H]`` in bfloat16, exactly :func:`pack_pairs`' input:
     each half moved to the high bits of a float32 is that bfloat16's value."""
@@ -249,7 +256,7 @@ def _fetch_kernel(offsets_ref, groups_ref, m_tiles_ref, token_ref, x_hbm, gate_r
 @functools.partial(jax.jit, static_argnames=("tm", "contract_minor", "interpret"))
 def gate_up_act(x: jax.Array, token: jax.Array | None, w_gate: jax.Array, w_up: jax.Array,
                 weight: jax.Array, group_sizes: jax.Array, tm: int, contract_minor: bool,
-                interpret: bool) -> jax.Array:
+                interpret: bool, words: jax.Array | None = None) -> jax.Array:
     """``[M_pad, I]`` in x's dtype: ``silu(r @ w_gate[g]) * (r @ w_up[g]) * weight`` for each
     sorted row r inside the groups (g its group; products in float32, one rounding at the
     end); rows past ``sum(group_sizes)`` unspecified.
@@ -260,7 +267,7 @@ def gate_up_act(x: jax.Array, token: jax.Array | None, w_gate: jax.Array, w_up: 
     ``M_pad`` a multiple of ``tm``; w_gate, w_up [G, H, I]; weight [M_pad] float32;
     group_sizes [G] from row 0; ``contract_minor``: the weights are laid out K-minor
     (``gmm.k_minor``). The caller checks :func:`column_tile` (rows given) or
-    :func:`token_mode`."""
+    :func:`token_mode`. ``words``: :func:`fetch_source` of x, if the caller has it."""
     hidden = x.shape[1]
     m_pad = x.shape[0] if token is None else token.shape[0]
     groups, _, inter = w_gate.shape
@@ -299,7 +306,7 @@ def gate_up_act(x: jax.Array, token: jax.Array | None, w_gate: jax.Array, w_up: 
         rows_bytes = t_pad * hidden * item + m_pad * 4
     else:  # FETCH: every row once per column tile of I, and the indices
         packed = item == 2
-        x = pack_pairs(x) if packed else x
+        x = fetch_source(x) if words is None else words
         kernel, scalars = _fetch_kernel, (offsets, group_ids, m_tiles, token.astype(jnp.int32))
         scratch = [pltpu.VMEM((2, tm, x.shape[1]), x.dtype), pltpu.SemaphoreType.DMA((2,))]
         scratch += [pltpu.VMEM((tm, hidden), dtype)] if packed else []

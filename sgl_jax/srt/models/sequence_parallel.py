@@ -1,0 +1,53 @@
+"""Sequence parallelism of the residual stream over the "tensor" mesh axis.
+
+With tensor parallelism alone every device of the "tensor" axis holds the whole ``[T, H]``
+residual stream: the attention output projection and the MoE block end in an all-reduce of
+their partial sums, and every device then runs the same RMSNorms, residual adds and router
+on all ``T`` tokens. At a prefill those elementwise passes over ``[T, H]`` are a large part
+of the step's memory traffic (compile-only v6e, Qwen3-30B-A3B tp 4, 8,192 tokens: about a
+fifth of the bytes). Split by token over "tensor" between the blocks, each device runs them
+on ``T / tp`` tokens; the all-reduce becomes a reduce-scatter (the partial sums are
+constrained to the split layout, which XLA's partitioner lowers as a reduce-scatter) and the
+projections' inputs are all-gathered where the next block needs every token. The bytes
+moved over the links are the same (an all-reduce is a reduce-scatter and an all-gather).
+
+Decode steps keep the replicated layout: with a few tokens a step is bound by collective
+latency, and two collectives per block cost more than one (``sequence_parallel_tokens``:
+the smallest step split; DP attention already splits the tokens over "expert" and is left
+as it is). The split changes where each token's arithmetic runs, and the collective that
+adds the partial sums (a reduce-scatter may add them in another order than an all-reduce:
+the last bits of the hidden states may differ, as between two tensor-parallel sizes).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from sgl_jax.srt.layers.moe.ep_moe import TENSOR_AXIS
+from sgl_jax.srt.models.backends import ModelBackends
+
+
+def splits(backends: ModelBackends, tokens: int) -> bool:
+    """Whether a step of ``tokens`` tokens runs with its residual stream split by token over
+    the "tensor" axis of the mesh in context (every device an equal share)."""
+    if not backends.sequence_parallel_tokens or tokens < backends.sequence_parallel_tokens:
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or TENSOR_AXIS not in mesh.axis_names or backends.dp_attention:
+        return False
+    tp = mesh.shape[TENSOR_AXIS]
+    return tp > 1 and tokens % tp == 0
+
+
+def gather_tokens(x: jax.Array) -> jax.Array:
+    """x ``[T, ...]`` laid out whole on every device: a block's input all-gathered before its
+    projections (left to itself, XLA's partitioner may all-gather the weights instead and
+    multiply the token-split input by them whole)."""
+    return jax.lax.with_sharding_constraint(x, P())
+
+
+def split_tokens(x: jax.Array) -> jax.Array:
+    """x ``[T, ...]`` laid out split by token over "tensor" (a partial sum arriving here is
+    reduce-scattered)."""
+    return jax.lax.with_sharding_constraint(x, P(TENSOR_AXIS))

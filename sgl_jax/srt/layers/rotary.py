@@ -40,6 +40,19 @@ def inv_frequencies(rotary_dim: int, theta: float, yarn: RopeScaling | None = No
     return inv_freq / yarn.factor * (1 - extrapolate) + inv_freq * extrapolate
 
 
+def rotation_tables(positions: jax.Array, theta: float, rotary_dim: int,
+                    yarn: RopeScaling | None = None) -> tuple[jax.Array, jax.Array]:
+    """float32 ``[T, rotary_dim]`` cos and signed sin of the "rotate half" pairs, for a
+    rotation written ``x * cos + partner(x) * sin`` with ``partner`` the dim ``D/2`` away
+    (``layers/norm_rope.py``): ``[cos, cos]`` and ``[-sin, sin]``, the values
+    :func:`apply_rotary` multiplies by (the same float32 results)."""
+    inv_freq = jnp.asarray(inv_frequencies(rotary_dim, theta, yarn), jnp.float32)
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    scale = 1.0 if yarn is None else yarn.attention_factor
+    cos, sin = jnp.cos(angles) * scale, jnp.sin(angles) * scale
+    return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
+
+
 def apply_rotary(
     x: jax.Array, positions: jax.Array, theta: float, rotary_dim: int | None = None,
     interleaved: bool = False, yarn: RopeScaling | None = None,

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch_info import ForwardBatch
+from sgl_jax.srt.layers import norm_rope
 from sgl_jax.srt.layers.attention import AttentionMetadata, write_kv
 from sgl_jax.srt.layers.attention.data_parallel import (
     DATA_AXIS,
@@ -98,23 +99,43 @@ class GqaAttention(nnx.Module):
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
 
-    def _project(self, x: jax.Array, name: str, heads: int) -> jax.Array:
+    def _project(self, x: jax.Array, name: str) -> jax.Array:
         y = x @ getattr(self, name)[...]
         if self.has_bias:
             y = y + getattr(self, f"{name}_bias")[...]
-        return y.reshape(x.shape[0], heads, self.head_dim)
+        return y  # [T, heads * head_dim]
+
+    def _norm_and_rotate(self, y: jax.Array, norm: RMSNorm | None, heads: int,
+                         positions: jax.Array, backends: ModelBackends) -> jax.Array:
+        """[T, heads * D] projection -> [T, heads, D]: each head's RMSNorm (Qwen3, GLM-4.5)
+        and the rotary embedding; on TPU (the Pallas attention backend) in one kernel
+        (``layers/norm_rope.py``) where it covers the layout."""
+        attention = backends.attention
+        mesh = jax.sharding.get_abstract_mesh()
+        tp = 1 if mesh.empty else mesh.shape.get("tensor", 1)
+        if attention.name == "pallas" and norm_rope.supported(
+                self.head_dim, self.rotary_dim or self.head_dim, False, heads, tp):
+            y = norm_rope.norm_rope(
+                y, None if norm is None else norm.weight[...], positions, self.rope_theta,
+                heads, None if norm is None else norm.eps,
+                getattr(attention, "interpret", False), tokens_split=backends.dp_attention)
+            return y.reshape(y.shape[0], heads, self.head_dim)
+        y = y.reshape(y.shape[0], heads, self.head_dim)
+        if norm is not None:
+            y = norm(y)
+        return apply_rotary(y, positions, self.rope_theta, self.rotary_dim)
 
     def __call__(
         self, x: jax.Array, batch: ForwardBatch, meta: AttentionMetadata, kv: jax.Array,
         backends: ModelBackends,
     ) -> tuple[jax.Array, jax.Array]:
-        q = self._project(x, "q_proj", self.num_heads)
-        k = self._project(x, "k_proj", self.num_kv_heads)
-        v = self._project(x, "v_proj", self.num_kv_heads)
-        if self.has_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, meta.positions, self.rope_theta, self.rotary_dim)
-        k = apply_rotary(k, meta.positions, self.rope_theta, self.rotary_dim)
+        q = self._norm_and_rotate(self._project(x, "q_proj"),
+                                  self.q_norm if self.has_qk_norm else None, self.num_heads,
+                                  meta.positions, backends)
+        k = self._norm_and_rotate(self._project(x, "k_proj"),
+                                  self.k_norm if self.has_qk_norm else None,
+                                  self.num_kv_heads, meta.positions, backends)
+        v = self._project(x, "v_proj").reshape(x.shape[0], self.num_kv_heads, self.head_dim)
         scale = self.head_dim**-0.5
 
         def write_and_attend(q: jax.Array, new: tuple[jax.Array, jax.Array], kv: jax.Array,

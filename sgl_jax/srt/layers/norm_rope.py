@@ -1,0 +1,119 @@
+"""Per-head RMSNorm and rotary embedding of q or k in one Pallas TPU kernel.
+
+XLA:TPU compiles the query path of ``GqaAttention`` (``norm.rms_norm`` of each head, then
+``rotary.apply_rotary``'s "rotate half") into several fusions: the rotation's two 64-lane
+halves of a 128-wide head are half a vreg each, so XLA writes the normed heads in float32,
+both rotated halves, and their concatenation (compile-only v6e, Qwen3-30B-A3B at tp 4, an
+8,192-token prefill: about 335 MB of HBM traffic per layer for q, against 34 MB of q read
+and written once). This kernel reads each ``[tokens, heads * D]`` block once and writes it
+once: per head, the norm in float32 (rounded to the activation dtype, as ``rms_norm``), the
+rotation by a lane roll of ``D / 2`` (``pltpu.roll``) and two multiply-adds with the
+precomputed ``cos`` / ``sin`` rows, one rounding at the end, as ``apply_rotary``.
+
+It covers the layout it was written for, and the callers fall back to the jnp path
+otherwise (:func:`supported`): full "rotate half" rotary (no partial or interleaved
+rotation), ``D`` a multiple of 128, each device holding whole heads. Under tensor
+parallelism the kernel, a custom call XLA cannot partition, runs inside ``shard_map`` on the
+device's heads (and, with DP attention, its rank's tokens).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax._src import config as jax_config  # _check_vma: see layers/moe/gmm.grouped_matmul
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
+
+from sgl_jax.srt.layers.rotary import rotation_tables
+
+TENSOR_AXIS = "tensor"
+DATA_AXIS = "expert"  # DP attention's ranks (layers/attention/data_parallel.py)
+LANE = 128
+TOKEN_BLOCK = 256  # tokens per grid step (a multiple of 16: bf16 sublane packing)
+
+
+def supported(head_dim: int, rotary_dim: int, interleaved: bool, heads: int,
+              tp: int) -> bool:
+    """Whether the kernel handles this layout: full half-split rotary over a lane-aligned
+    head, and every device of the tensor axis holding whole heads."""
+    return (rotary_dim == head_dim and not interleaved and head_dim % LANE == 0
+            and heads % tp == 0)
+
+
+def _kernel(x_ref, cos_ref, sin_ref, *rest, heads: int, eps: float | None):
+    w_ref, out_ref = rest if eps is not None else (None, rest[0])  # the norm's weight, if any
+    head_dim = cos_ref.shape[1]
+    cos, sin = cos_ref[...], sin_ref[...]
+    for h in range(heads):  # static: whole heads, lane-aligned column blocks
+        cols = slice(h * head_dim, (h + 1) * head_dim)
+        x = x_ref[:, cols]
+        if eps is not None:
+            x32 = x.astype(jnp.float32)
+            scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+            x = (x32 * scale * w_ref[...].astype(jnp.float32)).astype(x_ref.dtype)
+        x32 = x.astype(jnp.float32)
+        # "Rotate half": dims i and i + D/2 pair up; a roll by D/2 brings each dim's partner
+        # to it, and sin carries the sign (-sin on the first half, +sin on the second).
+        partner = pltpu.roll(x32, head_dim // 2, 1)
+        out_ref[:, cols] = (x32 * cos + partner * sin).astype(out_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("heads", "eps", "interpret"))
+def _norm_rope_local(x: jax.Array, cos: jax.Array, sin: jax.Array, *weight: jax.Array,
+                     heads: int, eps: float | None, interpret: bool) -> jax.Array:
+    """One device's ``[T, heads * D]`` (the kernel's grid over token blocks)."""
+    tokens, width = x.shape
+    head_dim = width // heads
+    block = min(TOKEN_BLOCK, -(-tokens // 16) * 16)
+    pad = -tokens % block
+    if pad:
+        x, cos, sin = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, cos, sin))
+    rows = lambda cols: pl.BlockSpec((block, cols), lambda i: (i, 0))  # noqa: E731
+    in_specs = [rows(width), rows(head_dim), rows(head_dim)]
+    operands = [x, cos, sin]
+    if eps is not None:
+        in_specs.append(pl.BlockSpec((1, head_dim), lambda i: (0, 0)))
+        operands.append(weight[0].reshape(1, head_dim))
+    item = x.dtype.itemsize
+    cost = pl.CostEstimate(
+        flops=8 * x.size, transcendentals=x.shape[0] * heads if eps is not None else 0,
+        bytes_accessed=2 * x.size * item + 2 * cos.size * 4 + head_dim * item)
+    with jax_config._check_vma(False):
+        out = pl.pallas_call(
+            functools.partial(_kernel, heads=heads, eps=eps),
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            grid=(x.shape[0] // block,),
+            in_specs=in_specs,
+            out_specs=rows(width),
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+            cost_estimate=cost,
+            interpret=interpret,
+        )(*operands)
+    return out[:tokens] if pad else out
+
+
+def norm_rope(x: jax.Array, weight: jax.Array | None, positions: jax.Array, theta: float,
+              heads: int, eps: float | None, interpret: bool, tokens_split: bool = False,
+              yarn=None) -> jax.Array:
+    """``[T, heads * D]`` (the projection's output) -> the same, each head RMS-normed with
+    ``weight`` (``eps`` None: no norm) and rotated by ``positions`` [T]; the arithmetic of
+    ``rms_norm`` then ``apply_rotary``. ``tokens_split`` (DP attention): the tokens are split
+    over the ranks, as the heads over "tensor". The caller checks :func:`supported`."""
+    head_dim = x.shape[1] // heads
+    cos, sin = rotation_tables(positions, theta, head_dim, yarn)
+    local = functools.partial(_norm_rope_local, eps=eps, interpret=interpret)
+    mesh = jax.sharding.get_abstract_mesh()
+    tp = 1 if mesh.empty else mesh.shape.get(TENSOR_AXIS, 1)
+    weights = () if eps is None else (weight,)
+    if tp == 1 or TENSOR_AXIS in mesh.manual_axes:
+        return local(x, cos, sin, *weights, heads=heads)
+    tokens = DATA_AXIS if tokens_split else None
+    run = jax.shard_map(
+        functools.partial(local, heads=heads // tp), mesh=mesh,
+        in_specs=(P(tokens, TENSOR_AXIS), P(tokens), P(tokens), *(P() for _ in weights)),
+        out_specs=P(tokens, TENSOR_AXIS), check_vma=False)
+    return run(x, cos, sin, *weights)

@@ -193,8 +193,8 @@ def kernel_row(device: Any, tokens: int, shape: tuple[int, int, int, int],
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
 
     rows = gmm.pass_rows(tokens * top_k, shards, gmm.CAPACITY_FACTOR)
-    tm = max(gmm.gmm_tiling(rows, hidden, inter, groups)[0],
-             gmm.gmm_tiling(rows, inter, hidden, groups)[0])
+    tm = gmm.row_tile(rows, jax.ShapeDtypeStruct((groups, hidden, inter), BF16),
+                      jax.ShapeDtypeStruct((groups, inter, hidden), BF16))
     m_pad, minor = gmm.pad_rows(rows, tm), gmm.k_minor(hidden, inter)
     xs, w_in, w_down = spec((m_pad, hidden)), spec((groups, hidden, inter)), spec(
         (groups, inter, hidden))

@@ -47,21 +47,25 @@ HLO = """HloModule m
 FileNames
 1 "/x/sgl_jax/srt/layers/sampler.py"
 2 "/x/sgl_jax/srt/models/common.py"
+3 "/x/sgl_jax/srt/layers/norm_rope.py"
 
 FunctionNames
 1 "sample"
 2 "sample.<locals>.sampled_rows.<locals>.full_sort"
 3 "GqaAttention._project"
+4 "norm_rope"
 
 FileLocations
 1 {file_name_id=1 function_name_id=1 line=1 end_line=1 column=1 end_column=1}
 2 {file_name_id=1 function_name_id=2 line=2 end_line=2 column=1 end_column=1}
 3 {file_name_id=2 function_name_id=3 line=3 end_line=3 column=1 end_column=1}
+4 {file_name_id=3 function_name_id=4 line=4 end_line=4 column=1 end_column=1}
 
 StackFrames
 1 {file_location_id=1 parent_frame_id=0}
 2 {file_location_id=2 parent_frame_id=1}
 3 {file_location_id=3 parent_frame_id=0}
+4 {file_location_id=4 parent_frame_id=0}
 
 %fused_dot (p0: bf16[16,64], p1: bf16[64,32]) -> bf16[16,32] {
   %p0 = bf16[16,64]{1,0} parameter(0)
@@ -109,6 +113,7 @@ ENTRY %main (x: bf16[16,64], w: bf16[64,32], e: bf16[8,64,32], p: pred[]) -> s32
   %ss = ((bf16[16,64]{1,0}), bf16[8,64]{1,0:S(1)}, s32[]) slice-start(%x), slice={[0:8], [0:64]}
   %sd = bf16[8,64]{1,0:S(1)} slice-done(%ss)
   %gu = bf16[16,32]{1,0} custom-call(%x, %e), custom_call_target="tpu_custom_call", metadata={op_name="jit(_step_impl)/shard_map/jit(gate_up_act)/pallas_call"}, backend_config={"custom_call_config":{"cost_estimate":{"flops":"1000","transcendentals":"0","bytes_accessed":"2000"}}}
+  %nr = bf16[16,32]{1,0} custom-call(%x), custom_call_target="tpu_custom_call", metadata={op_name="jit(_step_impl)/shard_map/jit(_norm_rope_local)/pallas_call" stack_frame_id=4}, backend_config={"custom_call_config":{"cost_estimate":{"flops":"100","transcendentals":"0","bytes_accessed":"512"}}}
   ROOT %cond = s32[16]{0} conditional(%p, %tup, %tup), branch_computations={%cheap, %sampled}, metadata={op_name="cond" stack_frame_id=1}
 }
 """
@@ -134,6 +139,9 @@ def test_classes_of_a_hand_written_module() -> None:
     # The gmm backend's fused kernels are expert matmuls, at their own estimate.
     assert hb.classify(m, entry["gu"]) == "expert_matmuls"
     assert hb.op_bytes(m, entry["gu"], types) == 2000
+    # The q/k norm and rotary kernel is attention's, at its own estimate.
+    assert hb.classify(m, entry["nr"]) == "attention"
+    assert hb.op_bytes(m, entry["nr"], types) == 512
     # An async slice counts the slice it reads and writes, not its whole operand.
     assert hb.op_bytes(m, entry["ss"], types) == 2 * 8 * 64 * 2
     assert hb.op_bytes(m, entry["sd"], types) == 0

@@ -61,7 +61,7 @@ def test_gmm_step_compiles_and_moves_fewer_bytes_than_ragged(small_config: Path)
 @needs_libtpu
 def test_gmm_under_dp_attention_compiles_one_window_per_device(small_config: Path) -> None:
     """DP attention with EP (4 ranks, experts split 4 ways): each device's gmm calls are
-    compiled for one pass window (twice its share of the assignments), not for every rank's
+    compiled for one pass window (1.25 times its share of the assignments), not for every rank's
     assignments as ragged's are, and the step still compiles with the pass loop inside the
     MoE ``shard_map``."""
     # One prefill request per rank: no idle rank's padding in the local-rows ratio.
@@ -69,7 +69,8 @@ def test_gmm_under_dp_attention_compiles_one_window_per_device(small_config: Pat
     gmm, ragged = report(small_config, "gmm", *args), report(small_config, "ragged", *args)
     for g, r in zip(gmm, ragged, strict=True):
         # ragged: every device computes all ranks' T*k rows (ep x the expert FLOPs); gmm: a
-        # window of 2 x T*k / ep rows, whose excess over the device's share is one ideal.
+        # window of 1.25 x T*k / ep rows, whose excess over the device's share is a quarter of
+        # the ideal.
         assert g["compiled_flops"] < 0.75 * r["compiled_flops"], (g["mode"], g, r)
         assert 0.9 <= g["flops_ratio_local_rows"] <= 1.2, g
         assert g["bytes_accessed"] < r["bytes_accessed"], g["mode"]

@@ -50,13 +50,13 @@ REPO = Path(__file__).absolute().parents[1]
 LOCAL_ROWS = 6  # an EP-like device holding logical experts 0..5 as rows 0..5 (of 16)
 
 
-def local_case(seed: int, tokens: int, routing: str = "random",
-               experts: int = 16) -> dict[str, np.ndarray]:
+def local_case(seed: int, tokens: int, routing: str = "random", experts: int = 16,
+               **shape: int) -> dict[str, np.ndarray]:
     """A device's view of a case: rows 0..LOCAL_ROWS-1 are its experts (``w_*`` sliced),
     every other assignment has the sentinel row LOCAL_ROWS (``ep_moe``'s convention; with
     ``experts`` = LOCAL_ROWS the device holds every assignment). ``full`` keeps the whole
     case for the reference."""
-    case = make_case(seed, tokens, routing, experts=experts)
+    case = make_case(seed, tokens, routing, experts=experts, **shape)
     ids = case["topk_ids"]
     out: dict[str, Any] = {k: case[k] for k in ("x", "topk_weights")}
     out["local_ids"] = np.where(ids < LOCAL_ROWS, ids, LOCAL_ROWS).astype(np.int32)
@@ -119,7 +119,7 @@ def test_all_assignments_elsewhere_gives_zero():
 
 
 @pytest.mark.parametrize("routing,shards,factor,experts", [
-    ("random", 4, 2.0, 16),  # the default window: usually one pass
+    ("random", 4, 2.0, 16),  # a wide window: usually one pass
     ("random", 8, 1.0, 16),  # a small window: several passes, groups split across windows
     ("same", 8, 0.5, 16),  # every token on the same experts: many passes
     ("random", 16, 0.5, LOCAL_ROWS),  # every assignment held: the last window runs past M
@@ -145,6 +145,57 @@ def test_passes_over_windows_of_the_local_assignments(routing, shards, factor, e
     got = np.asarray(jax.jit(backend)(*args))
     assert np.isfinite(got).all()
     assert rel_err(got, local_reference(case)) < REL_TOL
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shards,factor", [(4, 1.25), (8, 0.5), (16, 0.25)])
+def test_passes_with_fetched_rows(monkeypatch, dtype, shards, factor):
+    """The prefill path under EP: gate/up fetching its rows by DMA (x too large to hold;
+    bfloat16 x packed once for all passes) and the combine kernel updating the earlier
+    passes' sums in place, over one to several windows: the reference's result."""
+    case = local_case(29, 47, "random", 16, hidden=256, inter=128)
+    tokens, hidden = case["x"].shape
+    # x not held whole, the sums (with the earlier passes') held 128 columns at a time.
+    monkeypatch.setattr(vmem_rows, "HELD_BUDGET",
+                        vmem_rows.pad_block(tokens) * 128 * gmm_combine.sums_bytes(True))
+    jax.clear_caches()
+    rows = gmm.pass_rows(case["local_ids"].size, shards, factor)
+    tm = gmm.row_tile(rows, case["w_gate"], case["w_down"])
+    window = gmm.pad_rows(rows, tm)
+    assert gmm_gate_up.token_mode(tokens, hidden, 128, dtype, window, tm) == gmm_gate_up.FETCH
+    assert gmm_combine.fits(tokens, hidden, window, tm, 128, 4, True)
+    if factor < 1:
+        assert int((case["local_ids"] < LOCAL_ROWS).sum()) > 2 * window  # three passes or more
+    args = [case[k] for k in ("x", "local_ids", "topk_weights", "w_gate", "w_up", "w_down")]
+    args = [jnp.asarray(a, dtype) if k in (0, 3, 4, 5) else a for k, a in enumerate(args)]
+    backend = gmm.GmmExperts(shards=shards, capacity_factor=factor)
+    traced = str(jax.make_jaxpr(backend)(*args))
+    assert "name=gate_up_act" in traced and "name=down_and_combine" in traced
+    assert "name=gather_rows" not in traced
+    got = np.asarray(jax.jit(backend)(*args))
+    jax.clear_caches()
+    assert np.isfinite(got).all()
+    tol = REL_TOL if dtype == jnp.float32 else 2e-2  # bf16 inputs and activations
+    want = local_reference(case) if dtype == jnp.float32 else local_reference({
+        **case, "full": {**case["full"], **{k: np.asarray(jnp.asarray(case["full"][k], dtype)
+                                                         .astype(jnp.float32))
+                                            for k in ("x", "w_gate", "w_up", "w_down")}}})
+    assert rel_err(got, want) < tol
+
+
+def test_row_tile_pads_a_window_by_at_most_an_eighth():
+    """The window of an EP pass (1.25x a device's share) padded to the row tile: the tile
+    is halved while it would pad by more than an eighth (XLA's estimates count the padding:
+    160 rows would be 192 at the 64-row tile the tilings pick)."""
+    w_gate = jax.ShapeDtypeStruct((32, 4096, 384), jnp.bfloat16)
+    w_down = jax.ShapeDtypeStruct((32, 384, 4096), jnp.bfloat16)
+    for rows in (160, 640, 20_480, 43, 3):
+        tm = gmm.row_tile(rows, w_gate, w_down)
+        assert tm in gmm.ROW_TILES  # the smallest tile may pad more: it cannot be halved
+        assert tm == gmm.ROW_TILES[-1] or gmm.pad_rows(rows, tm) - rows <= rows // 8
+    assert gmm.row_tile(160, w_gate, w_down) == 32
+    assert gmm.pad_rows(gmm.pass_rows(64 * 8, 4, gmm.CAPACITY_FACTOR),
+                        gmm.row_tile(160, w_gate, w_down)) == 160
 
 
 @pytest.fixture

@@ -96,6 +96,7 @@ CONFIGS: dict[str, tuple[int, str, int, int, str | None, dict[str, Any]]] = {
     "wide_tp4_ep2_sp_ragged": (8, WIDE, 4, 2, None, {**SP, **RAGGED}),
     "qwen2_moe_tp2_ep2_sp": (4, "qwen2_moe", 2, 2, None, SP),
     "deepseek_v3_tp2_ep2_sp_ragged": (4, "deepseek_v3", 2, 2, None, {**SP, **RAGGED}),
+    "tp2_ep2_sp_gmm": (4, TEST_MODEL_PATH, 2, 2, None, {**SP, "moe_backend": "gmm"}),
     "deepseek_v3_tp2_ep2_mapped": (4, "deepseek_v3", 2, 2, json.dumps(
         {"default": [[0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]]}), {}),
 }

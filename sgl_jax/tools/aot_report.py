@@ -41,8 +41,9 @@ What is reported, per bucket (``--json``: one list, one object per bucket):
   size, all ``T * k`` token-expert rows on every device of the "expert" axis, though only the
   device's own share is in its groups: ``ragged_static_excess_flops`` is that excess
   (``(ep - 1)`` times the ideal expert FLOPs) and ``flops_ratio_local_rows`` the ratio without it.
-  With gmm the static size is one pass window, twice the device's share (``gmm.pass_rows``;
-  the excess is then one ideal expert FLOPs).
+  With gmm the static size is one pass window, 1.25 times the device's share padded to the
+  row tile (``gmm.pass_rows``, ``gmm.row_tile``; the excess is then a quarter of the ideal
+  expert FLOPs).
 - ``ideal_flops``: from the config, ``2 * active_params * tokens + 2 * hidden * vocab *
   sampled + attention`` (sampled: one row per request, one per token in a verify step);
   active parameters per token and layer are the attention projections
@@ -1029,7 +1030,7 @@ def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_de
     # XLA counts a grouped matmul at its static size, though each device's groups hold only
     # its own experts' share of the rows (the rest sort past the last group, where the kernel
     # has no work): ragged's holds all T*k assignments on every device of the "expert" axis,
-    # gmm's one pass window (gmm.pass_rows: twice the device's share).
+    # gmm's one pass window (gmm.pass_rows: 1.25 times the device's share).
     excess = 0.0
     if args.resolved_moe_backend in ("ragged", "gmm") and args.ep_size > 1:
         top_k = cfg.num_experts_per_tok

@@ -109,6 +109,7 @@ FRAME_RULES: tuple[tuple[str | None, str | None, str], ...] = (
     ("/layers/attention/", None, "attention"),
     ("/ragged_paged_attention/", None, "attention"),
     ("/layers/rotary.py", None, "attention"),
+    ("/layers/norm_rope.py", None, "attention"),  # q/k norm and rotary, one kernel
     ("/layers/norm.py", None, "other"),
     ("/forward_batch_info.py", None, "other"),
 )

@@ -34,6 +34,7 @@ TENSOR_AXIS = "tensor"
 DATA_AXIS = "expert"  # DP attention's ranks (layers/attention/data_parallel.py)
 LANE = 128
 TOKEN_BLOCK = 256  # tokens per grid step (a multiple of 16: bf16 sublane packing)
+BLOCK_BYTES = 2 * 1024 * 1024  # one block of x; in and out double-buffered: 8 MiB of VMEM
 
 
 def supported(head_dim: int, rotary_dim: int, interleaved: bool, heads: int,
@@ -68,7 +69,9 @@ def _norm_rope_local(x: jax.Array, cos: jax.Array, sin: jax.Array, *weight: jax.
     """One device's ``[T, heads * D]`` (the kernel's grid over token blocks)."""
     tokens, width = x.shape
     head_dim = width // heads
-    block = min(TOKEN_BLOCK, -(-tokens // 16) * 16)
+    # At most TOKEN_BLOCK tokens, and a block of x within BLOCK_BYTES (wide rows at tp 1).
+    fit = max(16, BLOCK_BYTES // (width * x.dtype.itemsize) // 16 * 16)
+    block = min(TOKEN_BLOCK, fit, -(-tokens // 16) * 16)
     pad = -tokens % block
     if pad:
         x, cos, sin = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, cos, sin))
@@ -109,8 +112,12 @@ def norm_rope(x: jax.Array, weight: jax.Array | None, positions: jax.Array, thet
     mesh = jax.sharding.get_abstract_mesh()
     tp = 1 if mesh.empty else mesh.shape.get(TENSOR_AXIS, 1)
     weights = () if eps is None else (weight,)
-    if tp == 1 or TENSOR_AXIS in mesh.manual_axes:
+    if mesh.empty:
         return local(x, cos, sin, *weights, heads=heads)
+    if TENSOR_AXIS in mesh.manual_axes:  # inside a caller's shard_map: x is this device's
+        return local(x, cos, sin, *weights, heads=heads // tp)
+    # A custom call XLA cannot partition: always under shard_map on a mesh (tp 1 with DP
+    # attention too, where the tokens are split over the ranks).
     tokens = DATA_AXIS if tokens_split else None
     run = jax.shard_map(
         functools.partial(local, heads=heads // tp), mesh=mesh,

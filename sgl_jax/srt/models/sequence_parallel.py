@@ -14,9 +14,11 @@ moved over the links are the same (an all-reduce is a reduce-scatter and an all-
 Decode steps keep the replicated layout: with a few tokens a step is bound by collective
 latency, and two collectives per block cost more than one (``sequence_parallel_tokens``:
 the smallest step split; DP attention already splits the tokens over "expert" and is left
-as it is). The split changes where each token's arithmetic runs, and the collective that
-adds the partial sums (a reduce-scatter may add them in another order than an all-reduce:
-the last bits of the hidden states may differ, as between two tensor-parallel sizes).
+as it is). The split changes where each token's arithmetic runs and the collective that adds
+the partial sums: a reduce-scatter may add them in another order than an all-reduce, and
+the MoE block's are added in the activation dtype (as XLA:TPU adds the replicated layout's;
+on CPU the all-reduce adds float32). With a bfloat16 model the hidden states may differ in
+the last bits of bfloat16, as between two tensor-parallel sizes.
 """
 
 from __future__ import annotations
@@ -34,7 +36,11 @@ def splits(backends: ModelBackends, tokens: int) -> bool:
     if not backends.sequence_parallel_tokens or tokens < backends.sequence_parallel_tokens:
         return False
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or TENSOR_AXIS not in mesh.axis_names or backends.dp_attention:
+    # Not with DP attention (the tokens are split over its ranks already), nor in
+    # deterministic mode: which device adds a token's partial sums, in which order, depends
+    # on the token's place in the batch.
+    if (mesh.empty or TENSOR_AXIS not in mesh.axis_names or backends.dp_attention
+            or backends.batch_invariant):
         return False
     tp = mesh.shape[TENSOR_AXIS]
     return tp > 1 and tokens % tp == 0

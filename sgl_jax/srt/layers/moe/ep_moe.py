@@ -145,9 +145,13 @@ def ep_moe_forward(
         local = rows - jax.lax.axis_index(EXPERT_AXIS) * rows_here
         local = jnp.where((local >= 0) & (local < rows_here), local, rows_here)
         partial = backend(x, local, topk_weights, w_gate, w_up, w_down)  # float32
-        if sequence_split:  # in the activation dtype, as dispatched_experts (below) says
-            summed = jax.lax.psum(partial, EXPERT_AXIS).astype(x.dtype)
-            return jax.lax.psum_scatter(summed, TENSOR_AXIS, scatter_dimension=0, tiled=True)
+        if sequence_split:
+            # Scattered over "tensor" first, so the "expert" sum moves T / tp rows; in the
+            # activation dtype, as XLA:TPU already moves the cast before the replicated
+            # layout's all-reduce (a bf16 all-reduce of the combine's float32 sums).
+            mine = jax.lax.psum_scatter(partial.astype(x.dtype), TENSOR_AXIS,
+                                        scatter_dimension=0, tiled=True)
+            return jax.lax.psum(mine, EXPERT_AXIS)
         return jax.lax.psum(partial, (EXPERT_AXIS, TENSOR_AXIS)).astype(x.dtype)
 
     def dispatched_experts(x: jax.Array, rows: jax.Array, topk_weights: jax.Array,

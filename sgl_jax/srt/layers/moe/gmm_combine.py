@@ -191,7 +191,8 @@ def down_and_combine(act: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
             interpret=interpret,
             # The sums are updated in place of init (a column block is read before it is
             # written back, and never read again): under EP the passes' loop-carried sums
-            # need no copy per pass.
+            # need no copy per pass (when the tokens are a whole number of 16-row blocks;
+            # otherwise init is padded and the result sliced, each a copy).
             input_output_aliases={6: 0} if with_init else {},
         )(offsets, group_ids, m_tiles, token, *operands)
     out = mark_varying(out, act, w_down, group_sizes, token)

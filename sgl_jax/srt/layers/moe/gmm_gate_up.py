@@ -30,7 +30,8 @@ array (its row is half of a 32-bit sublane; "offsets along tiled dimensions must
 to tiles"), so bfloat16 tokens are first packed two columns to a 32-bit word (column ``j``
 in the low half, ``j + H / 2`` in the high half: one XLA fusion reading and writing ``[T,
 H]`` once), whose rows DMA like float32 rows, and unpacked in VMEM by shifts (exact: a
-bfloat16 is the high half of the float32 of the same value).
+bfloat16 is the high half of the float32 of the same value; a chip flushing float32
+subnormals to zero would zero bfloat16 subnormals, below 1.2e-38, as well).
 
 Weights stored K-minor (``gmm.k_minor``: I not a multiple of 128) are read as ``[G, I, H]``
 with the contraction on their minor dimension, as Megablox's ``transpose_rhs``: no relayout
@@ -59,6 +60,8 @@ from sgl_jax.srt.layers.moe.manual_axes import mark_varying
 BLOCKS_BUDGET = 24 * 1024 * 1024
 FETCH_BUDGET = vmem_rows.KERNEL_BUDGET
 
+UNPACK_ROWS = 16  # rows unpacked at a time (a bfloat16 sublane tile; every tm is a multiple)
+
 # How the kernel gets its tile of rows: "rows" given sorted ([M_pad, H], gathered by the
 # caller), "hold" picked from the tokens held whole in VMEM, "fetch" copied by row DMAs from
 # the tokens in HBM.
@@ -73,8 +76,9 @@ def _vmem(tm: int, hidden: int, tn: int, itemsize: int, mode: str = ROWS,
     128 lanes wide) and the two float32 products."""
     if mode == HOLD:
         rows = held_tokens * hidden * vmem_rows.held_bytes(itemsize) + tm * hidden * itemsize
-    elif mode == FETCH:
-        rows = 2 * tm * hidden * itemsize + (tm * hidden * itemsize if itemsize == 2 else 0)
+    elif mode == FETCH:  # two slots; packed: the unpacked tile and one chunk's temporaries
+        rows = 2 * tm * hidden * itemsize + (
+            tm * hidden * itemsize + UNPACK_ROWS * hidden * 8 if itemsize == 2 else 0)
     else:
         rows = 2 * tm * hidden * itemsize
     return (rows + 2 * (2 * hidden * tn + tm * tn) * itemsize + 2 * tm * vmem_rows.LANE * 4
@@ -218,6 +222,19 @@ def _wait_tile(x_hbm, slots, sems, slot: jax.Array) -> None:
     jax.lax.fori_loop(0, slots.shape[1], wait, 0, unroll=8)
 
 
+def _unpack_tile(slots, slot: jax.Array, rows_ref) -> None:
+    """Slot ``slot``'s packed words into ``rows_ref`` [tm, H], ``UNPACK_ROWS`` rows at a
+    time (the float32 temporaries of a whole tile would not fit VMEM next to the blocks at
+    the widest models)."""
+    def chunk(c, carry):
+        first = pl.multiple_of(c * UNPACK_ROWS, UNPACK_ROWS)
+        rows_ref[pl.ds(first, UNPACK_ROWS), :] = _unpack_pairs(
+            slots[slot, pl.ds(first, UNPACK_ROWS), :], rows_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, rows_ref.shape[0] // UNPACK_ROWS, chunk, 0)
+
+
 def _fetch_kernel(offsets_ref, groups_ref, m_tiles_ref, token_ref, x_hbm, gate_ref, up_ref,
                   weight_ref, out_ref, slots, sems, *unpacked, contract_minor: bool):
     # Each n tile visits m tiles 0, 1, ..., last in order (the groups cover rows [0, sum)
@@ -246,7 +263,7 @@ def _fetch_kernel(offsets_ref, groups_ref, m_tiles_ref, token_ref, x_hbm, gate_r
                         1 - slot)
 
         if unpacked:  # bfloat16 rows, packed in pairs (pack_pairs)
-            unpacked[0][...] = _unpack_pairs(slots[slot], unpacked[0].dtype)
+            _unpack_tile(slots, slot, unpacked[0])
 
     rows = unpacked[0][...] if unpacked else slots[slot]
     _act(rows, gate_ref, up_ref, weight_ref, out_ref, offsets_ref, groups_ref, m_tiles_ref,

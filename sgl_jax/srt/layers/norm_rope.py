@@ -28,10 +28,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
+from sgl_jax.srt.configs.model_config import RopeScaling
+from sgl_jax.srt.layers.attention.data_parallel import DATA_AXIS, TENSOR_AXIS
 from sgl_jax.srt.layers.rotary import rotation_tables
 
-TENSOR_AXIS = "tensor"
-DATA_AXIS = "expert"  # DP attention's ranks (layers/attention/data_parallel.py)
 LANE = 128
 TOKEN_BLOCK = 256  # tokens per grid step (a multiple of 16: bf16 sublane packing)
 BLOCK_BYTES = 2 * 1024 * 1024  # one block of x; in and out double-buffered: 8 MiB of VMEM
@@ -75,7 +75,9 @@ def _norm_rope_local(x: jax.Array, cos: jax.Array, sin: jax.Array, *weight: jax.
     pad = -tokens % block
     if pad:
         x, cos, sin = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, cos, sin))
-    rows = lambda cols: pl.BlockSpec((block, cols), lambda i: (i, 0))  # noqa: E731
+    def rows(cols: int) -> pl.BlockSpec:
+        return pl.BlockSpec((block, cols), lambda i: (i, 0))
+
     in_specs = [rows(width), rows(head_dim), rows(head_dim)]
     operands = [x, cos, sin]
     if eps is not None:
@@ -101,7 +103,7 @@ def _norm_rope_local(x: jax.Array, cos: jax.Array, sin: jax.Array, *weight: jax.
 
 def norm_rope(x: jax.Array, weight: jax.Array | None, positions: jax.Array, theta: float,
               heads: int, eps: float | None, interpret: bool, tokens_split: bool = False,
-              yarn=None) -> jax.Array:
+              yarn: RopeScaling | None = None) -> jax.Array:
     """``[T, heads * D]`` (the projection's output) -> the same, each head RMS-normed with
     ``weight`` (``eps`` None: no norm) and rotated by ``positions`` [T]; the arithmetic of
     ``rms_norm`` then ``apply_rotary``. ``tokens_split`` (DP attention): the tokens are split

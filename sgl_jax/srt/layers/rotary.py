@@ -40,16 +40,22 @@ def inv_frequencies(rotary_dim: int, theta: float, yarn: RopeScaling | None = No
     return inv_freq / yarn.factor * (1 - extrapolate) + inv_freq * extrapolate
 
 
+def _cos_sin(positions: jax.Array, theta: float, rotary_dim: int,
+             yarn: RopeScaling | None) -> tuple[jax.Array, jax.Array]:
+    """float32 ``[T, rotary_dim / 2]`` cos and sin of each pair's angle (YaRN-scaled)."""
+    inv_freq = jnp.asarray(inv_frequencies(rotary_dim, theta, yarn), jnp.float32)
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    scale = 1.0 if yarn is None else yarn.attention_factor
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
 def rotation_tables(positions: jax.Array, theta: float, rotary_dim: int,
                     yarn: RopeScaling | None = None) -> tuple[jax.Array, jax.Array]:
     """float32 ``[T, rotary_dim]`` cos and signed sin of the "rotate half" pairs, for a
     rotation written ``x * cos + partner(x) * sin`` with ``partner`` the dim ``D/2`` away
     (``layers/norm_rope.py``): ``[cos, cos]`` and ``[-sin, sin]``, the values
-    :func:`apply_rotary` multiplies by (the same float32 results)."""
-    inv_freq = jnp.asarray(inv_frequencies(rotary_dim, theta, yarn), jnp.float32)
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    scale = 1.0 if yarn is None else yarn.attention_factor
-    cos, sin = jnp.cos(angles) * scale, jnp.sin(angles) * scale
+    :func:`apply_rotary` multiplies by."""
+    cos, sin = _cos_sin(positions, theta, rotary_dim, yarn)
     return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
 
 
@@ -60,11 +66,7 @@ def apply_rotary(
     """x: [T, heads, head_dim]; positions: [T]. The first ``rotary_dim`` dims rotate."""
     head_dim = x.shape[-1]
     rot = rotary_dim or head_dim
-    inv_freq = jnp.asarray(inv_frequencies(rot, theta, yarn), jnp.float32)
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, rot/2]
-    scale = 1.0 if yarn is None else yarn.attention_factor
-    cos = (jnp.cos(angles) * scale)[:, None, :]
-    sin = (jnp.sin(angles) * scale)[:, None, :]
+    cos, sin = (a[:, None, :] for a in _cos_sin(positions, theta, rot, yarn))  # [T, 1, rot/2]
     x32 = x.astype(jnp.float32)
     part, rest = x32[..., :rot], x32[..., rot:]
     if interleaved:

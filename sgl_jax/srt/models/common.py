@@ -31,6 +31,7 @@ from sgl_jax.srt.layers.attention.data_parallel import (
     take_rank_rows,
 )
 from sgl_jax.srt.layers.moe.ep_moe import (
+    TENSOR_AXIS,
     W_DOWN_SPEC,
     W_GATE_UP_SPEC,
     ExpertLocation,
@@ -112,9 +113,9 @@ class GqaAttention(nnx.Module):
         (``layers/norm_rope.py``) where it covers the layout."""
         attention = backends.attention
         mesh = jax.sharding.get_abstract_mesh()
-        tp = 1 if mesh.empty else mesh.shape.get("tensor", 1)
+        tp = 1 if mesh.empty else mesh.shape.get(TENSOR_AXIS, 1)
         if attention.name == "pallas" and norm_rope.supported(
-                self.head_dim, self.rotary_dim or self.head_dim, False, heads, tp):
+                self.head_dim, self.rotary_dim, False, heads, tp):
             y = norm_rope.norm_rope(
                 y, None if norm is None else norm.weight[...], positions, self.rope_theta,
                 heads, None if norm is None else norm.eps,

@@ -30,6 +30,7 @@ UNIT = [
     "tests/test_moe_backends.py",
     "tests/test_moe_gmm.py",
     "tests/test_norm_rope.py",
+    "tests/test_qkv_projection.py",
     "tests/test_backends.py",
     "tests/test_mla.py",
     "tests/test_parallel.py",

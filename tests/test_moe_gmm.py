@@ -317,11 +317,16 @@ def combine_case(seed: int, sizes: list[int], m_pad: int, tokens: int, hidden: i
                  .astype(jnp.float32))
     token = rng.integers(0, tokens - 2, m_pad).astype(np.int32)  # the last 2 get no row
     init = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    weight = rng.random(m_pad).astype(np.float32)
     want = np.zeros((tokens, hidden))
+    weighted = np.zeros((tokens, hidden))
     for m, g in enumerate(np.repeat(np.arange(len(sizes)), sizes_a)):
-        want[token[m]] += act[m].astype(np.float64) @ w[g].astype(np.float64)
+        row = act[m].astype(np.float64) @ w[g].astype(np.float64)
+        want[token[m]] += row
+        weighted[token[m]] += np.float64(weight[m]) * row
     return {"act": jnp.asarray(act, dtype), "w": jnp.asarray(w, dtype), "token": token,
-            "sizes": sizes_a, "init": init, "want": want}
+            "sizes": sizes_a, "init": init, "want": want, "weight": weight,
+            "weighted": weighted}
 
 
 @pytest.mark.parametrize("sizes,tm", [
@@ -428,6 +433,38 @@ def test_gate_up_act_several_column_tiles(monkeypatch, source):
     up = np.einsum("mh,mhi->mi", x64, w[1][groups])
     want = gate / (1 + np.exp(-gate)) * up * weight[:used, None]
     np.testing.assert_allclose(got[:used], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sizes,tm", [([7, 0, 20, 3, 11], 16), ([0, 0, 0], 16)])
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("columns", [256, 128])
+def test_down_and_combine_weighs_rows_and_rounds_once(monkeypatch, sizes, tm, out_dtype,
+                                                      columns):
+    """With the routing weights (prefetched to SMEM) every row is multiplied by its own
+    weight before it is added; with a bfloat16 output the float32 sums are rounded once
+    at the end of each column block (``columns`` of 256 held at a time): exactly the
+    float32 result's rounding (tokens no row points at: zeros)."""
+    tokens, hidden = 37, 256
+    item = jnp.dtype(out_dtype).itemsize
+    monkeypatch.setattr(vmem_rows, "HELD_BUDGET",
+                        48 * columns * gmm_combine.sums_bytes(False, item))
+    jax.clear_caches()
+    assert gmm_combine.column_width(tokens, hidden, tm, 128, 2, False, item) == columns
+    case = combine_case(8, sizes, 64, tokens, hidden, jnp.bfloat16)
+    args = (case["act"], case["w"], jnp.asarray(case["sizes"]), jnp.asarray(case["token"]),
+            None, tokens, tm, True, jnp.asarray(case["weight"]))
+    got = gmm_combine.down_and_combine(*args, out_dtype=out_dtype)
+    assert got.shape == (tokens, hidden) and got.dtype == out_dtype
+    sums = gmm_combine.down_and_combine(*args)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                  np.asarray(sums.astype(out_dtype).astype(jnp.float32)))
+    np.testing.assert_allclose(np.asarray(sums), case["weighted"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(sums[-2:]), 0.0)
+    assert gmm_combine.weighs_rows(64)
+    assert not gmm_combine.weighs_rows(vmem_rows.MAX_INDICES)
+    with pytest.raises(ValueError, match="float32"):
+        gmm_combine.down_and_combine(*args[:4], jnp.asarray(case["init"]), *args[5:],
+                                     out_dtype=jnp.bfloat16)
 
 
 def test_down_and_combine_column_blocks(monkeypatch):
@@ -572,7 +609,25 @@ def _worker(out_dir: str) -> None:
                     for k, v in physical(make_case(tokens, tokens), SHUFFLED).items()}
             with jax.set_mesh(mesh):
                 results[f"{name}/{tokens}"] = np.asarray(fn(args))
+    # Sequence parallelism in bfloat16 (x split by token over "tensor", gathered inside with
+    # its packed rows for gmm's DMAs; the sums written in bfloat16 and reduce-scattered).
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("expert", "tensor"))
+    fn = jax.jit(lambda a: ep_moe_forward(
+        a["x"], a["topk_ids"], a["topk_weights"], a["w_gate"], a["w_up"], a["w_down"],
+        SHUFFLED, backend=get_moe_backend("gmm"), sequence_split=True))
+    case = physical(make_case(SP_TOKENS, SP_TOKENS, hidden=256), SHUFFLED)
+    args = {k: jax.device_put(jnp.asarray(v, jnp.bfloat16) if v.dtype == np.float32
+                              and k != "topk_weights" else v,
+                              NamedSharding(mesh, P(*specs.get(k, ("tensor",)))))
+            for k, v in case.items()}
+    with jax.set_mesh(mesh):
+        out = fn(args)
+    results["tp2_sp_bf16"] = np.asarray(out.astype(jnp.float32))
+    results["tp2_sp_bf16_dtype"] = np.asarray(str(out.dtype))
     np.savez(os.path.join(out_dir, "parallel.npz"), **results)
+
+
+SP_TOKENS = 38
 
 
 def test_parallel_gmm_matches_reference():
@@ -590,6 +645,11 @@ def test_parallel_gmm_matches_reference():
         for tokens in parallel_tokens(name):
             case = make_case(tokens, tokens)
             assert rel_err(got[f"{name}/{tokens}"], reference_moe(case)) < REL_TOL, name
+    case = make_case(SP_TOKENS, SP_TOKENS, hidden=256)
+    bf16 = {k: np.asarray(jnp.asarray(v, jnp.bfloat16).astype(jnp.float32))
+            if k.startswith("w_") or k == "x" else v for k, v in case.items()}
+    assert str(got["tp2_sp_bf16_dtype"]) == "bfloat16"
+    assert rel_err(got["tp2_sp_bf16"], reference_moe(bf16)) < 2e-2  # bfloat16 roundings
 
 
 # -- the whole model --------------------------------------------------------------------------

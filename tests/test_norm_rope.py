@@ -32,6 +32,27 @@ def reference(x: np.ndarray, weight: np.ndarray | None, positions: np.ndarray,
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+@pytest.mark.parametrize("block", [0, 2])
+@pytest.mark.parametrize("heads_axis", [False, True])
+def test_kernel_reads_its_block_of_columns(block, heads_axis):
+    """x several projections wide (the fused q/k/v): the kernel's result is its result on
+    block ``block`` of ``heads * D`` columns alone, written ``[T, heads, D]`` if asked."""
+    rng = np.random.default_rng(block)
+    tokens, heads, d = 40, 2, 128
+    wide = jnp.asarray(rng.standard_normal((tokens, 3 * heads * d)), jnp.float32)
+    weight = jnp.asarray(rng.standard_normal(d), jnp.float32)
+    positions = jnp.asarray(rng.integers(0, 2048, tokens), jnp.int32)
+    got = norm_rope.norm_rope(wide, weight, positions, THETA, heads, EPS, interpret=True,
+                              head_dim=d, column_block=block, heads_axis=heads_axis)
+    cols = wide[:, block * heads * d:(block + 1) * heads * d]
+    want = norm_rope.norm_rope(cols, weight, positions, THETA, heads, EPS, interpret=True)
+    if heads_axis:
+        assert got.shape == (tokens, heads, d)
+        got = got.reshape(tokens, heads * d)
+    assert got.shape == (tokens, heads * d)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("with_norm", [True, False])
 @pytest.mark.parametrize("tokens", [37, 300])  # one partial block; two blocks, padded

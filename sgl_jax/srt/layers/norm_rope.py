@@ -8,7 +8,8 @@ both rotated halves, and their concatenation (compile-only v6e, Qwen3-30B-A3B at
 and written once). This kernel reads each ``[tokens, heads * D]`` block once and writes it
 once: per head, the norm in float32 (rounded to the activation dtype, as ``rms_norm``), the
 rotation by a lane roll of ``D / 2`` (``pltpu.roll``) and two multiply-adds with the
-precomputed ``cos`` / ``sin`` rows, one rounding at the end, as ``apply_rotary``.
+precomputed ``cos`` / ``sin`` of each token (one ``[T, D]`` float32 table, ``[cos | sin]``,
+expanded in VMEM), one rounding at the end, as ``apply_rotary``.
 
 It covers the layout it was written for, and the callers fall back to the jnp path
 otherwise (:func:`supported`): full "rotate half" rotary (no partial or interleaved
@@ -30,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from sgl_jax.srt.configs.model_config import RopeScaling
 from sgl_jax.srt.layers.attention.data_parallel import DATA_AXIS, TENSOR_AXIS
-from sgl_jax.srt.layers.rotary import rotation_tables
+from sgl_jax.srt.layers.rotary import rotation_table
 
 LANE = 128
 TOKEN_BLOCK = 256  # tokens per grid step (a multiple of 16: bf16 sublane packing)
@@ -45,10 +46,15 @@ def supported(head_dim: int, rotary_dim: int, interleaved: bool, heads: int,
             and heads % tp == 0)
 
 
-def _kernel(x_ref, cos_ref, sin_ref, *rest, heads: int, eps: float | None):
+def _kernel(x_ref, table_ref, *rest, heads: int, eps: float | None):
     w_ref, out_ref = rest if eps is not None else (None, rest[0])  # the norm's weight, if any
-    head_dim = cos_ref.shape[1]
-    cos, sin = cos_ref[...], sin_ref[...]
+    head_dim = table_ref.shape[1]
+    # [cos | sin] -> [cos | cos] and [-sin | sin] (exactly the table's values).
+    table = table_ref[...]
+    swapped = pltpu.roll(table, head_dim // 2, 1)  # [sin | cos]
+    first = jax.lax.broadcasted_iota(jnp.int32, table.shape, 1) < head_dim // 2
+    cos = jnp.where(first, table, swapped)
+    sin = jnp.where(first, -swapped, table)
     for h in range(heads):  # static: whole heads, lane-aligned column blocks
         cols = slice(h * head_dim, (h + 1) * head_dim)
         x = x_ref[:, cols]
@@ -60,40 +66,52 @@ def _kernel(x_ref, cos_ref, sin_ref, *rest, heads: int, eps: float | None):
         # "Rotate half": dims i and i + D/2 pair up; a roll by D/2 brings each dim's partner
         # to it, and sin carries the sign (-sin on the first half, +sin on the second).
         partner = pltpu.roll(x32, head_dim // 2, 1)
-        out_ref[:, cols] = (x32 * cos + partner * sin).astype(out_ref.dtype)
+        y = (x32 * cos + partner * sin).astype(out_ref.dtype)
+        if len(out_ref.shape) == 3:  # [tokens, heads, D]: head h is sublane h of each token
+            out_ref[:, h, :] = y
+        else:
+            out_ref[:, cols] = y
 
 
-@functools.partial(jax.jit, static_argnames=("heads", "eps", "interpret"))
-def _norm_rope_local(x: jax.Array, cos: jax.Array, sin: jax.Array, *weight: jax.Array,
-                     heads: int, eps: float | None, interpret: bool) -> jax.Array:
-    """One device's ``[T, heads * D]`` (the kernel's grid over token blocks)."""
-    tokens, width = x.shape
-    head_dim = width // heads
+@functools.partial(jax.jit, static_argnames=("heads", "eps", "interpret", "column_block",
+                                             "heads_axis"))
+def _norm_rope_local(x: jax.Array, table: jax.Array, *weight: jax.Array,
+                     heads: int, eps: float | None, interpret: bool,
+                     column_block: int = 0, heads_axis: bool = False) -> jax.Array:
+    """One device's ``[T, heads * D]`` (``heads_axis``: ``[T, heads, D]``): columns
+    ``[c * heads * D, (c + 1) * heads * D)`` of x, ``c = column_block`` (the kernel's grid
+    over token blocks)."""
+    tokens = x.shape[0]
+    head_dim = table.shape[1]
+    width = heads * head_dim
     # At most TOKEN_BLOCK tokens, and a block of x within BLOCK_BYTES (wide rows at tp 1).
     fit = max(16, BLOCK_BYTES // (width * x.dtype.itemsize) // 16 * 16)
     block = min(TOKEN_BLOCK, fit, -(-tokens // 16) * 16)
     pad = -tokens % block
     if pad:
-        x, cos, sin = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, cos, sin))
-    def rows(cols: int) -> pl.BlockSpec:
-        return pl.BlockSpec((block, cols), lambda i: (i, 0))
+        x, table = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, table))
+    def rows(cols: int, column: int = 0) -> pl.BlockSpec:
+        return pl.BlockSpec((block, cols), lambda i: (i, column))
 
-    in_specs = [rows(width), rows(head_dim), rows(head_dim)]
-    operands = [x, cos, sin]
+    in_specs = [rows(width, column_block), rows(head_dim)]
+    operands = [x, table]
     if eps is not None:
         in_specs.append(pl.BlockSpec((1, head_dim), lambda i: (0, 0)))
         operands.append(weight[0].reshape(1, head_dim))
     item = x.dtype.itemsize
+    size = x.shape[0] * width  # the block of columns read, and written
     cost = pl.CostEstimate(
-        flops=8 * x.size, transcendentals=x.shape[0] * heads if eps is not None else 0,
-        bytes_accessed=2 * x.size * item + 2 * cos.size * 4 + head_dim * item)
+        flops=8 * size, transcendentals=x.shape[0] * heads if eps is not None else 0,
+        bytes_accessed=2 * size * item + table.size * 4 + head_dim * item)
     with jax_config._check_vma(False):
         out = pl.pallas_call(
             functools.partial(_kernel, heads=heads, eps=eps),
-            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            out_shape=jax.ShapeDtypeStruct(
+                (x.shape[0], heads, head_dim) if heads_axis else (x.shape[0], width), x.dtype),
             grid=(x.shape[0] // block,),
             in_specs=in_specs,
-            out_specs=rows(width),
+            out_specs=(pl.BlockSpec((block, heads, head_dim), lambda i: (i, 0, 0))
+                       if heads_axis else rows(width)),
             compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
             cost_estimate=cost,
             interpret=interpret,
@@ -103,26 +121,38 @@ def _norm_rope_local(x: jax.Array, cos: jax.Array, sin: jax.Array, *weight: jax.
 
 def norm_rope(x: jax.Array, weight: jax.Array | None, positions: jax.Array, theta: float,
               heads: int, eps: float | None, interpret: bool, tokens_split: bool = False,
-              yarn: RopeScaling | None = None) -> jax.Array:
+              yarn: RopeScaling | None = None, head_dim: int | None = None,
+              column_block: int = 0, heads_axis: bool = False) -> jax.Array:
     """``[T, heads * D]`` (the projection's output) -> the same, each head RMS-normed with
     ``weight`` (``eps`` None: no norm) and rotated by ``positions`` [T]; the arithmetic of
     ``rms_norm`` then ``apply_rotary``. ``tokens_split`` (DP attention): the tokens are split
-    over the ranks, as the heads over "tensor". The caller checks :func:`supported`."""
-    head_dim = x.shape[1] // heads
-    cos, sin = rotation_tables(positions, theta, head_dim, yarn)
-    local = functools.partial(_norm_rope_local, eps=eps, interpret=interpret)
+    over the ranks, as the heads over "tensor". The caller checks :func:`supported`.
+
+    With ``head_dim`` given, x may be wider: several projections side by side on each
+    device (``GqaAttention``'s fused q/k/v, split over "tensor" in equal blocks of columns),
+    of which the kernel reads only block ``column_block`` of the device's ``heads / tp``
+    heads: the others are never read, and no slice of x is copied out for it.
+
+    ``heads_axis``: the result as ``[T, heads, D]``, written in that layout by the kernel
+    (XLA:TPU tiles a ``[T, heads, D]`` array by (heads, D): the attention kernel's q layout;
+    a ``[T, heads * D]`` result reshaped to it is a relayout copy of q)."""
+    head_dim = x.shape[1] // heads if head_dim is None else head_dim
+    table = rotation_table(positions, theta, head_dim, yarn)
+    local = functools.partial(_norm_rope_local, eps=eps, interpret=interpret,
+                              column_block=column_block, heads_axis=heads_axis)
     mesh = jax.sharding.get_abstract_mesh()
     tp = 1 if mesh.empty else mesh.shape.get(TENSOR_AXIS, 1)
     weights = () if eps is None else (weight,)
     if mesh.empty:
-        return local(x, cos, sin, *weights, heads=heads)
+        return local(x, table, *weights, heads=heads)
     if TENSOR_AXIS in mesh.manual_axes:  # inside a caller's shard_map: x is this device's
-        return local(x, cos, sin, *weights, heads=heads // tp)
+        return local(x, table, *weights, heads=heads // tp)
     # A custom call XLA cannot partition: always under shard_map on a mesh (tp 1 with DP
     # attention too, where the tokens are split over the ranks).
     tokens = DATA_AXIS if tokens_split else None
     run = jax.shard_map(
         functools.partial(local, heads=heads // tp), mesh=mesh,
-        in_specs=(P(tokens, TENSOR_AXIS), P(tokens), P(tokens), *(P() for _ in weights)),
-        out_specs=P(tokens, TENSOR_AXIS), check_vma=False)
-    return run(x, cos, sin, *weights)
+        in_specs=(P(tokens, TENSOR_AXIS), P(tokens), *(P() for _ in weights)),
+        out_specs=P(tokens, TENSOR_AXIS, None) if heads_axis else P(tokens, TENSOR_AXIS),
+        check_vma=False)
+    return run(x, table, *weights)

@@ -49,14 +49,12 @@ def _cos_sin(positions: jax.Array, theta: float, rotary_dim: int,
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
-def rotation_tables(positions: jax.Array, theta: float, rotary_dim: int,
-                    yarn: RopeScaling | None = None) -> tuple[jax.Array, jax.Array]:
-    """float32 ``[T, rotary_dim]`` cos and signed sin of the "rotate half" pairs, for a
-    rotation written ``x * cos + partner(x) * sin`` with ``partner`` the dim ``D/2`` away
-    (``layers/norm_rope.py``): ``[cos, cos]`` and ``[-sin, sin]``, the values
-    :func:`apply_rotary` multiplies by."""
-    cos, sin = _cos_sin(positions, theta, rotary_dim, yarn)
-    return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
+def rotation_table(positions: jax.Array, theta: float, rotary_dim: int,
+                   yarn: RopeScaling | None = None) -> jax.Array:
+    """float32 ``[T, rotary_dim]``: ``[cos | sin]`` of each "rotate half" pair's angle, the
+    values :func:`apply_rotary` multiplies by, in one lane-wide row per token
+    (``layers/norm_rope.py`` expands it to ``[cos, cos]`` and ``[-sin, sin]`` in VMEM)."""
+    return jnp.concatenate(_cos_sin(positions, theta, rotary_dim, yarn), axis=-1)
 
 
 def apply_rotary(

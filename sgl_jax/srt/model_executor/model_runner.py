@@ -238,7 +238,8 @@ class ModelRunner:
             batch_invariant=self.deterministic,
         )
         moe_backend = create_moe_backend(server_args.moe_backend, self.platform,
-                                         batch_invariant=self.deterministic)
+                                         batch_invariant=self.deterministic,
+                                         device_kind=devices[0].device_kind)
         # Where the experts live: static (contiguous, or --ep-expert-mapping), or EPLB's
         # dynamic placement with P = E + R physical experts (eplb_manager.py).
         ep_size = self.mesh.shape["expert"]

@@ -106,21 +106,68 @@ class GqaAttention(nnx.Module):
             y = y + getattr(self, f"{name}_bias")[...]
         return y  # [T, heads * head_dim]
 
+    def _fused_qkv(self, x: jax.Array, dp_attention: bool) -> jax.Array | None:
+        """q, k and v as one matmul, ``[T, tp * W]``: device i's columns ``[i * W, (i + 1) *
+        W)`` hold its q, k and v heads side by side (:meth:`_qkv_part`); None where three
+        matmuls cost less.
+
+        Each matmul of its own reads x ``[T, H]`` whole; the fused one reads it once but
+        first writes each device's q, k and v weight columns next to each other (a copy of
+        its share of the weights every step). So it is used when x is wider in tokens than
+        the device's fused columns (a prefill; never at decode), with every device holding
+        a whole number of KV heads (the weights' "tensor" blocks then line up) and without
+        DP attention (whose ranks split the heads otherwise)."""
+        mesh = jax.sharding.get_abstract_mesh()
+        tp = 1 if mesh.empty else mesh.shape.get(TENSOR_AXIS, 1)
+        local = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim // tp
+        if tp == 1 or dp_attention or self.num_kv_heads % tp or x.shape[0] <= local:
+            return None
+        names = ("q_proj", "k_proj", "v_proj")
+        # [H, tp, width / tp] per weight: device i's columns are block i of dimension 1.
+        blocks = [getattr(self, n)[...].reshape(x.shape[1], tp, -1) for n in names]
+        fused = jax.lax.with_sharding_constraint(jnp.concatenate(blocks, axis=2),
+                                                 P(None, TENSOR_AXIS, None))
+        y = jnp.einsum("th,hsd->tsd", x, fused)
+        if self.has_bias:
+            y = y + jnp.concatenate([getattr(self, f"{n}_bias")[...].reshape(tp, -1)
+                                     for n in names], axis=1)
+        return y.reshape(x.shape[0], -1)
+
+    def _qkv_part(self, fused: jax.Array, part: int) -> jax.Array:
+        """q (0), k (1) or v (2) ``[T, heads * D]`` out of :meth:`_fused_qkv`'s array."""
+        mesh = jax.sharding.get_abstract_mesh()
+        tp = mesh.shape[TENSOR_AXIS]
+        widths = [h * self.head_dim // tp
+                  for h in (self.num_heads, self.num_kv_heads, self.num_kv_heads)]
+        start = sum(widths[:part])
+        blocks = fused.reshape(fused.shape[0], tp, -1)[:, :, start:start + widths[part]]
+        return blocks.reshape(fused.shape[0], -1)
+
     def _norm_and_rotate(self, y: jax.Array, norm: RMSNorm | None, heads: int,
-                         positions: jax.Array, backends: ModelBackends) -> jax.Array:
+                         positions: jax.Array, backends: ModelBackends,
+                         part: int | None = None, query: bool = False) -> jax.Array:
         """[T, heads * D] projection -> [T, heads, D]: each head's RMSNorm (Qwen3, GLM-4.5)
         and the rotary embedding; on TPU (the Pallas attention backend) in one kernel
-        (``layers/norm_rope.py``) where it covers the layout."""
+        (``layers/norm_rope.py``) where it covers the layout. ``part``: y is
+        :meth:`_fused_qkv`'s array, of which this is q (0) or k (1); the kernel reads its
+        columns in place. ``query``: y is q."""
         attention = backends.attention
         mesh = jax.sharding.get_abstract_mesh()
         tp = 1 if mesh.empty else mesh.shape.get(TENSOR_AXIS, 1)
         if attention.name == "pallas" and norm_rope.supported(
                 self.head_dim, self.rotary_dim, False, heads, tp):
+            # k's block of columns follows q's: heads / kv_heads blocks of its width.
+            block = 0 if not part else self.num_heads // self.num_kv_heads
+            # q as [T, heads, D] from the kernel itself (the attention kernel's layout); k
+            # stays [T, heads * D] for the cache write, which stacks it with v.
             y = norm_rope.norm_rope(
                 y, None if norm is None else norm.weight[...], positions, self.rope_theta,
                 heads, None if norm is None else norm.eps,
-                getattr(attention, "interpret", False), tokens_split=backends.dp_attention)
+                getattr(attention, "interpret", False), tokens_split=backends.dp_attention,
+                head_dim=self.head_dim, column_block=block, heads_axis=query)
             return y.reshape(y.shape[0], heads, self.head_dim)
+        if part is not None:
+            y = self._qkv_part(y, part)
         y = y.reshape(y.shape[0], heads, self.head_dim)
         if norm is not None:
             y = norm(y)
@@ -130,13 +177,18 @@ class GqaAttention(nnx.Module):
         self, x: jax.Array, batch: ForwardBatch, meta: AttentionMetadata, kv: jax.Array,
         backends: ModelBackends,
     ) -> tuple[jax.Array, jax.Array]:
-        q = self._norm_and_rotate(self._project(x, "q_proj"),
-                                  self.q_norm if self.has_qk_norm else None, self.num_heads,
-                                  meta.positions, backends)
-        k = self._norm_and_rotate(self._project(x, "k_proj"),
-                                  self.k_norm if self.has_qk_norm else None,
-                                  self.num_kv_heads, meta.positions, backends)
-        v = self._project(x, "v_proj").reshape(x.shape[0], self.num_kv_heads, self.head_dim)
+        fused = self._fused_qkv(x, backends.dp_attention)
+        if fused is None:
+            q, k, v = (self._project(x, n) for n in ("q_proj", "k_proj", "v_proj"))
+            parts = (None, None)
+        else:
+            q, k, v = fused, fused, self._qkv_part(fused, 2)
+            parts = (0, 1)
+        q = self._norm_and_rotate(q, self.q_norm if self.has_qk_norm else None, self.num_heads,
+                                  meta.positions, backends, parts[0], query=True)
+        k = self._norm_and_rotate(k, self.k_norm if self.has_qk_norm else None,
+                                  self.num_kv_heads, meta.positions, backends, parts[1])
+        v = v.reshape(x.shape[0], self.num_kv_heads, self.head_dim)
         scale = self.head_dim**-0.5
 
         def write_and_attend(q: jax.Array, new: tuple[jax.Array, jax.Array], kv: jax.Array,
@@ -211,8 +263,7 @@ class SparseMoeBlock(nnx.Module):
         if sequence_split:  # the router on the split tokens (else XLA runs it on all of them)
             topk_weights, topk_ids = (sequence_parallel.split_tokens(a)
                                       for a in (topk_weights, topk_ids))
-            x = sequence_parallel.gather_tokens(x)
-        out = ep_moe_forward(
+        out = ep_moe_forward(  # x split by token: gathered inside (``sequence_split``)
             x, topk_ids, topk_weights, self.w_gate[...], self.w_up[...], self.w_down[...],
             self.expert_order, backend=backends.moe,
             location=(self.replicas[...], self.num_replicas[...]) if self.eplb else None,
@@ -220,6 +271,8 @@ class SparseMoeBlock(nnx.Module):
             sequence_split=sequence_split,
         )
         if self.shared_name is not None:
+            if sequence_split:
+                x = sequence_parallel.gather_tokens(x)
             shared = getattr(self, self.shared_name)(x)
             if self.gated_shared:
                 shared = jax.nn.sigmoid(x @ self.shared_expert_gate[...]) * shared

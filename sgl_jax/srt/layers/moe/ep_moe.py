@@ -123,9 +123,10 @@ def ep_moe_forward(
     (the ragged all-to-all collective to use) each device receives only the assignments to
     its own experts instead (``dispatch.all_to_all_experts``).
 
-    ``sequence_split`` (``models/sequence_parallel.py``, without DP): the result is returned
-    split by token over "tensor", the partial sums of the "tensor" axis reduce-scattered
-    instead of all-reduced (x and the routing are gathered whole before the experts).
+    ``sequence_split`` (``models/sequence_parallel.py``, without DP): x arrives split by
+    token over "tensor" and is all-gathered inside (for gmm, packed for its row DMAs before
+    the gather: ``MoEBackend.gather_tokens``); the result is returned split the same way,
+    the partial sums of the "tensor" axis reduce-scattered instead of all-reduced.
     """
     if location is None:
         rows = static_physical_ids(topk_ids, expert_order)
@@ -144,33 +145,37 @@ def ep_moe_forward(
         rows_here = w_gate.shape[0]
         local = rows - jax.lax.axis_index(EXPERT_AXIS) * rows_here
         local = jnp.where((local >= 0) & (local < rows_here), local, rows_here)
-        partial = backend(x, local, topk_weights, w_gate, w_up, w_down)  # float32
         if sequence_split:
-            # Scattered over "tensor" first, so the "expert" sum moves T / tp rows; in the
-            # activation dtype, as XLA:TPU already moves the cast before the replicated
-            # layout's all-reduce (a bf16 all-reduce of the combine's float32 sums).
-            mine = jax.lax.psum_scatter(partial.astype(x.dtype), TENSOR_AXIS,
-                                        scatter_dimension=0, tiled=True)
+            # x arrives split by token over "tensor": every device's tokens gathered (and,
+            # for gmm, packed for its row DMAs before the gather). The sums are scattered over
+            # "tensor" first, so the "expert" sum moves T / tp rows; in the activation dtype,
+            # as XLA:TPU already moves the cast before the replicated layout's all-reduce (a
+            # bf16 all-reduce of the combine's float32 sums).
+            x, words = backend.gather_tokens(x, TENSOR_AXIS)
+            partial = backend(x, local, topk_weights, w_gate, w_up, w_down, x.dtype, words)
+            mine = jax.lax.psum_scatter(partial, TENSOR_AXIS, scatter_dimension=0, tiled=True)
             return jax.lax.psum(mine, EXPERT_AXIS)
+        partial = backend(x, local, topk_weights, w_gate, w_up, w_down)  # float32
         return jax.lax.psum(partial, (EXPERT_AXIS, TENSOR_AXIS)).astype(x.dtype)
 
     def dispatched_experts(x: jax.Array, rows: jax.Array, topk_weights: jax.Array,
                            w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
         # All-gather the ranks' tokens (every device needs every assignment to its experts),
         # compute this device's share, and reduce-scatter the sums back to their ranks.
-        gathered = [jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True)
-                    for a in (x, rows, topk_weights)]
+        rows, topk_weights = (jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True)
+                              for a in (rows, topk_weights))
+        x, words = backend.gather_tokens(x, EXPERT_AXIS)  # gmm's packed rows too
         rows_here = w_gate.shape[0]
-        local = gathered[1] - jax.lax.axis_index(EXPERT_AXIS) * rows_here
+        local = rows - jax.lax.axis_index(EXPERT_AXIS) * rows_here
         local = jnp.where((local >= 0) & (local < rows_here), local, rows_here)
-        partial = backend(gathered[0], local, gathered[2], w_gate, w_up, w_down)  # float32
         # In the activation dtype, as XLA:TPU already moves the cast before the psum without
         # DP: half the bytes over the links in bfloat16 (float32 on CPU: nothing changes).
-        mine = jax.lax.psum_scatter(partial.astype(x.dtype), EXPERT_AXIS, scatter_dimension=0,
-                                    tiled=True)
+        partial = backend(x, local, topk_weights, w_gate, w_up, w_down, x.dtype, words)
+        mine = jax.lax.psum_scatter(partial, EXPERT_AXIS, scatter_dimension=0, tiled=True)
         return jax.lax.psum(mine, TENSOR_AXIS)
 
     tokens = P(EXPERT_AXIS) if tokens_split else P()
+    x_spec = P(TENSOR_AXIS) if sequence_split and not tokens_split else tokens
     if not tokens_split:
         per_device = local_experts
     elif all_to_all is None:
@@ -179,7 +184,7 @@ def ep_moe_forward(
         per_device = functools.partial(all_to_all_experts, backend, all_to_all)
     moe = jax.shard_map(
         per_device, mesh=mesh,
-        in_specs=(tokens, tokens, tokens, P(*W_GATE_UP_SPEC), P(*W_GATE_UP_SPEC),
+        in_specs=(x_spec, tokens, tokens, P(*W_GATE_UP_SPEC), P(*W_GATE_UP_SPEC),
                   P(*W_DOWN_SPEC)),
         out_specs=P(TENSOR_AXIS) if sequence_split and not tokens_split else tokens,
     )

@@ -29,7 +29,9 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 
+from sgl_jax.srt.layers.moe import gmm_gate_up, vmem_rows
 from sgl_jax.srt.layers.moe.dense import combine_weights, dense_experts, experts_forward
 from sgl_jax.srt.layers.moe.gmm import GmmExperts
 from sgl_jax.srt.layers.moe.ragged import ragged_experts
@@ -102,9 +104,30 @@ class MoEBackend:
 
     def __call__(
         self, x: jax.Array, local_ids: jax.Array, topk_weights: jax.Array, w_gate: jax.Array,
-        w_up: jax.Array, w_down: jax.Array,
+        w_up: jax.Array, w_down: jax.Array, out_dtype: jnp.dtype = jnp.float32,
+        words: jax.Array | None = None,
     ) -> jax.Array:
-        return self.compute(x, local_ids, topk_weights, w_gate, w_up, w_down)
+        """The device's partial sums, rounded once to ``out_dtype`` (a caller that moves them
+        in the activation dtype asks for it: gmm's combine kernel then writes them so
+        itself, in one pass, instead of a float32 array XLA reads back to cast). ``words``:
+        x as gmm's row DMAs read it (:meth:`packed_rows`), used if gmm fetches its rows."""
+        if isinstance(self.compute, GmmExperts):
+            return self.compute(x, local_ids, topk_weights, w_gate, w_up, w_down, out_dtype,
+                                words)
+        return self.compute(x, local_ids, topk_weights, w_gate, w_up, w_down).astype(out_dtype)
+
+    def gather_tokens(self, x: jax.Array,
+                      axis: str | tuple[str, ...]) -> tuple[jax.Array, jax.Array | None]:
+        """Inside ``shard_map``: every device's tokens of ``x`` [T_l, H], all-gathered over
+        ``axis``, and for gmm the same rows packed for its row DMAs
+        (``gmm_gate_up.fetch_source``), packed here on the device's own tokens before they
+        are gathered (packing the gathered rows would read and write them all once more).
+        Whichever of the two the backend does not read, XLA drops with its collective."""
+        gathered = jax.lax.all_gather(x, axis, axis=0, tiled=True)
+        if not (isinstance(self.compute, GmmExperts) and gmm_gate_up.packs(x.dtype, x.shape[1])):
+            return gathered, None
+        words = jax.lax.all_gather(gmm_gate_up.fetch_source(x), axis, axis=0, tiled=True)
+        return gathered, words
 
     def sharded(self, shards: int) -> MoEBackend:
         """The backend on one of ``shards`` devices the experts are split over. ``gmm`` sizes
@@ -115,12 +138,15 @@ class MoEBackend:
         return self
 
 
-def get_moe_backend(name: str, platform: str | None = None) -> MoEBackend:
+def get_moe_backend(name: str, platform: str | None = None,
+                    device_kind: str | None = None) -> MoEBackend:
     """The backend of a resolved name ("dense", "ragged" or "gmm") for programs compiled for
-    ``platform`` (None: JAX's default backend). Only ``gmm`` depends on it: its Pallas kernel
-    runs in interpret mode off TPU."""
+    ``platform`` (None: JAX's default backend) on chips of ``device_kind``. Only ``gmm``
+    depends on them: its Pallas kernels run in interpret mode off TPU, and its combine
+    kernel sizes its blocks to the chip's VMEM (``vmem_rows.vmem_limit``)."""
     if name == "gmm":
-        return MoEBackend(name, GmmExperts(platform))
+        return MoEBackend(name, GmmExperts(platform,
+                                           vmem_limit=vmem_rows.vmem_limit(device_kind)))
     try:
         return MoEBackend(name, MOE_BACKENDS[name])
     except KeyError:
@@ -130,10 +156,12 @@ def get_moe_backend(name: str, platform: str | None = None) -> MoEBackend:
         ) from None
 
 
-def create_moe_backend(name: str, platform: str, batch_invariant: bool = False) -> MoEBackend:
-    """The backend ``--moe-backend name`` runs on ``platform``. ``batch_invariant``
+def create_moe_backend(name: str, platform: str, batch_invariant: bool = False,
+                       device_kind: str | None = None) -> MoEBackend:
+    """The backend ``--moe-backend name`` runs on ``platform`` (chips of ``device_kind``:
+    :func:`get_moe_backend`). ``batch_invariant``
     (``--enable-deterministic-inference``): the dense reference, whose rows never depend on
     the batch (ragged and gmm groups do; ``ServerArgs`` refuses an explicit ``ragged``
     there)."""
     resolved = "dense" if batch_invariant else resolve_moe_backend(name, platform)
-    return get_moe_backend(resolved, platform)
+    return get_moe_backend(resolved, platform, device_kind)

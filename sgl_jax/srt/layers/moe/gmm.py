@@ -12,9 +12,8 @@ kernels on the tile schedule of JAX's Megablox ``gmm``
 2. gate and up are one kernel (``gmm_gate_up.gate_up_act``): each m tile of the sorted rows
    is taken from x by the kernel itself (picked from x held whole in VMEM at decode, copied
    from HBM one row DMA each at prefill), multiplied by its group's gate and up weight
-   blocks in float32, and stored as ``silu(gate) * up * routing weight`` in the compute
-   dtype (the weight applied on the narrow ``[M, I]`` side: ``w * down(a) = down(w * a)``,
-   not on ``[M, H]``): the sorted ``[M_pad, H]`` rows are never written. Where the kernel
+   blocks in float32, and stored as ``silu(gate) * up`` in the compute dtype: the sorted
+   ``[M_pad, H]`` rows are never written. Where the kernel
    cannot take them itself (a dtype or width its DMAs do not handle), the rows are gathered
    first, by a Pallas kernel that holds a column block of ``x`` in VMEM
    (``vmem_rows.gather_rows``, up to 16,384 tokens of a 2,048-wide model) or by XLA's
@@ -26,7 +25,12 @@ kernels on the tile schedule of JAX's Megablox ``gmm``
    earlier passes' sums) and the rows ``vmem_rows.MAX_INDICES``: each m tile's rows of
    its group are multiplied by the group's weights and added, in float32, straight into
    their token's sum, so down's ``[M, H]`` rows never reach HBM; rows past the groups
-   (sentinel, padding) are never added. Beyond that, down is a third ``gmm`` call stored in
+   (sentinel, padding) are never added. Each row is multiplied by its routing weight as it
+   is added, a float32 scalar from SMEM (``gmm_combine.weighs_rows``: up to 65,536 rows;
+   beyond, gate/up multiplies its activation by a ``[M_pad, 1]`` float32 column, which
+   HBM lays out 128 lanes wide). In one pass (no EP) the kernel writes the sums rounded
+   once to the dtype its caller moves them in (the activation dtype under sequence
+   parallelism), not a float32 array XLA reads back to cast. Beyond that, down is a third ``gmm`` call stored in
    the compute dtype and :func:`sum_token_rows` puts its rows back in ``[T, k]`` order (a
    gather through the inverse permutation), drops the assignments held elsewhere with a
    select on ``local_ids`` (the kernel does not store the rows of a partly visited tile that
@@ -285,8 +289,15 @@ def gmm_experts(
     platform: str | None = None,
     shards: int = 1,
     capacity_factor: float = CAPACITY_FACTOR,
+    out_dtype: jnp.dtype = jnp.float32,
+    words: jax.Array | None = None,
+    vmem_limit: int = vmem_rows.VMEM_LIMIT,
 ) -> jax.Array:
-    """The backend entry point (signature: ``experts.ExpertCompute``) -> float32 [T, H].
+    """The backend entry point (signature: ``experts.ExpertCompute``) -> [T, H] in
+    ``out_dtype`` (the float32 sums rounded once; by the combine kernel itself in one pass).
+    ``words``: x as gate/up's row DMAs read it (``gmm_gate_up.fetch_source``), if the caller
+    has it (packed before an all-gather: ``MoEBackend.gather_tokens``). ``vmem_limit``: the
+    scoped VMEM the combine kernel may ask for on the chip (``vmem_rows.vmem_limit``).
 
     x [T, H]; local_ids / topk_weights [T, k] (rows of this device's stacked weights, or
     ``E_l`` for experts held elsewhere); w_gate, w_up [E_l, H, I]; w_down [E_l, I, H].
@@ -316,10 +327,14 @@ def gmm_experts(
     # Rows fetched by DMA (prefill): x packed for the DMAs once, not once per pass.
     fetching = gmm_gate_up.token_mode(num_tokens, x.shape[1], w_gate.shape[2], x.dtype,
                                       rows_pad, row_tile(rows, w_gate, w_down))
-    words = gmm_gate_up.fetch_source(x) if fetching == gmm_gate_up.FETCH else None
+    if fetching != gmm_gate_up.FETCH:
+        words = None
+    elif words is None:
+        words = gmm_gate_up.fetch_source(x)
 
-    def one_pass(start: jax.Array | int, init: jax.Array | None = None) -> jax.Array:
-        """float32 [T, H]: ``init`` plus the assignments at sorted positions
+    def one_pass(start: jax.Array | int, init: jax.Array | None = None,
+                 sums_dtype: jnp.dtype = jnp.float32) -> jax.Array:
+        """[T, H] in ``sums_dtype``: ``init`` plus the assignments at sorted positions
         [start, start + rows_pad)."""
         if rows < m:
             sizes = jnp.clip(jnp.minimum(ends, start + rows_pad) - jnp.maximum(starts, start),
@@ -331,10 +346,11 @@ def gmm_experts(
         window = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=start,
                                    slice_size=rows_pad)
         return _expert_rows(x, window(token), window(weight), sizes, rows, row_in_window,
-                            in_window, w_gate, w_up, w_down, interpret, init, words)
+                            in_window, w_gate, w_up, w_down, interpret, init, words,
+                            sums_dtype, vmem_limit)
 
     if rows >= m:  # one pass holds every assignment
-        return one_pass(0)
+        return one_pass(0, sums_dtype=out_dtype)
     passes = -(-ends[-1] // rows_pad)  # data: 1 while no device gets capacity_factor x its share
     operands = (x, local_ids, topk_weights, w_gate, w_up, w_down)
 
@@ -343,45 +359,57 @@ def gmm_experts(
         return p + 1, mark_varying(one_pass(p * rows_pad, out), *operands)
 
     zero = mark_varying(jnp.zeros((num_tokens, x.shape[1]), jnp.float32), *operands)
-    return jax.lax.while_loop(lambda c: c[0] < passes, step, (jnp.int32(0), zero))[1]
+    sums = jax.lax.while_loop(lambda c: c[0] < passes, step, (jnp.int32(0), zero))[1]
+    return sums.astype(out_dtype)
 
 
 def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes: jax.Array,
                  rows: int, index: jax.Array, held: jax.Array, w_gate: jax.Array,
                  w_up: jax.Array, w_down: jax.Array, interpret: bool,
-                 init: jax.Array | None = None, words: jax.Array | None = None) -> jax.Array:
-    """float32 [T, H]: ``init`` (or zeros) plus the three grouped matmuls over ``M_pad``
+                 init: jax.Array | None = None, words: jax.Array | None = None,
+                 sums_dtype: jnp.dtype = jnp.float32,
+                 vmem_limit: int = vmem_rows.VMEM_LIMIT) -> jax.Array:
+    """[T, H] in ``sums_dtype``: ``init`` (or zeros) plus the three grouped matmuls over ``M_pad``
     sorted assignments (token row ``token``, routing weight ``weight``, groups
     ``group_sizes`` from row 0; rows past their sum are in no group: never stored into a
     result, whatever they hold), summed per token: by down's kernel itself
     (``gmm_combine``) where the float32 sums fit VMEM, else through ``index`` [T, k] (the
     assignment's row) where ``held``. Gate and up take the token rows from x themselves
     (``gmm_gate_up.token_mode``; ``words``: x as their DMAs read it), else gathered
-    (:func:`_sorted_rows`)."""
+    (:func:`_sorted_rows`). The routing weights are applied by the combine kernel as it adds
+    the rows (float32 scalars in SMEM, ``gmm_combine.weighs_rows``), else to the activation
+    (a ``[M_pad, 1]`` float32 column read by gate/up, 128 lanes wide in HBM)."""
     m_pad = token.shape[0]
     num_tokens, hidden = x.shape
     tm = row_tile(rows, w_gate, w_down)  # M_pad's own tile: the fewest weight blocks
     inter, item = w_gate.shape[2], x.dtype.itemsize
     minor = k_minor(hidden, inter)
+    sums_item = jnp.dtype(sums_dtype).itemsize
+    combines = gmm_combine.fits(num_tokens, hidden, m_pad, tm, inter, item, init is not None,
+                                sums_item, vmem_limit)
+    combine_weighs = combines and gmm_combine.weighs_rows(m_pad)
+    act_weight = None if combine_weighs else weight
     if gmm_gate_up.token_mode(num_tokens, hidden, inter, x.dtype, m_pad, tm) is not None:
         # The kernel takes the rows from x itself (held in VMEM at decode, by row DMAs at
         # prefill): the sorted [M_pad, H] rows are never written.
-        act = gmm_gate_up.gate_up_act(x, token, w_gate, w_up, weight, group_sizes, tm, minor,
-                                      interpret, words)
+        act = gmm_gate_up.gate_up_act(x, token, w_gate, w_up, act_weight, group_sizes, tm,
+                                      minor, interpret, words)
     elif gmm_gate_up.column_tile(tm, hidden, inter, item) is not None:
         act = gmm_gate_up.gate_up_act(_sorted_rows(x, token, interpret), None, w_gate, w_up,
-                                      weight, group_sizes, tm, minor, interpret)
+                                      act_weight, group_sizes, tm, minor, interpret)
     else:
         xs = _sorted_rows(x, token, interpret)
         gate = grouped_matmul(xs, w_gate, group_sizes, rows, interpret)
         up = grouped_matmul(xs, w_up, group_sizes, rows, interpret)
-        act = (jax.nn.silu(gate) * up * weight[:, None]).astype(x.dtype)
-    if gmm_combine.fits(num_tokens, hidden, m_pad, tm, inter, item, init is not None):
-        return gmm_combine.down_and_combine(act, w_down, group_sizes, token, init,
-                                            num_tokens, tm, interpret)
+        act = jax.nn.silu(gate) * up
+        act = (act if act_weight is None else act * act_weight[:, None]).astype(x.dtype)
+    if combines:
+        return gmm_combine.down_and_combine(
+            act, w_down, group_sizes, token, init, num_tokens, tm, interpret,
+            weight if combine_weighs else None, sums_dtype, vmem_limit)
     down = grouped_matmul(act, w_down, group_sizes, rows, interpret, x.dtype)  # [M_pad, H]
     out = sum_token_rows(down, jnp.clip(index, 0, m_pad - 1), held)
-    return out if init is None else init + out
+    return (out if init is None else init + out).astype(sums_dtype)
 
 
 def _sorted_rows(x: jax.Array, token: jax.Array, interpret: bool) -> jax.Array:
@@ -415,8 +443,12 @@ class GmmExperts:
     platform: str | None = None
     shards: int = 1  # devices the experts are split over (``ep_moe`` sets it)
     capacity_factor: float = CAPACITY_FACTOR
+    vmem_limit: int = vmem_rows.VMEM_LIMIT  # of the chip (``vmem_rows.vmem_limit``)
 
     def __call__(self, x: jax.Array, local_ids: jax.Array, topk_weights: jax.Array,
-                 w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+                 w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                 out_dtype: jnp.dtype = jnp.float32, words: jax.Array | None = None,
+                 ) -> jax.Array:
         return gmm_experts(x, local_ids, topk_weights, w_gate, w_up, w_down, self.platform,
-                           self.shards, self.capacity_factor)
+                           self.shards, self.capacity_factor, out_dtype, words,
+                           self.vmem_limit)

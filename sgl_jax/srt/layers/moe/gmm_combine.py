@@ -15,7 +15,12 @@ consecutively; tiles holding only rows past the groups are not visited), so the 
 activations move as in Megablox's ``gmm`` with ``tk = K``. A step adds only the rows of its
 group (``[group start, group end)`` clipped to the tile): rows past the groups (sentinel,
 padding) are computed by the MXU with the rest of their tile but never read.
-Rows are added in sorted order (group by group, row by row).
+Rows are added in sorted order (group by group, row by row), each multiplied by its routing
+weight as it is added when the caller passes the weights (float32 scalars prefetched to SMEM
+next to the row tokens: no ``[M_pad, 1]`` column, which HBM lays out 128 lanes wide, for
+gate/up to read). With an output dtype narrower than float32 (one pass: no ``init``) the
+float32 sums are a VMEM scratch and the column block is rounded once into the output after
+its last step: the ``[T, H]`` float32 sums are not written to HBM and read back to cast.
 
 Cost. The pipeline skips a block's copy when its index is unchanged from the previous grid
 step, and a group's m tiles are consecutive steps (a tile shared by two groups: two
@@ -68,53 +73,70 @@ def tile_schedule(group_sizes: jax.Array, m_pad: int,
     return metadata, active, m_pad // tm + groups - 1
 
 
-def sums_bytes(with_init: bool) -> int:
-    """VMEM per element of the held sums' column block: the output's buffer, and the input's
-    when the sums start from ``init``. Single buffers (``pl.Buffered(1)``): the block's index
-    changes once per column block, and a double buffer would halve the width held, doubling
-    the activations' reads."""
-    return 8 if with_init else 4
+def sums_bytes(with_init: bool, out_itemsize: int = 4) -> int:
+    """VMEM per element of the held sums' column block: the float32 output's buffer, and the
+    input's when the sums start from ``init``; with a narrower output (``out_itemsize``,
+    :func:`down_and_combine`'s ``out_dtype``) the float32 sums are a scratch block next to
+    it. Single buffers (``pl.Buffered(1)``): the block's index changes once per column
+    block, and a double buffer would halve the width held, doubling the activations'
+    reads."""
+    if with_init:
+        return 8
+    return 4 if out_itemsize == 4 else 4 + out_itemsize
 
 
-def _vmem(t_pad: int, cols: int, tm: int, inter: int, itemsize: int, with_init: bool) -> int:
+def _vmem(t_pad: int, cols: int, tm: int, inter: int, itemsize: int, with_init: bool,
+          out_itemsize: int = 4) -> int:
     """VMEM of one column width: the held sums (and ``init``), double-buffered activation
     and weight blocks, the float32 tile scratch and the dot's float32 value."""
-    return (t_pad * cols * sums_bytes(with_init) + 2 * (tm * inter + inter * cols) * itemsize
-            + 2 * tm * cols * 4)
+    return (t_pad * cols * sums_bytes(with_init, out_itemsize)
+            + 2 * (tm * inter + inter * cols) * itemsize + 2 * tm * cols * 4)
 
 
 def column_width(tokens: int, hidden: int, tm: int, inter: int, itemsize: int,
-                 with_init: bool) -> int | None:
+                 with_init: bool, out_itemsize: int = 4,
+                 vmem_limit: int = vmem_rows.VMEM_LIMIT) -> int | None:
     """The widest column block of the ``[tokens, hidden]`` sums (a lane tile of H) whose
-    held sums fit ``vmem_rows.HELD_BUDGET`` and whose whole footprint fits
-    ``vmem_rows.KERNEL_BUDGET``; None: not even 128 columns do."""
+    held sums and whole footprint fit the budgets of a scoped VMEM limit of ``vmem_limit``
+    (``vmem_rows.budgets``); None: not even 128 columns do."""
     t_pad = vmem_rows.pad_block(tokens)
+    held, whole = vmem_rows.budgets(vmem_limit)
     return next((c for c in vmem_rows.lane_tiles(hidden)
-                 if t_pad * c * sums_bytes(with_init) <= vmem_rows.HELD_BUDGET
-                 and _vmem(t_pad, c, tm, inter, itemsize, with_init)
-                 <= vmem_rows.KERNEL_BUDGET), None)
+                 if t_pad * c * sums_bytes(with_init, out_itemsize) <= held
+                 and _vmem(t_pad, c, tm, inter, itemsize, with_init, out_itemsize) <= whole),
+                None)
 
 
 def fits(tokens: int, hidden: int, rows: int, tm: int, inter: int, itemsize: int,
-         with_init: bool) -> bool:
+         with_init: bool, out_itemsize: int = 4, vmem_limit: int = vmem_rows.VMEM_LIMIT) -> bool:
     """Whether :func:`down_and_combine` can run: H a multiple of 128, a column width
     (:func:`column_width`), and the ``rows`` row tokens prefetched to SMEM
     (``vmem_rows.MAX_INDICES``)."""
     return (hidden % vmem_rows.LANE == 0 and rows <= vmem_rows.MAX_INDICES
-            and column_width(tokens, hidden, tm, inter, itemsize, with_init) is not None)
+            and column_width(tokens, hidden, tm, inter, itemsize, with_init, out_itemsize,
+                             vmem_limit) is not None)
 
 
-def _kernel(offsets_ref, groups_ref, m_tiles_ref, token_ref, lhs_ref, w_ref, *refs,
-            with_init: bool):
-    if with_init:
-        init_ref, out_ref, tile_ref = refs
-    else:
-        out_ref, tile_ref = refs
+def weighs_rows(rows: int) -> bool:
+    """Whether :func:`down_and_combine` can take the ``rows`` routing weights too: float32
+    scalars prefetched to SMEM next to the token indices, both within the SMEM of
+    ``vmem_rows.MAX_INDICES`` indices."""
+    return 2 * rows <= vmem_rows.MAX_INDICES
+
+
+def _kernel(offsets_ref, groups_ref, m_tiles_ref, token_ref, *refs, with_init: bool,
+            weighted: bool, cast: bool):
+    refs = list(refs)
+    weight_ref = refs.pop(0) if weighted else None  # SMEM, as the tokens
+    lhs_ref, w_ref = refs.pop(0), refs.pop(0)
+    init_ref = refs.pop(0) if with_init else None
+    out_ref, tile_ref = refs.pop(0), refs.pop(0)
+    sums_ref = refs.pop(0) if cast else out_ref  # the float32 sums: the output, or a scratch
     step = pl.program_id(1)
 
     @pl.when(step == 0)
     def _():
-        out_ref[...] = init_ref[...] if with_init else jnp.zeros_like(out_ref)
+        sums_ref[...] = init_ref[...] if with_init else jnp.zeros_like(sums_ref)
 
     tm = lhs_ref.shape[0]
     tile_ref[...] = jnp.dot(lhs_ref[...], w_ref[...], preferred_element_type=jnp.float32)
@@ -125,90 +147,122 @@ def _kernel(offsets_ref, groups_ref, m_tiles_ref, token_ref, lhs_ref, w_ref, *re
 
     def add(r, carry):
         target = token_ref[first + r]
-        out_ref[pl.ds(target, 1), :] = out_ref[pl.ds(target, 1), :] + tile_ref[pl.ds(r, 1), :]
+        row = tile_ref[pl.ds(r, 1), :]
+        if weighted:
+            row = row * weight_ref[first + r]
+        sums_ref[pl.ds(target, 1), :] = sums_ref[pl.ds(target, 1), :] + row
         return carry
 
     jax.lax.fori_loop(lo, hi, add, 0)
 
+    if cast:  # the column block's sums are complete after its last step: rounded once
+        @pl.when(step == pl.num_programs(1) - 1)
+        def _():
+            out_ref[...] = sums_ref[...].astype(out_ref.dtype)
 
-@functools.partial(jax.jit, static_argnames=("tokens", "tm", "interpret"))
+
+@functools.partial(jax.jit,
+                   static_argnames=("tokens", "tm", "interpret", "out_dtype", "vmem_limit"))
 def down_and_combine(act: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
                      token: jax.Array, init: jax.Array | None, tokens: int, tm: int,
-                     interpret: bool) -> jax.Array:
-    """float32 ``[tokens, H]``: ``init`` (or zeros) plus, for every sorted row ``m`` inside
-    the groups (``m < sum(group_sizes)``), ``act[m] @ w_down[group of m]`` added at its token
-    ``token[m]``.
+                     interpret: bool, weight: jax.Array | None = None,
+                     out_dtype: jnp.dtype = jnp.float32,
+                     vmem_limit: int = vmem_rows.VMEM_LIMIT) -> jax.Array:
+    """``[tokens, H]`` in ``out_dtype``: ``init`` (or zeros) plus, for every sorted row ``m``
+    inside the groups (``m < sum(group_sizes)``), ``act[m] @ w_down[group of m]`` (times
+    ``weight[m]``, if given) added at its token ``token[m]``, in float32, rounded once to
+    ``out_dtype`` at the end.
 
     act [M_pad, I] sorted by group, ``M_pad`` a multiple of ``tm``; w_down [G, I, H] (H a
     multiple of 128); group_sizes [G] from row 0; token [M_pad] in ``[0, tokens)`` wherever
-    it is read. The caller checks :func:`fits`."""
+    it is read; weight [M_pad] float32 (the routing weights, prefetched to SMEM with the
+    tokens: :func:`weighs_rows`); a narrower ``out_dtype`` only without ``init`` (the
+    sums of earlier passes stay float32); ``vmem_limit``: the scoped VMEM to ask for
+    (``vmem_rows.vmem_limit`` of the chip), which sizes the column blocks. The caller
+    checks :func:`fits`."""
     m_pad, inter = act.shape
     groups, _, hidden = w_down.shape
     if m_pad % tm or hidden % vmem_rows.LANE:
         raise ValueError(f"down_and_combine: {m_pad} rows by tm={tm}, H={hidden}: the rows "
                          f"must be a multiple of tm and H of {vmem_rows.LANE}")
+    out_dtype = jnp.dtype(out_dtype)
+    cast = out_dtype != jnp.float32
+    if cast and init is not None:
+        raise ValueError("down_and_combine: sums starting from init are float32")
     group_sizes = group_sizes.astype(jnp.int32)
     token = token.astype(jnp.int32)
+    weight = None if weight is None else weight.astype(jnp.float32)
     if interpret and vmem_rows.under_manual_axes(act, token, w_down):
         # The kernel's arithmetic in jnp (module docstring).
-        return _combine_jnp(act, w_down, group_sizes, token, init, tokens, tm)
+        return _combine_jnp(act, w_down, group_sizes, token, init, tokens, tm,
+                            weight).astype(out_dtype)
     t_pad = vmem_rows.pad_block(tokens)
     with_init = init is not None
-    cols = column_width(tokens, hidden, tm, inter, act.dtype.itemsize, with_init)
+    cols = column_width(tokens, hidden, tm, inter, act.dtype.itemsize, with_init,
+                        out_dtype.itemsize, vmem_limit)
     if cols is None:
         raise ValueError(f"{tokens} x {hidden} float32 sums do not fit "
-                         f"{vmem_rows.HELD_BUDGET} bytes of VMEM 128 columns at a time")
+                         f"{vmem_rows.budgets(vmem_limit)[0]} bytes of VMEM 128 columns at "
+                         "a time")
     (offsets, group_ids, m_tiles), active, max_tiles = tile_schedule(group_sizes, m_pad, tm)
     tiles_n = hidden // cols
     sums = pl.BlockSpec((t_pad, cols), lambda n, t, *_: (0, n), pipeline_mode=pl.Buffered(1))
-    in_specs = [pl.BlockSpec((tm, inter), lambda n, t, o, g, mt, tok: (mt[t], 0)),
-                pl.BlockSpec((None, inter, cols), lambda n, t, o, g, mt, tok: (g[t], 0, n))]
+    in_specs = [pl.BlockSpec((tm, inter), lambda n, t, o, g, mt, *_: (mt[t], 0)),
+                pl.BlockSpec((None, inter, cols), lambda n, t, o, g, mt, *_: (g[t], 0, n))]
+    # Prefetched to SMEM: the tile schedule, each row's token and (weighing) its weight.
+    scalars = [offsets, group_ids, m_tiles, token] + ([] if weight is None else [weight])
     operands = [act, w_down]
     if with_init:
         in_specs.append(sums)
         operands.append(jnp.pad(init, ((0, t_pad - tokens), (0, 0))))
+    scratch = [pltpu.VMEM((tm, cols), jnp.float32)]
+    if cast:
+        scratch.append(pltpu.VMEM((t_pad, cols), jnp.float32))
     item = act.dtype.itemsize
     cost = pl.CostEstimate(  # static, whatever the routing (module docstring, "Cost")
         flops=2 * m_pad * inter * hidden, transcendentals=0,
         bytes_accessed=(m_pad * inter * item * tiles_n + groups * inter * hidden * item
-                        + t_pad * hidden * 4 * (2 if with_init else 1)
-                        + (m_pad + 2 * max_tiles + groups + 1) * 4))
+                        + t_pad * hidden * (8 if with_init else out_dtype.itemsize)
+                        + (m_pad * (len(scalars) - 3) + 2 * max_tiles + groups + 1) * 4))
     with jax_config._check_vma(False):
         out = pl.pallas_call(
-            functools.partial(_kernel, with_init=with_init),
-            out_shape=jax.ShapeDtypeStruct((t_pad, hidden), jnp.float32),
+            functools.partial(_kernel, with_init=with_init, weighted=weight is not None,
+                              cast=cast),
+            out_shape=jax.ShapeDtypeStruct((t_pad, hidden), out_dtype),
             grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=4,
+                num_scalar_prefetch=len(scalars),
                 # At least one step, so the sums are written even with no row to add
                 # (the step's group is then empty: nothing is added).
                 grid=(tiles_n, jnp.maximum(active, 1)),
-                in_specs=in_specs, out_specs=sums,
-                scratch_shapes=[pltpu.VMEM((tm, cols), jnp.float32)]),
+                in_specs=in_specs, out_specs=sums, scratch_shapes=scratch),
             compiler_params=pltpu.CompilerParams(
-                dimension_semantics=("arbitrary", "arbitrary"),
-                vmem_limit_bytes=vmem_rows.VMEM_LIMIT),
+                dimension_semantics=("arbitrary", "arbitrary"), vmem_limit_bytes=vmem_limit),
             cost_estimate=cost,
             interpret=interpret,
             # The sums are updated in place of init (a column block is read before it is
             # written back, and never read again): under EP the passes' loop-carried sums
             # need no copy per pass (when the tokens are a whole number of 16-row blocks;
             # otherwise init is padded and the result sliced, each a copy).
-            input_output_aliases={6: 0} if with_init else {},
-        )(offsets, group_ids, m_tiles, token, *operands)
+            input_output_aliases={len(scalars) + 2: 0} if with_init else {},
+        )(*scalars, *operands)
     out = mark_varying(out, act, w_down, group_sizes, token)
     return out[:tokens] if t_pad != tokens else out
 
 
 def _combine_jnp(act: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
-                 token: jax.Array, init: jax.Array | None, tokens: int, tm: int) -> jax.Array:
+                 token: jax.Array, init: jax.Array | None, tokens: int, tm: int,
+                 weight: jax.Array | None) -> jax.Array:
     """:func:`down_and_combine`'s arithmetic without the kernel: Megablox's down in float32
-    (interpret mode), its rows inside the groups scatter-added at their tokens."""
+    (interpret mode), its rows inside the groups (times their weights) scatter-added at
+    their tokens; float32."""
     groups, inter, hidden = w_down.shape
     with jax_config._check_vma(False):
         rows = megablox_gmm(act, w_down, group_sizes, preferred_element_type=jnp.float32,
                             tiling=(tm, inter, hidden), interpret=True)
     rows = mark_varying(rows, act, w_down, group_sizes)
     inside = jnp.arange(act.shape[0]) < jnp.sum(group_sizes)
+    if weight is not None:
+        rows = rows * weight[:, None]
     kept = jnp.where(inside[:, None], rows, 0.0)  # rows past the groups: unspecified
     start = init if init is not None else jnp.zeros((tokens, hidden), jnp.float32)
     return start.at[jnp.where(inside, token, 0)].add(kept)

@@ -5,7 +5,8 @@ sorted token rows and write a float32 ``[M_pad, I]`` result, and XLA reads both 
 ``silu(gate) * up * routing weight`` in the compute dtype. Here each grid step reads one m
 tile of the rows ``[tm, H]`` once, multiplies it by its group's gate and up weight blocks
 ``[H, tn]`` (accumulating in float32 on the MXU), and stores
-``(silu(gate) * up * weight).astype(dtype)``: the rows are read once, and the only
+``(silu(gate) * up).astype(dtype)`` (times the routing weight where the combine does not
+apply it: ``gmm_combine.weighs_rows``): the rows are read once, and the only
 ``[M_pad, I]`` array written is the activation down reads. At decode, where the tokens
 ``[T, H]`` fit VMEM whole, the kernel holds them and picks each tile's rows itself
 (``vmem_rows.pick_rows``): the sorted ``[M_pad, H]`` rows are never written at all.
@@ -17,8 +18,9 @@ mask does). Rows past the groups are unspecified (a partly owned tile stores the
 with whatever its buffer held); the caller reads only rows inside the groups.
 
 Cost: as ``gmm_combine``'s (its docstring, "Cost"): the rows once per n tile of I, each
-group's two weight blocks once, the activation once, and the routing weight column as the
-kernel's blocks move it (``[M_pad, 1]`` float32 is laid out 128 lanes wide in HBM). FLOPs are
+group's two weight blocks once, the activation once, and the routing weight column (if
+any) as the kernel's blocks move it (``[M_pad, 1]`` float32 is laid out 128 lanes wide in
+HBM). FLOPs are
 ``4 * M_pad * H * I``, Megablox's convention: the MXU also multiplies the other rows of a
 partly owned tile, up to ``(M_pad / tm + G - 1) / (M_pad / tm)`` times that at decode.
 
@@ -103,13 +105,18 @@ def holds_tokens(tokens: int, hidden: int, itemsize: int, rows: int) -> bool:
             and vmem_rows.column_block(t_pad, hidden, vmem_rows.held_bytes(itemsize)) == hidden)
 
 
+def packs(dtype: jnp.dtype, hidden: int) -> bool:
+    """Whether the row DMAs read ``[T, hidden]`` rows of ``dtype`` packed two columns to a
+    word (:func:`pack_pairs`): bfloat16 with ``hidden / 2`` a multiple of 128 lanes."""
+    return jnp.dtype(dtype) == jnp.bfloat16 and hidden % (2 * vmem_rows.LANE) == 0
+
+
 def fetchable(dtype: jnp.dtype, hidden: int, rows: int) -> bool:
     """Whether the kernel can DMA its ``rows`` tile rows of a ``[T, hidden]`` x itself: 32-bit
-    rows as they are, bfloat16 rows packed two columns to a word (``hidden / 2`` a multiple
-    of 128 lanes); the row indices within SMEM's ``vmem_rows.MAX_INDICES``."""
-    dtype = jnp.dtype(dtype)
-    packs = dtype == jnp.bfloat16 and hidden % (2 * vmem_rows.LANE) == 0
-    return (dtype.itemsize == 4 or packs) and rows <= vmem_rows.MAX_INDICES
+    rows as they are, bfloat16 rows packed (:func:`packs`); the row indices within SMEM's
+    ``vmem_rows.MAX_INDICES``."""
+    return ((jnp.dtype(dtype).itemsize == 4 or packs(dtype, hidden))
+            and rows <= vmem_rows.MAX_INDICES)
 
 
 def token_mode(tokens: int, hidden: int, inter: int, dtype: jnp.dtype, rows: int,
@@ -156,27 +163,38 @@ def _unpack_pairs(words: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 def _act(rows: jax.Array, gate_ref, up_ref, weight_ref, out_ref, offsets_ref, groups_ref,
          m_tiles_ref, contract_minor: bool) -> None:
-    """Stores the gated activation of the step's tile ``rows`` [tm, H] for its group's rows."""
+    """Stores the gated activation of the step's tile ``rows`` [tm, H] for its group's rows
+    (times the routing weight column, if ``weight_ref`` is not None)."""
     step = pl.program_id(1)
     tm = rows.shape[0]
     dims = (((1,), (1,)), ((), ())) if contract_minor else (((1,), (0,)), ((), ()))
     gate = jax.lax.dot_general(rows, gate_ref[...], dims, preferred_element_type=jnp.float32)
     up = jax.lax.dot_general(rows, up_ref[...], dims, preferred_element_type=jnp.float32)
-    act = (jax.nn.silu(gate) * up * weight_ref[...]).astype(out_ref.dtype)
+    act = jax.nn.silu(gate) * up
+    if weight_ref is not None:
+        act = act * weight_ref[...]
+    act = act.astype(out_ref.dtype)
     group = groups_ref[step]
     row = m_tiles_ref[step] * tm + jax.lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
     mine = (row >= offsets_ref[group]) & (row < offsets_ref[group + 1])
     out_ref[...] = jnp.where(mine, act, out_ref[...])
 
 
-def _rows_kernel(offsets_ref, groups_ref, m_tiles_ref, xs_ref, gate_ref, up_ref, weight_ref,
-                 out_ref, *, contract_minor: bool):
+def _weight_and_rest(refs: tuple, weighted: bool) -> tuple:
+    """The kernel's refs after the weights: (the routing weight column or None, the rest)."""
+    return (refs[0], refs[1:]) if weighted else (None, refs)
+
+
+def _rows_kernel(offsets_ref, groups_ref, m_tiles_ref, xs_ref, gate_ref, up_ref, *refs,
+                 contract_minor: bool, weighted: bool):
+    weight_ref, (out_ref,) = _weight_and_rest(refs, weighted)
     _act(xs_ref[...], gate_ref, up_ref, weight_ref, out_ref, offsets_ref, groups_ref,
          m_tiles_ref, contract_minor)
 
 
 def _gather_kernel(offsets_ref, groups_ref, m_tiles_ref, token_ref, x_ref, gate_ref, up_ref,
-                   weight_ref, out_ref, xf_ref, rows_ref, *, contract_minor: bool):
+                   *refs, contract_minor: bool, weighted: bool):
+    weight_ref, (out_ref, xf_ref, rows_ref) = _weight_and_rest(refs, weighted)
     # The tokens' rows are held whole (their block index never changes: read from HBM once)
     # with a float32 copy made at the first step, from which the tile's rows are picked by
     # a dynamic sublane offset (vmem_rows' module docstring says why float32).
@@ -236,7 +254,8 @@ def _unpack_tile(slots, slot: jax.Array, rows_ref) -> None:
 
 
 def _fetch_kernel(offsets_ref, groups_ref, m_tiles_ref, token_ref, x_hbm, gate_ref, up_ref,
-                  weight_ref, out_ref, slots, sems, *unpacked, contract_minor: bool):
+                  *refs, contract_minor: bool, weighted: bool):
+    weight_ref, (out_ref, slots, sems, *unpacked) = _weight_and_rest(refs, weighted)
     # Each n tile visits m tiles 0, 1, ..., last in order (the groups cover rows [0, sum)
     # contiguously; a tile shared by groups is visited once per group, consecutively), so
     # the k-th distinct tile of the whole grid is seq = n * (last + 1) + tile and lives in
@@ -272,11 +291,12 @@ def _fetch_kernel(offsets_ref, groups_ref, m_tiles_ref, token_ref, x_hbm, gate_r
 
 @functools.partial(jax.jit, static_argnames=("tm", "contract_minor", "interpret"))
 def gate_up_act(x: jax.Array, token: jax.Array | None, w_gate: jax.Array, w_up: jax.Array,
-                weight: jax.Array, group_sizes: jax.Array, tm: int, contract_minor: bool,
+                weight: jax.Array | None, group_sizes: jax.Array, tm: int, contract_minor: bool,
                 interpret: bool, words: jax.Array | None = None) -> jax.Array:
     """``[M_pad, I]`` in x's dtype: ``silu(r @ w_gate[g]) * (r @ w_up[g]) * weight`` for each
     sorted row r inside the groups (g its group; products in float32, one rounding at the
-    end); rows past ``sum(group_sizes)`` unspecified.
+    end; without ``weight``, not multiplied: the combine weighs the rows,
+    ``gmm_combine.weighs_rows``); rows past ``sum(group_sizes)`` unspecified.
 
     Without ``token``, x is the sorted rows ``[M_pad, H]``; with it ([M_pad] int32), x is the
     tokens ``[T, H]`` and row m is ``x[token[m]]``, taken by the kernel itself
@@ -289,8 +309,9 @@ def gate_up_act(x: jax.Array, token: jax.Array | None, w_gate: jax.Array, w_up: 
     m_pad = x.shape[0] if token is None else token.shape[0]
     groups, _, inter = w_gate.shape
     group_sizes = group_sizes.astype(jnp.int32)
-    weight = weight.astype(jnp.float32).reshape(m_pad, 1)
-    if interpret and vmem_rows.under_manual_axes(x, w_gate, weight):
+    if weight is not None:
+        weight = weight.astype(jnp.float32).reshape(m_pad, 1)
+    if interpret and vmem_rows.under_manual_axes(x, w_gate):
         xs = x if token is None else jnp.take(x, token, axis=0)
         return _gate_up_jnp(xs, w_gate, w_up, weight, group_sizes, tm)
     item = x.dtype.itemsize
@@ -308,7 +329,6 @@ def gate_up_act(x: jax.Array, token: jax.Array | None, w_gate: jax.Array, w_up: 
         w_block = pl.BlockSpec((None, tn, hidden), lambda n, t, o, g, mt, *_: (g[t], n, 0))
     else:
         w_block = pl.BlockSpec((None, hidden, tn), lambda n, t, o, g, mt, *_: (g[t], 0, n))
-    per_row = pl.BlockSpec((tm, 1), lambda n, t, o, g, mt, *_: (mt[t], 0))
     out_spec = pl.BlockSpec((tm, tn), lambda n, t, o, g, mt, *_: (mt[t], n))
     dtype = x.dtype
     if mode == ROWS:
@@ -329,31 +349,36 @@ def gate_up_act(x: jax.Array, token: jax.Array | None, w_gate: jax.Array, w_up: 
         scratch += [pltpu.VMEM((tm, hidden), dtype)] if packed else []
         rows = pl.BlockSpec(memory_space=pl.ANY)
         rows_bytes = m_pad * hidden * item * (inter // tn) + m_pad * 4
+    in_specs, operands = [rows, w_block, w_block], [x, w_gate, w_up]
+    if weight is not None:  # a [tm, 1] float32 block, laid out 128 lanes wide in HBM
+        in_specs.append(pl.BlockSpec((tm, 1), lambda n, t, o, g, mt, *_: (mt[t], 0)))
+        operands.append(weight)
+    weight_bytes = 0 if weight is None else m_pad * vmem_rows.LANE * 4 * (inter // tn)
     cost = pl.CostEstimate(  # static, whatever the routing (gmm_combine's docstring, "Cost")
         flops=4 * m_pad * hidden * inter, transcendentals=m_pad * inter,
         bytes_accessed=(rows_bytes + 2 * groups * hidden * inter * item + m_pad * inter * item
-                        + m_pad * vmem_rows.LANE * 4 * (inter // tn)
-                        + (2 * max_tiles + groups + 1) * 4))
+                        + weight_bytes + (2 * max_tiles + groups + 1) * 4))
     with jax_config._check_vma(False):
         out = pl.pallas_call(
-            functools.partial(kernel, contract_minor=contract_minor),
+            functools.partial(kernel, contract_minor=contract_minor,
+                              weighted=weight is not None),
             out_shape=jax.ShapeDtypeStruct((m_pad, inter), dtype),
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=len(scalars),
                 grid=(inter // tn, active),
-                in_specs=[rows, w_block, w_block, per_row],
+                in_specs=in_specs,
                 out_specs=out_spec, scratch_shapes=scratch),
             compiler_params=pltpu.CompilerParams(
                 dimension_semantics=("arbitrary", "arbitrary"),
                 vmem_limit_bytes=vmem_rows.VMEM_LIMIT),
             cost_estimate=cost,
             interpret=interpret,
-        )(*scalars, x, w_gate, w_up, weight)
-    return mark_varying(out, x, w_gate, weight, group_sizes)
+        )(*scalars, *operands)
+    return mark_varying(out, x, w_gate, group_sizes)
 
 
-def _gate_up_jnp(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, weight: jax.Array,
-                 group_sizes: jax.Array, tm: int) -> jax.Array:
+def _gate_up_jnp(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                 weight: jax.Array | None, group_sizes: jax.Array, tm: int) -> jax.Array:
     """:func:`gate_up_act`'s arithmetic without the kernel: Megablox's gate and up in
     float32 (interpret mode), the activation in float32, one rounding."""
     _, hidden, inter = w_gate.shape
@@ -362,4 +387,5 @@ def _gate_up_jnp(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, weight: jax.
                                  tiling=(tm, hidden, inter), interpret=True)
                     for w in (w_gate, w_up))
     gate, up = (mark_varying(a, xs, w_gate, group_sizes) for a in (gate, up))
-    return (jax.nn.silu(gate) * up * weight).astype(xs.dtype)
+    act = jax.nn.silu(gate) * up
+    return (act if weight is None else act * weight).astype(xs.dtype)

@@ -38,17 +38,48 @@ from sgl_jax.srt.layers.moe.manual_axes import mark_varying, varying_axes
 BLOCK = 16  # rows of a bfloat16 (16, 128) tile; also a multiple of float32's 8
 LANE = 128
 # VMEM of the block a kernel holds across its grid steps: a column block of the gathered
-# operand (two pipeline buffers and its float32 copy), or of gmm_combine's float32 sums.
-HELD_BUDGET = 16 * 1024 * 1024
+# operand (two pipeline buffers and its float32 copy), or of gmm_combine's float32 sums (and
+# their bfloat16 output: 512 of the 30B's 2,048 columns of 8,192 tokens at 6 bytes each).
+HELD_BUDGET = 24 * 1024 * 1024
 # Scoped VMEM a kernel may ask for (below the 95 / 128 MiB of v5p / v5e / v6e), and what the
 # kernels size their blocks to within it (the held block, the streamed blocks, scratch and
 # values), leaving the rest to Mosaic's own scratch.
 VMEM_LIMIT = 40 * 1024 * 1024
 KERNEL_BUDGET = 32 * 1024 * 1024
+# On chips with at least LARGE_VMEM per TensorCore (v5e, v6e: 128 MiB), the scoped VMEM the
+# combine kernel asks for (``gmm_combine``: its held float32 sums are as wide as VMEM allows,
+# and each column block of them reads the activations once more).
+LARGE_VMEM = 128 * 1024 * 1024
+LARGE_VMEM_LIMIT = 100 * 1024 * 1024
 OUT_ROWS = 64  # rows of one streamed block (a grid step)
 # Indices a kernel prefetches to SMEM (int32): 512 KiB, the most compiled (v6e, a 16,384-token
 # prefill of the 30B at k = 8: 131,072 assignment rows); more fall back to XLA's gathers.
 MAX_INDICES = 131_072
+
+
+def vmem_limit(device_kind: str | None) -> int:
+    """The scoped VMEM a kernel sized by :func:`budgets` may ask for on a chip of
+    ``device_kind`` (``jax.Device.device_kind``, e.g. "TPU v6 lite"): ``LARGE_VMEM_LIMIT``
+    where the chip has ``LARGE_VMEM`` per TensorCore, else ``VMEM_LIMIT`` (also for a kind
+    JAX's table does not know, or no TPU)."""
+    if not device_kind:
+        return VMEM_LIMIT
+    try:
+        from jax._src.pallas.mosaic import tpu_info  # the kind's chip: not a public API yet
+
+        version = tpu_info.chip_version_from_device_kind(device_kind)
+        capacity = pltpu.get_tpu_info_for_chip(version, 1).vmem_capacity_bytes
+    except Exception:  # noqa: BLE001 - an unknown or non-TPU kind: the default limit
+        return VMEM_LIMIT
+    return LARGE_VMEM_LIMIT if capacity >= LARGE_VMEM else VMEM_LIMIT
+
+
+def budgets(limit: int = VMEM_LIMIT) -> tuple[int, int]:
+    """(held block, whole kernel) VMEM budgets under a scoped limit of ``limit`` bytes: the
+    defaults ``HELD_BUDGET`` and ``KERNEL_BUDGET``, the held block taking what a larger limit
+    adds."""
+    extra = max(limit - VMEM_LIMIT, 0)
+    return HELD_BUDGET + extra, KERNEL_BUDGET + extra
 
 
 def pad_block(rows: int) -> int:

@@ -89,6 +89,18 @@ def physical_ids(topk_ids: jax.Array, replicas: jax.Array, num_replicas: jax.Arr
     return replicas[topk_ids, choice]
 
 
+def _local_rows(rows: jax.Array, rows_here: int) -> jax.Array:
+    """Inside ``shard_map``: the device's local row of each physical row it holds, the
+    sentinel ``rows_here`` for the others. Physical rows are contiguous per device, so a row
+    becomes a local one by a subtraction; rows held elsewhere contribute nothing here, so the
+    partial sums of all devices add up to the single-device result. With one device on the
+    expert axis every row is its own (the ``[T, k]`` select would be a no-op pass)."""
+    if jax.sharding.get_abstract_mesh().shape[EXPERT_AXIS] == 1:
+        return rows
+    local = rows - jax.lax.axis_index(EXPERT_AXIS) * rows_here
+    return jnp.where((local >= 0) & (local < rows_here), local, rows_here)
+
+
 def ep_moe_forward(
     x: jax.Array,
     topk_ids: jax.Array,
@@ -139,12 +151,7 @@ def ep_moe_forward(
 
     def local_experts(x: jax.Array, rows: jax.Array, topk_weights: jax.Array,
                       w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-        # Physical rows are contiguous per device, so a row becomes a local one by a
-        # subtraction; rows held elsewhere get the sentinel ``rows_here`` and contribute
-        # nothing here, so the partial sums of all devices add up to the single-device result.
-        rows_here = w_gate.shape[0]
-        local = rows - jax.lax.axis_index(EXPERT_AXIS) * rows_here
-        local = jnp.where((local >= 0) & (local < rows_here), local, rows_here)
+        local = _local_rows(rows, w_gate.shape[0])
         if sequence_split:
             # x arrives split by token over "tensor": every device's tokens gathered (and,
             # for gmm, packed for its row DMAs before the gather). The sums are scattered over
@@ -165,9 +172,7 @@ def ep_moe_forward(
         rows, topk_weights = (jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True)
                               for a in (rows, topk_weights))
         x, words = backend.gather_tokens(x, EXPERT_AXIS)  # gmm's packed rows too
-        rows_here = w_gate.shape[0]
-        local = rows - jax.lax.axis_index(EXPERT_AXIS) * rows_here
-        local = jnp.where((local >= 0) & (local < rows_here), local, rows_here)
+        local = _local_rows(rows, w_gate.shape[0])
         # In the activation dtype, as XLA:TPU already moves the cast before the psum without
         # DP: half the bytes over the links in bfloat16 (float32 on CPU: nothing changes).
         partial = backend(x, local, topk_weights, w_gate, w_up, w_down, x.dtype, words)

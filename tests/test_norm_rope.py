@@ -103,3 +103,23 @@ def test_supported_layouts():
     assert not norm_rope.supported(64, 64, False, 8, 4)  # half a lane tile per head
     assert not norm_rope.supported(128, 128, False, 2, 4)  # a device with half a head
     jax.clear_caches()
+
+
+def test_parts_in_one_call_equal_one_call_each():
+    """q and k of the fused q/k/v in one kernel call (the table read once, each part's
+    columns in place, q written ``[T, heads, D]``): what a call per part gives."""
+    rng = np.random.default_rng(11)
+    tokens, d = 40, 128
+    wide = jnp.asarray(rng.standard_normal((tokens, (4 + 2 + 2) * d)), jnp.bfloat16)
+    weights = [jnp.asarray(rng.standard_normal(d), jnp.bfloat16) for _ in range(2)]
+    positions = jnp.asarray(rng.integers(0, 2048, tokens), jnp.int32)
+    parts = (norm_rope.Part(4, weights[0], 0, heads_axis=True),
+             norm_rope.Part(2, weights[1], 2))  # k: block 2 of 2-head width, after 4 q heads
+    q, k = norm_rope.norm_rope_parts(wide, parts, positions, THETA, d, EPS, interpret=True)
+    want_q = norm_rope.norm_rope(wide[:, :4 * d], weights[0], positions, THETA, 4, EPS,
+                                 interpret=True)
+    want_k = norm_rope.norm_rope(wide[:, 4 * d:6 * d], weights[1], positions, THETA, 2, EPS,
+                                 interpret=True)
+    assert q.shape == (tokens, 4, d) and k.shape == (tokens, 2 * d)
+    np.testing.assert_array_equal(np.asarray(q.reshape(tokens, 4 * d)), np.asarray(want_q))
+    np.testing.assert_array_equal(np.asarray(k), np.asarray(want_k))

@@ -4,7 +4,8 @@ devices), with and without q/k/v biases, the fused path is the one traced when t
 more tokens than a device's fused columns, never at decode, and both give the float64
 products ``x @ w (+ b)``; with the Pallas attention backend the norm/rotary kernel reads q's
 and k's columns of the fused array in place, with the result it has on separate
-projections (``tests/test_norm_rope.py`` checks that one against float64)."""
+projections, in one kernel call for both (``tests/test_norm_rope.py`` checks the single
+projection against float64)."""
 
 from __future__ import annotations
 
@@ -83,9 +84,7 @@ def worker(out_dir: str) -> None:
             return tuple(a._norm_and_rotate(a._project(x, n), norm, h, positions, backends,
                                             query=n == "q_proj")
                          for n, norm, h in zip(("q_proj", "k_proj"), norms, heads, strict=True))
-        return tuple(a._norm_and_rotate(fused, norm, h, positions, backends, part,
-                                        query=part == 0)
-                     for part, norm, h in zip((0, 1), norms, heads, strict=True))
+        return a._rotate_fused(fused, positions, backends)
 
     with jax.set_mesh(mesh):
         for fuse in (True, False):

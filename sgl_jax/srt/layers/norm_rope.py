@@ -21,6 +21,8 @@ device's heads (and, with DP attention, its rank's tokens).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -46,19 +48,27 @@ def supported(head_dim: int, rotary_dim: int, interleaved: bool, heads: int,
             and heads % tp == 0)
 
 
-def _kernel(x_ref, table_ref, *rest, heads: int, eps: float | None):
-    w_ref, out_ref = rest if eps is not None else (None, rest[0])  # the norm's weight, if any
-    head_dim = table_ref.shape[1]
-    # [cos | sin] -> [cos | cos] and [-sin | sin] (exactly the table's values).
-    table = table_ref[...]
-    swapped = pltpu.roll(table, head_dim // 2, 1)  # [sin | cos]
-    first = jax.lax.broadcasted_iota(jnp.int32, table.shape, 1) < head_dim // 2
-    cos = jnp.where(first, table, swapped)
-    sin = jnp.where(first, -swapped, table)
+@dataclass(frozen=True)
+class Part:
+    """One projection the kernel norms and rotates: ``heads`` heads (of the whole model: each
+    device takes ``heads / tp``) in column block ``column_block`` of x (blocks of the
+    device's ``heads / tp * D`` columns), its RMSNorm ``weight`` (None: no norm), and
+    whether the result is ``[T, heads, D]`` (``heads_axis``) or ``[T, heads * D]``."""
+
+    heads: int
+    weight: jax.Array | None = None
+    column_block: int = 0
+    heads_axis: bool = False
+
+
+def _rotate_heads(x_ref, w_ref, out_ref, cos: jax.Array, sin: jax.Array, heads: int,
+                  eps: float | None) -> None:
+    """One part's block: each head normed (if ``w_ref``) and rotated, stored once."""
+    head_dim = cos.shape[1]
     for h in range(heads):  # static: whole heads, lane-aligned column blocks
         cols = slice(h * head_dim, (h + 1) * head_dim)
         x = x_ref[:, cols]
-        if eps is not None:
+        if w_ref is not None:
             x32 = x.astype(jnp.float32)
             scale = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
             x = (x32 * scale * w_ref[...].astype(jnp.float32)).astype(x_ref.dtype)
@@ -73,50 +83,107 @@ def _kernel(x_ref, table_ref, *rest, heads: int, eps: float | None):
             out_ref[:, cols] = y
 
 
-@functools.partial(jax.jit, static_argnames=("heads", "eps", "interpret", "column_block",
-                                             "heads_axis"))
-def _norm_rope_local(x: jax.Array, table: jax.Array, *weight: jax.Array,
-                     heads: int, eps: float | None, interpret: bool,
-                     column_block: int = 0, heads_axis: bool = False) -> jax.Array:
-    """One device's ``[T, heads * D]`` (``heads_axis``: ``[T, heads, D]``): columns
-    ``[c * heads * D, (c + 1) * heads * D)`` of x, ``c = column_block`` (the kernel's grid
-    over token blocks)."""
+def _kernel(*refs, parts: tuple[tuple[int, bool], ...], eps: float | None):
+    # refs: each part's x block, the table, the normed parts' weights, each part's output.
+    n = len(parts)
+    x_refs, table_ref = refs[:n], refs[n]
+    normed = [has_norm for _, has_norm in parts]
+    w_iter = iter(refs[n + 1:n + 1 + sum(normed)])
+    w_refs = [next(w_iter) if has_norm else None for has_norm in normed]
+    out_refs = refs[n + 1 + sum(normed):]
+    head_dim = table_ref.shape[1]
+    # [cos | sin] -> [cos | cos] and [-sin | sin] (exactly the table's values), once for all
+    # the parts.
+    table = table_ref[...]
+    swapped = pltpu.roll(table, head_dim // 2, 1)  # [sin | cos]
+    first = jax.lax.broadcasted_iota(jnp.int32, table.shape, 1) < head_dim // 2
+    cos = jnp.where(first, table, swapped)
+    sin = jnp.where(first, -swapped, table)
+    for (heads, _), x_ref, w_ref, out_ref in zip(parts, x_refs, w_refs, out_refs, strict=True):
+        _rotate_heads(x_ref, w_ref, out_ref, cos, sin, heads, eps)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "eps", "interpret"))
+def _norm_rope_local(x: jax.Array, table: jax.Array, *weights: jax.Array,
+                     layout: tuple[tuple[int, int, bool, bool], ...], eps: float | None,
+                     interpret: bool) -> tuple[jax.Array, ...]:
+    """One device's parts of x (``layout``: per part its local heads, column block, heads
+    axis and whether it is normed, ``weights`` those parts' norm weights), the kernel's grid
+    over token blocks."""
     tokens = x.shape[0]
     head_dim = table.shape[1]
-    width = heads * head_dim
+    width = max(heads for heads, *_ in layout) * head_dim
     # At most TOKEN_BLOCK tokens, and a block of x within BLOCK_BYTES (wide rows at tp 1).
     fit = max(16, BLOCK_BYTES // (width * x.dtype.itemsize) // 16 * 16)
     block = min(TOKEN_BLOCK, fit, -(-tokens // 16) * 16)
     pad = -tokens % block
     if pad:
         x, table = (jnp.pad(a, ((0, pad), (0, 0))) for a in (x, table))
+
     def rows(cols: int, column: int = 0) -> pl.BlockSpec:
         return pl.BlockSpec((block, cols), lambda i: (i, column))
 
-    in_specs = [rows(width, column_block), rows(head_dim)]
-    operands = [x, table]
-    if eps is not None:
-        in_specs.append(pl.BlockSpec((1, head_dim), lambda i: (0, 0)))
-        operands.append(weight[0].reshape(1, head_dim))
+    in_specs = [rows(heads * head_dim, column) for heads, column, *_ in layout]
+    in_specs += [rows(head_dim)]
+    in_specs += [pl.BlockSpec((1, head_dim), lambda i: (0, 0)) for *_, normed in layout
+                 if normed]
+    out_shapes, out_specs = [], []
+    for heads, _, heads_axis, _ in layout:
+        if heads_axis:
+            out_shapes.append(jax.ShapeDtypeStruct((x.shape[0], heads, head_dim), x.dtype))
+            out_specs.append(pl.BlockSpec((block, heads, head_dim), lambda i: (i, 0, 0)))
+        else:
+            out_shapes.append(jax.ShapeDtypeStruct((x.shape[0], heads * head_dim), x.dtype))
+            out_specs.append(rows(heads * head_dim))
     item = x.dtype.itemsize
-    size = x.shape[0] * width  # the block of columns read, and written
+    size = x.shape[0] * head_dim * sum(heads for heads, *_ in layout)  # read, and written
     cost = pl.CostEstimate(
-        flops=8 * size, transcendentals=x.shape[0] * heads if eps is not None else 0,
-        bytes_accessed=2 * size * item + table.size * 4 + head_dim * item)
+        flops=8 * size,
+        transcendentals=x.shape[0] * sum(h for h, *_, normed in layout if normed),
+        bytes_accessed=2 * size * item + table.size * 4 + len(weights) * head_dim * item)
     with jax_config._check_vma(False):
-        out = pl.pallas_call(
-            functools.partial(_kernel, heads=heads, eps=eps),
-            out_shape=jax.ShapeDtypeStruct(
-                (x.shape[0], heads, head_dim) if heads_axis else (x.shape[0], width), x.dtype),
+        outs = pl.pallas_call(
+            functools.partial(_kernel, parts=tuple((h, n) for h, _, _, n in layout), eps=eps),
+            out_shape=tuple(out_shapes),
             grid=(x.shape[0] // block,),
             in_specs=in_specs,
-            out_specs=(pl.BlockSpec((block, heads, head_dim), lambda i: (i, 0, 0))
-                       if heads_axis else rows(width)),
+            out_specs=tuple(out_specs),
             compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
             cost_estimate=cost,
             interpret=interpret,
-        )(*operands)
-    return out[:tokens] if pad else out
+        )(*([x] * len(layout)), table, *(w.reshape(1, head_dim) for w in weights))
+    return tuple(o[:tokens] for o in outs) if pad else tuple(outs)
+
+
+def norm_rope_parts(x: jax.Array, parts: Sequence[Part], positions: jax.Array, theta: float,
+                    head_dim: int, eps: float | None, interpret: bool,
+                    tokens_split: bool = False,
+                    yarn: RopeScaling | None = None) -> tuple[jax.Array, ...]:
+    """Several projections side by side in x (``GqaAttention``'s fused q/k/v: on each device
+    its q, k and v columns next to each other, the blocks split over "tensor"), each
+    :class:`Part` normed and rotated by one kernel: the rotation table read once, each
+    part's columns read in place (never sliced out of x), the others never read. The
+    arithmetic of ``rms_norm`` then ``apply_rotary`` (:func:`norm_rope`); ``eps`` None: no
+    norm. The caller checks :func:`supported` for every part."""
+    table = rotation_table(positions, theta, head_dim, yarn)
+    mesh = jax.sharding.get_abstract_mesh()
+    tp = 1 if mesh.empty else mesh.shape.get(TENSOR_AXIS, 1)
+    weights = tuple(p.weight for p in parts if eps is not None and p.weight is not None)
+    layout = tuple((p.heads // tp, p.column_block, p.heads_axis,
+                    eps is not None and p.weight is not None) for p in parts)
+    local = functools.partial(_norm_rope_local, layout=layout, eps=eps, interpret=interpret)
+    if mesh.empty or TENSOR_AXIS in mesh.manual_axes:  # in a caller's shard_map: x is local
+        return local(x, table, *weights)
+    # A custom call XLA cannot partition: always under shard_map on a mesh (tp 1 with DP
+    # attention too, where the tokens are split over the ranks).
+    tokens = DATA_AXIS if tokens_split else None
+    run = jax.shard_map(
+        local, mesh=mesh,
+        in_specs=(P(tokens, TENSOR_AXIS), P(tokens), *(P() for _ in weights)),
+        out_specs=tuple(P(tokens, TENSOR_AXIS, None) if p.heads_axis else P(tokens, TENSOR_AXIS)
+                        for p in parts),
+        check_vma=False)
+    return run(x, table, *weights)
 
 
 def norm_rope(x: jax.Array, weight: jax.Array | None, positions: jax.Array, theta: float,
@@ -137,22 +204,6 @@ def norm_rope(x: jax.Array, weight: jax.Array | None, positions: jax.Array, thet
     (XLA:TPU tiles a ``[T, heads, D]`` array by (heads, D): the attention kernel's q layout;
     a ``[T, heads * D]`` result reshaped to it is a relayout copy of q)."""
     head_dim = x.shape[1] // heads if head_dim is None else head_dim
-    table = rotation_table(positions, theta, head_dim, yarn)
-    local = functools.partial(_norm_rope_local, eps=eps, interpret=interpret,
-                              column_block=column_block, heads_axis=heads_axis)
-    mesh = jax.sharding.get_abstract_mesh()
-    tp = 1 if mesh.empty else mesh.shape.get(TENSOR_AXIS, 1)
-    weights = () if eps is None else (weight,)
-    if mesh.empty:
-        return local(x, table, *weights, heads=heads)
-    if TENSOR_AXIS in mesh.manual_axes:  # inside a caller's shard_map: x is this device's
-        return local(x, table, *weights, heads=heads // tp)
-    # A custom call XLA cannot partition: always under shard_map on a mesh (tp 1 with DP
-    # attention too, where the tokens are split over the ranks).
-    tokens = DATA_AXIS if tokens_split else None
-    run = jax.shard_map(
-        functools.partial(local, heads=heads // tp), mesh=mesh,
-        in_specs=(P(tokens, TENSOR_AXIS), P(tokens), *(P() for _ in weights)),
-        out_specs=P(tokens, TENSOR_AXIS, None) if heads_axis else P(tokens, TENSOR_AXIS),
-        check_vma=False)
-    return run(x, table, *weights)
+    part = Part(heads, weight, column_block, heads_axis)
+    return norm_rope_parts(x, (part,), positions, theta, head_dim, eps, interpret,
+                           tokens_split, yarn)[0]

@@ -143,51 +143,69 @@ class GqaAttention(nnx.Module):
         blocks = fused.reshape(fused.shape[0], tp, -1)[:, :, start:start + widths[part]]
         return blocks.reshape(fused.shape[0], -1)
 
-    def _norm_and_rotate(self, y: jax.Array, norm: RMSNorm | None, heads: int,
-                         positions: jax.Array, backends: ModelBackends,
-                         part: int | None = None, query: bool = False) -> jax.Array:
-        """[T, heads * D] projection -> [T, heads, D]: each head's RMSNorm (Qwen3, GLM-4.5)
-        and the rotary embedding; on TPU (the Pallas attention backend) in one kernel
-        (``layers/norm_rope.py``) where it covers the layout. ``part``: y is
-        :meth:`_fused_qkv`'s array, of which this is q (0) or k (1); the kernel reads its
-        columns in place. ``query``: y is q."""
-        attention = backends.attention
+    def _rotates_in_kernel(self, backends: ModelBackends, heads: int) -> bool:
+        """Whether ``heads`` heads are normed and rotated by ``layers/norm_rope.py``'s kernel
+        (the Pallas attention backend, a layout the kernel covers)."""
         mesh = jax.sharding.get_abstract_mesh()
         tp = 1 if mesh.empty else mesh.shape.get(TENSOR_AXIS, 1)
-        if attention.name == "pallas" and norm_rope.supported(
-                self.head_dim, self.rotary_dim, False, heads, tp):
-            # k's block of columns follows q's: heads / kv_heads blocks of its width.
-            block = 0 if not part else self.num_heads // self.num_kv_heads
-            # q as [T, heads, D] from the kernel itself (the attention kernel's layout); k
-            # stays [T, heads * D] for the cache write, which stacks it with v.
+        return backends.attention.name == "pallas" and norm_rope.supported(
+            self.head_dim, self.rotary_dim, False, heads, tp)
+
+    def _norm_and_rotate(self, y: jax.Array, norm: RMSNorm | None, heads: int,
+                         positions: jax.Array, backends: ModelBackends,
+                         query: bool = False) -> jax.Array:
+        """[T, heads * D] projection -> [T, heads, D]: each head's RMSNorm (Qwen3, GLM-4.5)
+        and the rotary embedding; on TPU (the Pallas attention backend) in one kernel
+        (``layers/norm_rope.py``) where it covers the layout, which writes q (``query``)
+        as ``[T, heads, D]`` itself (the attention kernel's layout; k stays ``[T, heads *
+        D]`` for the cache write, which stacks it with v)."""
+        attention = backends.attention
+        if self._rotates_in_kernel(backends, heads):
             y = norm_rope.norm_rope(
                 y, None if norm is None else norm.weight[...], positions, self.rope_theta,
                 heads, None if norm is None else norm.eps,
                 getattr(attention, "interpret", False), tokens_split=backends.dp_attention,
-                head_dim=self.head_dim, column_block=block, heads_axis=query)
+                heads_axis=query)
             return y.reshape(y.shape[0], heads, self.head_dim)
-        if part is not None:
-            y = self._qkv_part(y, part)
         y = y.reshape(y.shape[0], heads, self.head_dim)
         if norm is not None:
             y = norm(y)
         return apply_rotary(y, positions, self.rope_theta, self.rotary_dim)
+
+    def _rotate_fused(self, fused: jax.Array, positions: jax.Array,
+                      backends: ModelBackends) -> tuple[jax.Array, jax.Array]:
+        """q ``[T, heads, D]`` and k ``[T, kv_heads, D]`` normed and rotated by one kernel
+        reading their columns of :meth:`_fused_qkv`'s array in place (k's block follows q's:
+        ``heads / kv_heads`` blocks of its width), the rotation table read once."""
+        q_norm, k_norm = (self.q_norm, self.k_norm) if self.has_qk_norm else (None, None)
+        parts = (
+            norm_rope.Part(self.num_heads, None if q_norm is None else q_norm.weight[...],
+                           0, heads_axis=True),
+            norm_rope.Part(self.num_kv_heads, None if k_norm is None else k_norm.weight[...],
+                           self.num_heads // self.num_kv_heads),
+        )
+        q, k = norm_rope.norm_rope_parts(
+            fused, parts, positions, self.rope_theta, self.head_dim,
+            None if q_norm is None else q_norm.eps,
+            getattr(backends.attention, "interpret", False), tokens_split=backends.dp_attention)
+        return q, k.reshape(k.shape[0], self.num_kv_heads, self.head_dim)
 
     def __call__(
         self, x: jax.Array, batch: ForwardBatch, meta: AttentionMetadata, kv: jax.Array,
         backends: ModelBackends,
     ) -> tuple[jax.Array, jax.Array]:
         fused = self._fused_qkv(x, backends.dp_attention)
-        if fused is None:
-            q, k, v = (self._project(x, n) for n in ("q_proj", "k_proj", "v_proj"))
-            parts = (None, None)
+        q_norm, k_norm = (self.q_norm, self.k_norm) if self.has_qk_norm else (None, None)
+        # (Fused, every device holds whole KV heads, so the kernel covers q if it covers k.)
+        if fused is not None and self._rotates_in_kernel(backends, self.num_kv_heads):
+            q, k = self._rotate_fused(fused, meta.positions, backends)
         else:
-            q, k, v = fused, fused, self._qkv_part(fused, 2)
-            parts = (0, 1)
-        q = self._norm_and_rotate(q, self.q_norm if self.has_qk_norm else None, self.num_heads,
-                                  meta.positions, backends, parts[0], query=True)
-        k = self._norm_and_rotate(k, self.k_norm if self.has_qk_norm else None,
-                                  self.num_kv_heads, meta.positions, backends, parts[1])
+            q, k = ((self._project(x, n) for n in ("q_proj", "k_proj")) if fused is None
+                    else (self._qkv_part(fused, part) for part in (0, 1)))
+            q = self._norm_and_rotate(q, q_norm, self.num_heads, meta.positions, backends,
+                                      query=True)
+            k = self._norm_and_rotate(k, k_norm, self.num_kv_heads, meta.positions, backends)
+        v = self._project(x, "v_proj") if fused is None else self._qkv_part(fused, 2)
         v = v.reshape(x.shape[0], self.num_kv_heads, self.head_dim)
         scale = self.head_dim**-0.5
 

@@ -26,7 +26,6 @@ communication is that all-reduce of a ``[T, H]`` array (``docs/moe_backends.md``
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -148,9 +147,17 @@ def ep_moe_forward(
     if mesh.empty or not {EXPERT_AXIS, TENSOR_AXIS} <= set(mesh.axis_names):
         return backend(x, rows, topk_weights, w_gate, w_up, w_down).astype(x.dtype)
     backend = backend.sharded(mesh.shape[EXPERT_AXIS])
+    # The routing crosses the shard_map boundary (and its all-gathers) flat, [T * k]: XLA:TPU
+    # lays a [T, k] int32 or float32 array out 128 lanes wide, 16 times its bytes at k = 8,
+    # and the backends flatten it anyway.
+    top_k = topk_ids.shape[1]
+
+    def routing(rows: jax.Array, topk_weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return rows.reshape(-1, top_k), topk_weights.reshape(-1, top_k)
 
     def local_experts(x: jax.Array, rows: jax.Array, topk_weights: jax.Array,
                       w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+        rows, topk_weights = routing(rows, topk_weights)
         local = _local_rows(rows, w_gate.shape[0])
         if sequence_split:
             # x arrives split by token over "tensor": every device's tokens gathered (and,
@@ -169,8 +176,8 @@ def ep_moe_forward(
                            w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
         # All-gather the ranks' tokens (every device needs every assignment to its experts),
         # compute this device's share, and reduce-scatter the sums back to their ranks.
-        rows, topk_weights = (jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True)
-                              for a in (rows, topk_weights))
+        rows, topk_weights = routing(*(jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True)
+                                       for a in (rows, topk_weights)))
         x, words = backend.gather_tokens(x, EXPERT_AXIS)  # gmm's packed rows too
         local = _local_rows(rows, w_gate.shape[0])
         # In the activation dtype, as XLA:TPU already moves the cast before the psum without
@@ -186,11 +193,14 @@ def ep_moe_forward(
     elif all_to_all is None:
         per_device = dispatched_experts
     else:
-        per_device = functools.partial(all_to_all_experts, backend, all_to_all)
+        def per_device(x: jax.Array, rows: jax.Array, topk_weights: jax.Array,
+                       *weights: jax.Array) -> jax.Array:
+            return all_to_all_experts(backend, all_to_all, x, *routing(rows, topk_weights),
+                                      *weights)
     moe = jax.shard_map(
         per_device, mesh=mesh,
         in_specs=(x_spec, tokens, tokens, P(*W_GATE_UP_SPEC), P(*W_GATE_UP_SPEC),
                   P(*W_DOWN_SPEC)),
         out_specs=P(TENSOR_AXIS) if sequence_split and not tokens_split else tokens,
     )
-    return moe(x, rows, topk_weights, w_gate, w_up, w_down)
+    return moe(x, rows.reshape(-1), topk_weights.reshape(-1), w_gate, w_up, w_down)

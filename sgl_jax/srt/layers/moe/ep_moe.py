@@ -157,18 +157,22 @@ def ep_moe_forward(
 
     def local_experts(x: jax.Array, rows: jax.Array, topk_weights: jax.Array,
                       w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-        rows, topk_weights = routing(rows, topk_weights)
-        local = _local_rows(rows, w_gate.shape[0])
         if sequence_split:
-            # x arrives split by token over "tensor": every device's tokens gathered (and,
-            # for gmm, packed for its row DMAs before the gather). The sums are scattered over
-            # "tensor" first, so the "expert" sum moves T / tp rows; in the activation dtype,
-            # as XLA:TPU already moves the cast before the replicated layout's all-reduce (a
-            # bf16 all-reduce of the combine's float32 sums).
+            # x and the routing arrive split by token over "tensor": every device's tokens
+            # gathered (for gmm, x packed for its row DMAs before the gather). The sums are
+            # scattered over "tensor" first, so the "expert" sum moves T / tp rows; in the
+            # activation dtype, as XLA:TPU already moves the cast before the replicated
+            # layout's all-reduce (a bf16 all-reduce of the combine's float32 sums).
+            rows, topk_weights = (jax.lax.all_gather(a, TENSOR_AXIS, axis=0, tiled=True)
+                                  for a in (rows, topk_weights))
             x, words = backend.gather_tokens(x, TENSOR_AXIS)
+            rows, topk_weights = routing(rows, topk_weights)
+            local = _local_rows(rows, w_gate.shape[0])
             partial = backend(x, local, topk_weights, w_gate, w_up, w_down, x.dtype, words)
             mine = jax.lax.psum_scatter(partial, TENSOR_AXIS, scatter_dimension=0, tiled=True)
             return jax.lax.psum(mine, EXPERT_AXIS)
+        rows, topk_weights = routing(rows, topk_weights)
+        local = _local_rows(rows, w_gate.shape[0])
         partial = backend(x, local, topk_weights, w_gate, w_up, w_down)  # float32
         return jax.lax.psum(partial, (EXPERT_AXIS, TENSOR_AXIS)).astype(x.dtype)
 
@@ -187,7 +191,8 @@ def ep_moe_forward(
         return jax.lax.psum(mine, TENSOR_AXIS)
 
     tokens = P(EXPERT_AXIS) if tokens_split else P()
-    x_spec = P(TENSOR_AXIS) if sequence_split and not tokens_split else tokens
+    if sequence_split and not tokens_split:
+        tokens = P(TENSOR_AXIS)  # x and the routing split by token, gathered inside
     if not tokens_split:
         per_device = local_experts
     elif all_to_all is None:
@@ -199,8 +204,8 @@ def ep_moe_forward(
                                       *weights)
     moe = jax.shard_map(
         per_device, mesh=mesh,
-        in_specs=(x_spec, tokens, tokens, P(*W_GATE_UP_SPEC), P(*W_GATE_UP_SPEC),
+        in_specs=(tokens, tokens, tokens, P(*W_GATE_UP_SPEC), P(*W_GATE_UP_SPEC),
                   P(*W_DOWN_SPEC)),
-        out_specs=P(TENSOR_AXIS) if sequence_split and not tokens_split else tokens,
+        out_specs=tokens,
     )
     return moe(x, rows.reshape(-1), topk_weights.reshape(-1), w_gate, w_up, w_down)

@@ -448,7 +448,7 @@ def test_down_and_combine_weighs_rows_and_rounds_once(monkeypatch, sizes, tm, ou
     item = jnp.dtype(out_dtype).itemsize
     monkeypatch.setattr(vmem_rows, "HELD_BUDGET",
                         48 * columns * gmm_combine.sums_bytes(False, item))
-    jax.clear_caches()
+    jax.clear_caches()  # the budget is read at trace time (again after the test: below)
     assert gmm_combine.column_width(tokens, hidden, tm, 128, 2, False, item) == columns
     case = combine_case(8, sizes, 64, tokens, hidden, jnp.bfloat16)
     args = (case["act"], case["w"], jnp.asarray(case["sizes"]), jnp.asarray(case["token"]),
@@ -465,6 +465,25 @@ def test_down_and_combine_weighs_rows_and_rounds_once(monkeypatch, sizes, tm, ou
     with pytest.raises(ValueError, match="float32"):
         gmm_combine.down_and_combine(*args[:4], jnp.asarray(case["init"]), *args[5:],
                                      out_dtype=jnp.bfloat16)
+    jax.clear_caches()
+
+
+def test_vmem_limit_follows_the_chip():
+    """The combine's scoped VMEM: 100 MiB on chips with 128 MiB per TensorCore (v5e, v6e),
+    the default 40 MiB on the others and for kinds JAX's table does not know; the held
+    block takes what a larger limit adds, and widens the 30B's prefill column blocks."""
+    big = vmem_rows.LARGE_VMEM_LIMIT
+    assert vmem_rows.vmem_limit("TPU v6 lite") == big
+    assert vmem_rows.vmem_limit("TPU v5 lite") == big
+    for kind in ("TPU v5p", "TPU v4", "cpu", "", None):
+        assert vmem_rows.vmem_limit(kind) == vmem_rows.VMEM_LIMIT, kind
+    assert vmem_rows.budgets() == (vmem_rows.HELD_BUDGET, vmem_rows.KERNEL_BUDGET)
+    extra = big - vmem_rows.VMEM_LIMIT
+    assert vmem_rows.budgets(big) == (vmem_rows.HELD_BUDGET + extra,
+                                      vmem_rows.KERNEL_BUDGET + extra)
+    narrow = gmm_combine.column_width(8192, 2048, 512, 192, 2, False, 2)
+    wide = gmm_combine.column_width(8192, 2048, 512, 192, 2, False, 2, big)
+    assert (narrow, wide) == (512, 1024)
 
 
 def test_down_and_combine_column_blocks(monkeypatch):
@@ -624,6 +643,16 @@ def _worker(out_dir: str) -> None:
         out = fn(args)
     results["tp2_sp_bf16"] = np.asarray(out.astype(jnp.float32))
     results["tp2_sp_bf16_dtype"] = np.asarray(str(out.dtype))
+    # What gmm's row DMAs would read: x packed on each device's own tokens, then gathered.
+    backend = get_moe_backend("gmm")
+    gather = jax.jit(jax.shard_map(lambda x: backend.gather_tokens(x, "tensor"), mesh=mesh,
+                                   in_specs=P("tensor"), out_specs=(P(), P()),
+                                   check_vma=False))
+    with jax.set_mesh(mesh):
+        whole, words = gather(args["x"])
+    results["sp_words"] = np.asarray(words)
+    results["sp_words_want"] = np.asarray(gmm_gate_up.fetch_source(whole))
+    results["sp_whole"] = np.asarray(whole.astype(jnp.float32))
     np.savez(os.path.join(out_dir, "parallel.npz"), **results)
 
 
@@ -649,6 +678,9 @@ def test_parallel_gmm_matches_reference():
     bf16 = {k: np.asarray(jnp.asarray(v, jnp.bfloat16).astype(jnp.float32))
             if k.startswith("w_") or k == "x" else v for k, v in case.items()}
     assert str(got["tp2_sp_bf16_dtype"]) == "bfloat16"
+    np.testing.assert_array_equal(got["sp_whole"], bf16["x"])  # every device's tokens
+    assert got["sp_words"].dtype == np.uint32 and got["sp_words"].shape == (SP_TOKENS, 128)
+    np.testing.assert_array_equal(got["sp_words"], got["sp_words_want"])
     assert rel_err(got["tp2_sp_bf16"], reference_moe(bf16)) < 2e-2  # bfloat16 roundings
 
 

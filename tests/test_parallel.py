@@ -97,6 +97,10 @@ CONFIGS: dict[str, tuple[int, str, int, int, str | None, dict[str, Any]]] = {
     "qwen2_moe_tp2_ep2_sp": (4, "qwen2_moe", 2, 2, None, SP),
     "deepseek_v3_tp2_ep2_sp_ragged": (4, "deepseek_v3", 2, 2, None, {**SP, **RAGGED}),
     "tp2_ep2_sp_gmm": (4, TEST_MODEL_PATH, 2, 2, None, {**SP, "moe_backend": "gmm"}),
+    # Extend steps padded to 128 tokens, more than a device's 64 q/k/v columns at tp 2: q, k
+    # and v as one matmul (GqaAttention._fused_qkv), with the residual stream split.
+    "tp2_sp_fused_qkv": (2, TEST_MODEL_PATH, 2, 1, None,
+                         {**SP, "precompile_token_paddings": [128]}),
     "deepseek_v3_tp2_ep2_mapped": (4, "deepseek_v3", 2, 2, json.dumps(
         {"default": [[0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]]}), {}),
 }
@@ -179,9 +183,9 @@ def _worker(job: dict[str, Any]) -> None:
         args = ServerArgs(
             model_path=model_path, tp_size=tp, ep_size=ep, ep_expert_mapping=mapping,
             # With DP attention, 4 requests per rank (the buckets are per rank).
-            max_running_requests=4 * extra.get("dp_size", 1), chunked_prefill_size=32, precompile_token_paddings=[32],
-            precompile_bs_paddings=[4], max_total_tokens=256, attention_block_size=16,
-            enable_return_routed_experts=True, **extra,
+            max_running_requests=4 * extra.get("dp_size", 1), precompile_bs_paddings=[4],
+            max_total_tokens=256, attention_block_size=16, enable_return_routed_experts=True,
+            **{"chunked_prefill_size": 32, "precompile_token_paddings": [32], **extra},
         )
         runner = ModelRunner(args, ModelConfig.from_hf(model_path))
         arrays = run_scenario(runner)
@@ -193,6 +197,11 @@ def _worker(job: dict[str, Any]) -> None:
             text = runner.lower_bucket(ForwardMode.EXTEND, 32, 4).compile().as_text()
             results[name]["collectives"] = {
                 op: text.count(f" {op}(") for op in ("all-reduce", "reduce-scatter")}
+        if name == "tp2_sp_fused_qkv":  # the extend step's q/k/v projections, by source op
+            from sgl_jax.srt.forward_batch_info import ForwardMode
+
+            text = runner.lower_bucket(ForwardMode.EXTEND, 128, 4).compile().as_text()
+            results[name]["fused_qkv_dots"] = text.count("th,hsd->tsd")
     # A layout that does not fit this process's devices fails at start-up, clearly.
     n = job["devices"]
     try:
@@ -306,6 +315,13 @@ def test_sequence_parallel_reduce_scatters(results):
     moe_layers = sum(ModelConfig.from_hf(TEST_MODEL_PATH).moe_layers)
     assert replicated["reduce-scatter"] == 0 and replicated["all-reduce"] >= 2 * moe_layers
     assert split["reduce-scatter"] >= moe_layers
+
+
+def test_fused_qkv_projection_runs(results):
+    """The scenario checked against the reference above ran q, k and v as one matmul in its
+    128-token extend steps (an einsum per attention layer in the lowered step)."""
+    layers = ModelConfig.from_hf(TEST_MODEL_PATH).num_hidden_layers
+    assert _layout_of(results, "tp2_sp_fused_qkv")["fused_qkv_dots"] >= layers
 
 
 def test_too_many_devices_fails_clearly(results):

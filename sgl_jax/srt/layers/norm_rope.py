@@ -37,7 +37,7 @@ from sgl_jax.srt.layers.rotary import rotation_table
 
 LANE = 128
 TOKEN_BLOCK = 256  # tokens per grid step (a multiple of 16: bf16 sublane packing)
-BLOCK_BYTES = 2 * 1024 * 1024  # one block of x; in and out double-buffered: 8 MiB of VMEM
+BLOCK_BYTES = 2 * 1024 * 1024  # the parts' blocks of x; in and out double-buffered: 8 MiB
 
 
 def supported(head_dim: int, rotary_dim: int, interleaved: bool, heads: int,
@@ -112,7 +112,7 @@ def _norm_rope_local(x: jax.Array, table: jax.Array, *weights: jax.Array,
     over token blocks."""
     tokens = x.shape[0]
     head_dim = table.shape[1]
-    width = max(heads for heads, *_ in layout) * head_dim
+    width = sum(heads for heads, *_ in layout) * head_dim  # every part's block is in VMEM
     # At most TOKEN_BLOCK tokens, and a block of x within BLOCK_BYTES (wide rows at tp 1).
     fit = max(16, BLOCK_BYTES // (width * x.dtype.itemsize) // 16 * 16)
     block = min(TOKEN_BLOCK, fit, -(-tokens // 16) * 16)

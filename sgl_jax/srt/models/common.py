@@ -186,7 +186,7 @@ class GqaAttention(nnx.Module):
         )
         q, k = norm_rope.norm_rope_parts(
             fused, parts, positions, self.rope_theta, self.head_dim,
-            None if q_norm is None else q_norm.eps,
+            None if q_norm is None else q_norm.eps,  # k_norm's too: both rms_norm_eps
             getattr(backends.attention, "interpret", False), tokens_split=backends.dp_attention)
         return q, k.reshape(k.shape[0], self.num_kv_heads, self.head_dim)
 

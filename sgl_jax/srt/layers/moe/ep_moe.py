@@ -94,7 +94,7 @@ def _local_rows(rows: jax.Array, rows_here: int) -> jax.Array:
     becomes a local one by a subtraction; rows held elsewhere contribute nothing here, so the
     partial sums of all devices add up to the single-device result. With one device on the
     expert axis every row is its own (the ``[T, k]`` select would be a no-op pass)."""
-    if jax.sharding.get_abstract_mesh().shape[EXPERT_AXIS] == 1:
+    if jax.lax.axis_size(EXPERT_AXIS) == 1:
         return rows
     local = rows - jax.lax.axis_index(EXPERT_AXIS) * rows_here
     return jnp.where((local >= 0) & (local < rows_here), local, rows_here)
@@ -114,7 +114,7 @@ def ep_moe_forward(
     all_to_all: RaggedAllToAll | None = None,
     sequence_split: bool = False,
 ) -> jax.Array:
-    """x [T, H] (replicated); topk_ids / topk_weights [T, k] LOGICAL ids and their weights;
+    """x [T, H] (replicated; split by token under ``sequence_split``); topk_ids / topk_weights [T, k] LOGICAL ids and their weights;
     stacked weights ``[P, ...]`` in physical order; ``backend`` the expert compute chosen at
     start-up (``experts.create_moe_backend``). Returns [T, H] in x's dtype.
 

@@ -110,7 +110,7 @@ class MoEBackend:
         """The device's partial sums, rounded once to ``out_dtype`` (a caller that moves them
         in the activation dtype asks for it: gmm's combine kernel then writes them so
         itself, in one pass, instead of a float32 array XLA reads back to cast). ``words``:
-        x as gmm's row DMAs read it (:meth:`packed_rows`), used if gmm fetches its rows."""
+        x as gmm's row DMAs read it (:meth:`gather_tokens`), used if gmm fetches its rows."""
         if isinstance(self.compute, GmmExperts):
             return self.compute(x, local_ids, topk_weights, w_gate, w_up, w_down, out_dtype,
                                 words)

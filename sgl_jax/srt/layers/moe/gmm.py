@@ -16,7 +16,7 @@ kernels on the tile schedule of JAX's Megablox ``gmm``
    ``[M_pad, H]`` rows are never written. Where the kernel
    cannot take them itself (a dtype or width its DMAs do not handle), the rows are gathered
    first, by a Pallas kernel that holds a column block of ``x`` in VMEM
-   (``vmem_rows.gather_rows``, up to 16,384 tokens of a 2,048-wide model) or by XLA's
+   (``vmem_rows.gather_rows``, up to 24,576 tokens of a 2,048-wide model) or by XLA's
    gather of whole tiles (:func:`take_rows`); where its blocks do not fit VMEM at all, two
    Megablox ``gmm`` calls (:func:`gmm_tiling`) stored in float32 and the same activation in
    XLA;

@@ -41,7 +41,8 @@ LANE = 128
 # operand (two pipeline buffers and its float32 copy), or of gmm_combine's float32 sums (and
 # their bfloat16 output: 512 of the 30B's 2,048 columns of 8,192 tokens at 6 bytes each).
 HELD_BUDGET = 24 * 1024 * 1024
-# Scoped VMEM a kernel may ask for (below the 95 / 128 MiB of v5p / v5e / v6e), and what the
+# Scoped VMEM a kernel may ask for (below the 64 / 128 / 128 MiB per TensorCore of v5p / v5e /
+# v6e in JAX's table; v4 has 16: its compiler refuses more), and what the
 # kernels size their blocks to within it (the held block, the streamed blocks, scratch and
 # values), leaving the rest to Mosaic's own scratch.
 VMEM_LIMIT = 40 * 1024 * 1024

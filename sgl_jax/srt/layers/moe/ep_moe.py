@@ -114,9 +114,10 @@ def ep_moe_forward(
     all_to_all: RaggedAllToAll | None = None,
     sequence_split: bool = False,
 ) -> jax.Array:
-    """x [T, H] (replicated; split by token under ``sequence_split``); topk_ids / topk_weights [T, k] LOGICAL ids and their weights;
-    stacked weights ``[P, ...]`` in physical order; ``backend`` the expert compute chosen at
-    start-up (``experts.create_moe_backend``). Returns [T, H] in x's dtype.
+    """x [T, H] (replicated; split by token under ``sequence_split``); topk_ids /
+    topk_weights [T, k] LOGICAL ids and their weights; stacked weights ``[P, ...]`` in
+    physical order; ``backend`` the expert compute chosen at start-up
+    (``experts.create_moe_backend``). Returns [T, H] in x's dtype.
 
     The placement says which physical row serves each assignment: ``location`` (a dynamic
     placement: ``(replicas [E, R + 1], num_replicas [E])`` device arrays, ``expert_order``

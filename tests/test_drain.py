@@ -23,7 +23,8 @@ from sgl_jax.testing import server_flags, wait_until
 from tests.server_utils import sse_events, start_server
 
 ARGS = server_flags(enable_return_routed_experts=True, return_routed_experts_default=True)
-NEW = 160  # tokens per request: a few seconds for the batch on a CPU
+NEW = 960  # tokens per request: a few seconds for the batch on a CPU, long enough for the
+#           poll below to see all six in flight together (at 160 it missed them once in CI)
 
 
 def in_flight(server) -> int:

@@ -30,8 +30,8 @@ kernels on the tile schedule of JAX's Megablox ``gmm``
    beyond, gate/up multiplies its activation by a ``[M_pad, 1]`` float32 column, which
    HBM lays out 128 lanes wide). In one pass (no EP) the kernel writes the sums rounded
    once to the dtype its caller moves them in (the activation dtype under sequence
-   parallelism), not a float32 array XLA reads back to cast. Beyond that, down is a third ``gmm`` call stored in
-   the compute dtype and :func:`sum_token_rows` puts its rows back in ``[T, k]`` order (a
+   parallelism), not a float32 array XLA reads back to cast. Beyond that, down is a third
+   ``gmm`` call stored in the compute dtype and :func:`sum_token_rows` puts its rows back in ``[T, k]`` order (a
    gather through the inverse permutation), drops the assignments held elsewhere with a
    select on ``local_ids`` (the kernel does not store the rows of a partly visited tile that
    belong to no group: those rows hold whatever the output buffer held, maybe NaN) and sums
@@ -369,8 +369,8 @@ def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes:
                  init: jax.Array | None = None, words: jax.Array | None = None,
                  sums_dtype: jnp.dtype = jnp.float32,
                  vmem_limit: int = vmem_rows.VMEM_LIMIT) -> jax.Array:
-    """[T, H] in ``sums_dtype``: ``init`` (or zeros) plus the three grouped matmuls over ``M_pad``
-    sorted assignments (token row ``token``, routing weight ``weight``, groups
+    """[T, H] in ``sums_dtype``: ``init`` (or zeros) plus the three grouped matmuls over
+    ``M_pad`` sorted assignments (token row ``token``, routing weight ``weight``, groups
     ``group_sizes`` from row 0; rows past their sum are in no group: never stored into a
     result, whatever they hold), summed per token: by down's kernel itself
     (``gmm_combine``) where the float32 sums fit VMEM, else through ``index`` [T, k] (the

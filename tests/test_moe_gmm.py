@@ -152,7 +152,8 @@ def test_passes_over_windows_of_the_local_assignments(routing, shards, factor, e
 def test_passes_with_fetched_rows(monkeypatch, dtype, shards, factor):
     """The prefill path under EP: gate/up fetching its rows by DMA (x too large to hold;
     bfloat16 x packed once for all passes) and the combine kernel updating the earlier
-    passes' sums in place, over one to several windows: the reference's result."""
+    passes' sums in place (in the output dtype: bfloat16 for bfloat16), over one to
+    several windows: the reference's result."""
     case = local_case(29, 47, "random", 16, hidden=256, inter=128)
     tokens, hidden = case["x"].shape
     # x not held whole, the sums (with the earlier passes') held 128 columns at a time.
@@ -168,11 +169,14 @@ def test_passes_with_fetched_rows(monkeypatch, dtype, shards, factor):
         assert int((case["local_ids"] < LOCAL_ROWS).sum()) > 2 * window  # three passes or more
     args = [case[k] for k in ("x", "local_ids", "topk_weights", "w_gate", "w_up", "w_down")]
     args = [jnp.asarray(a, dtype) if k in (0, 3, 4, 5) else a for k, a in enumerate(args)]
-    backend = gmm.GmmExperts(shards=shards, capacity_factor=factor)
+    backend = functools.partial(gmm.GmmExperts(shards=shards, capacity_factor=factor),
+                                out_dtype=dtype)
     traced = str(jax.make_jaxpr(backend)(*args))
     assert "name=gate_up_act" in traced and "name=down_and_combine" in traced
     assert "name=gather_rows" not in traced
-    got = np.asarray(jax.jit(backend)(*args))
+    out = jax.jit(backend)(*args)
+    assert out.dtype == dtype
+    got = np.asarray(out.astype(jnp.float32))
     jax.clear_caches()
     assert np.isfinite(got).all()
     tol = REL_TOL if dtype == jnp.float32 else 2e-2  # bf16 inputs and activations
@@ -462,21 +466,39 @@ def test_down_and_combine_weighs_rows_and_rounds_once(monkeypatch, sizes, tm, ou
     np.testing.assert_array_equal(np.asarray(sums[-2:]), 0.0)
     assert gmm_combine.weighs_rows(64)
     assert not gmm_combine.weighs_rows(vmem_rows.MAX_INDICES)
-    with pytest.raises(ValueError, match="float32"):
-        gmm_combine.down_and_combine(*args[:4], jnp.asarray(case["init"]), *args[5:],
-                                     out_dtype=jnp.bfloat16)
+    # Starting from the sums of an earlier pass, in the output dtype (held next to the
+    # float32 scratch): added in float32 and rounded once, as a float32 start would be.
+    monkeypatch.setattr(vmem_rows, "HELD_BUDGET",
+                        48 * columns * gmm_combine.sums_bytes(True, item))
+    jax.clear_caches()
+    assert gmm_combine.column_width(tokens, hidden, tm, 128, 2, True, item) == columns
+    init = jnp.asarray(case["init"]).astype(out_dtype)
+    resumed = gmm_combine.down_and_combine(*args[:4], init, *args[5:], out_dtype=out_dtype)
+    assert resumed.dtype == out_dtype
+    want = gmm_combine.down_and_combine(*args[:4], init.astype(jnp.float32), *args[5:])
+    np.testing.assert_array_equal(np.asarray(resumed.astype(jnp.float32)),
+                                  np.asarray(want.astype(out_dtype).astype(jnp.float32)))
+    if out_dtype != jnp.float32:
+        with pytest.raises(ValueError, match="the same dtype"):
+            gmm_combine.down_and_combine(*args[:4], jnp.asarray(case["init"]), *args[5:],
+                                         out_dtype=out_dtype)
     jax.clear_caches()
 
 
 def test_vmem_limit_follows_the_chip():
     """The combine's scoped VMEM: 100 MiB on chips with 128 MiB per TensorCore (v5e, v6e),
-    the default 40 MiB on the others and for kinds JAX's table does not know; the held
-    block takes what a larger limit adds, and widens the 30B's prefill column blocks."""
+    48 MiB on v5p's 64, the default 40 MiB on the others and for kinds JAX's table does not
+    know; the held block takes what a larger limit adds, and widens the 30B's prefill
+    column blocks (and the 235B's on v5p: 512 of 4,096 columns of 8,192 tokens' sums
+    starting from a bfloat16 init, where 40 MiB holds 256)."""
     big = vmem_rows.LARGE_VMEM_LIMIT
     assert vmem_rows.vmem_limit("TPU v6 lite") == big
     assert vmem_rows.vmem_limit("TPU v5 lite") == big
-    for kind in ("TPU v5p", "TPU v4", "cpu", "", None):
+    assert vmem_rows.vmem_limit("TPU v5p") == vmem_rows.vmem_limit("TPU v5") == 48 << 20
+    for kind in ("TPU v4", "cpu", "", None):
         assert vmem_rows.vmem_limit(kind) == vmem_rows.VMEM_LIMIT, kind
+    for limit, width in ((vmem_rows.VMEM_LIMIT, 256), (48 << 20, 512)):
+        assert gmm_combine.column_width(8192, 4096, 512, 384, 2, True, 2, limit) == width
     assert vmem_rows.budgets() == (vmem_rows.HELD_BUDGET, vmem_rows.KERNEL_BUDGET)
     extra = big - vmem_rows.VMEM_LIMIT
     assert vmem_rows.budgets(big) == (vmem_rows.HELD_BUDGET + extra,

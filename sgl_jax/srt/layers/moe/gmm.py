@@ -57,11 +57,15 @@ Shapes sized for all ``M`` would gather, multiply (by the kernel's static estima
 ``shards`` times the rows a device has. So its assignments are computed in passes over a
 window of ``W`` sorted positions, ``CAPACITY_FACTOR * M / shards`` (:func:`pass_rows`) padded
 to the row tile, window ``p`` holding positions ``[p * W, (p + 1) * W)``: the groups are
-clipped to the window (a group may span two), and each pass adds its rows into the float32
-sums of the passes before (the combine kernel starts from them). The number of passes is
-data (a ``while_loop``: one unless a device gets more than ``CAPACITY_FACTOR`` times its
-share), so no assignment is ever dropped and the result is the same whatever the factor,
-up to the float32 order of the additions. XLA's cost analysis counts a ``while_loop`` body
+clipped to the window (a group may span two), and each pass adds its rows into the sums of
+the passes before (the combine kernel starts from them), carried between passes in the
+output dtype: with one pass (the rule) the sums are added in float32 and rounded once, as
+without EP; a second pass rounds them once more (bfloat16 under DP attention: the
+loop-carried ``[T, H]`` sums are half the bytes to initialise, read and write, and no
+float32 array is cast after the loop). The number of passes is data (a ``while_loop``: one
+unless a device gets more than ``CAPACITY_FACTOR`` times its share), so no assignment is
+ever dropped and the result is the same whatever the factor, up to the order and rounding
+of the additions. XLA's cost analysis counts a ``while_loop`` body
 once: the estimates of ``aot_report`` are one pass.
 
 Gate and up are fused without concatenating their weights (the model stores them as two
@@ -356,11 +360,10 @@ def gmm_experts(
 
     def step(carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         p, out = carry
-        return p + 1, mark_varying(one_pass(p * rows_pad, out), *operands)
+        return p + 1, mark_varying(one_pass(p * rows_pad, out, out_dtype), *operands)
 
-    zero = mark_varying(jnp.zeros((num_tokens, x.shape[1]), jnp.float32), *operands)
-    sums = jax.lax.while_loop(lambda c: c[0] < passes, step, (jnp.int32(0), zero))[1]
-    return sums.astype(out_dtype)
+    zero = mark_varying(jnp.zeros((num_tokens, x.shape[1]), out_dtype), *operands)
+    return jax.lax.while_loop(lambda c: c[0] < passes, step, (jnp.int32(0), zero))[1]
 
 
 def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes: jax.Array,

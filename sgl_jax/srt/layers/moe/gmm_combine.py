@@ -18,9 +18,10 @@ padding) are computed by the MXU with the rest of their tile but never read.
 Rows are added in sorted order (group by group, row by row), each multiplied by its routing
 weight as it is added when the caller passes the weights (float32 scalars prefetched to SMEM
 next to the row tokens: no ``[M_pad, 1]`` column, which HBM lays out 128 lanes wide, for
-gate/up to read). With an output dtype narrower than float32 (one pass: no ``init``) the
-float32 sums are a VMEM scratch and the column block is rounded once into the output after
-its last step: the ``[T, H]`` float32 sums are not written to HBM and read back to cast.
+gate/up to read). With an output dtype narrower than float32 the float32 sums are a VMEM
+scratch (starting from ``init``, in the output dtype, if given) and the column block is
+rounded once into the output after its last step: the ``[T, H]`` float32 sums are not
+written to HBM and read back to cast.
 
 Cost. The pipeline skips a block's copy when its index is unchanged from the previous grid
 step, and a group's m tiles are consecutive steps (a tile shared by two groups: two
@@ -74,15 +75,14 @@ def tile_schedule(group_sizes: jax.Array, m_pad: int,
 
 
 def sums_bytes(with_init: bool, out_itemsize: int = 4) -> int:
-    """VMEM per element of the held sums' column block: the float32 output's buffer, and the
-    input's when the sums start from ``init``; with a narrower output (``out_itemsize``,
-    :func:`down_and_combine`'s ``out_dtype``) the float32 sums are a scratch block next to
-    it. Single buffers (``pl.Buffered(1)``): the block's index changes once per column
-    block, and a double buffer would halve the width held, doubling the activations'
-    reads."""
-    if with_init:
-        return 8
-    return 4 if out_itemsize == 4 else 4 + out_itemsize
+    """VMEM per element of the held sums' column block: the output's buffer, and ``init``'s
+    (in the output dtype) when the sums start from it; with a narrower output
+    (``out_itemsize``, :func:`down_and_combine`'s ``out_dtype``) the float32 sums are a
+    scratch block next to them. Single buffers (``pl.Buffered(1)``): the block's index
+    changes once per column block, and a double buffer would halve the width held, doubling
+    the activations' reads."""
+    held = out_itemsize * (2 if with_init else 1)
+    return held if out_itemsize == 4 else held + 4
 
 
 def _vmem(t_pad: int, cols: int, tm: int, inter: int, itemsize: int, with_init: bool,
@@ -136,7 +136,8 @@ def _kernel(offsets_ref, groups_ref, m_tiles_ref, token_ref, *refs, with_init: b
 
     @pl.when(step == 0)
     def _():
-        sums_ref[...] = init_ref[...] if with_init else jnp.zeros_like(sums_ref)
+        sums_ref[...] = (init_ref[...].astype(jnp.float32) if with_init
+                         else jnp.zeros_like(sums_ref))
 
     tm = lhs_ref.shape[0]
     tile_ref[...] = jnp.dot(lhs_ref[...], w_ref[...], preferred_element_type=jnp.float32)
@@ -176,8 +177,8 @@ def down_and_combine(act: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
     act [M_pad, I] sorted by group, ``M_pad`` a multiple of ``tm``; w_down [G, I, H] (H a
     multiple of 128); group_sizes [G] from row 0; token [M_pad] in ``[0, tokens)`` wherever
     it is read; weight [M_pad] float32 (the routing weights, prefetched to SMEM with the
-    tokens: :func:`weighs_rows`); a narrower ``out_dtype`` only without ``init`` (the
-    sums of earlier passes stay float32); ``vmem_limit``: the scoped VMEM to ask for
+    tokens: :func:`weighs_rows`); ``init`` in ``out_dtype`` (the sums of earlier passes,
+    each rounded once to it); ``vmem_limit``: the scoped VMEM to ask for
     (``vmem_rows.vmem_limit`` of the chip), which sizes the column blocks. The caller
     checks :func:`fits`."""
     m_pad, inter = act.shape
@@ -187,8 +188,9 @@ def down_and_combine(act: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
                          f"must be a multiple of tm and H of {vmem_rows.LANE}")
     out_dtype = jnp.dtype(out_dtype)
     cast = out_dtype != jnp.float32
-    if cast and init is not None:
-        raise ValueError("down_and_combine: sums starting from init are float32")
+    if init is not None and init.dtype != out_dtype:
+        raise ValueError(f"down_and_combine: init is {init.dtype}, the output {out_dtype}: "
+                         "the sums start from and end in the same dtype")
     group_sizes = group_sizes.astype(jnp.int32)
     token = token.astype(jnp.int32)
     weight = None if weight is None else weight.astype(jnp.float32)
@@ -222,7 +224,7 @@ def down_and_combine(act: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
     cost = pl.CostEstimate(  # static, whatever the routing (module docstring, "Cost")
         flops=2 * m_pad * inter * hidden, transcendentals=0,
         bytes_accessed=(m_pad * inter * item * tiles_n + groups * inter * hidden * item
-                        + t_pad * hidden * (8 if with_init else out_dtype.itemsize)
+                        + t_pad * hidden * out_dtype.itemsize * (2 if with_init else 1)
                         + (m_pad * (len(scalars) - 3) + 2 * max_tiles + groups + 1) * 4))
     with jax_config._check_vma(False):
         out = pl.pallas_call(
@@ -264,5 +266,6 @@ def _combine_jnp(act: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
     if weight is not None:
         rows = rows * weight[:, None]
     kept = jnp.where(inside[:, None], rows, 0.0)  # rows past the groups: unspecified
-    start = init if init is not None else jnp.zeros((tokens, hidden), jnp.float32)
+    start = (init.astype(jnp.float32) if init is not None
+             else jnp.zeros((tokens, hidden), jnp.float32))
     return start.at[jnp.where(inside, token, 0)].add(kept)

@@ -337,9 +337,10 @@ def gmm_experts(
         words = gmm_gate_up.fetch_source(x)
 
     def one_pass(start: jax.Array | int, init: jax.Array | None = None,
-                 sums_dtype: jnp.dtype = jnp.float32) -> jax.Array:
-        """[T, H] in ``sums_dtype``: ``init`` plus the assignments at sorted positions
-        [start, start + rows_pad)."""
+                 sums_dtype: jnp.dtype = jnp.float32,
+                 reads_init: jax.Array | bool = True) -> jax.Array:
+        """[T, H] in ``sums_dtype``: ``init`` (zeros unless ``reads_init``) plus the
+        assignments at sorted positions [start, start + rows_pad)."""
         if rows < m:
             sizes = jnp.clip(jnp.minimum(ends, start + rows_pad) - jnp.maximum(starts, start),
                              0).astype(jnp.int32)
@@ -351,7 +352,7 @@ def gmm_experts(
                                    slice_size=rows_pad)
         return _expert_rows(x, window(token), window(weight), sizes, rows, row_in_window,
                             in_window, w_gate, w_up, w_down, interpret, init, words,
-                            sums_dtype, vmem_limit)
+                            sums_dtype, vmem_limit, reads_init)
 
     if rows >= m:  # one pass holds every assignment
         return one_pass(0, sums_dtype=out_dtype)
@@ -360,10 +361,11 @@ def gmm_experts(
 
     def step(carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         p, out = carry
-        return p + 1, mark_varying(one_pass(p * rows_pad, out, out_dtype), *operands)
+        return p + 1, mark_varying(one_pass(p * rows_pad, out, out_dtype, p > 0), *operands)
 
-    zero = mark_varying(jnp.zeros((num_tokens, x.shape[1]), out_dtype), *operands)
-    return jax.lax.while_loop(lambda c: c[0] < passes, step, (jnp.int32(0), zero))[1]
+    # The first pass never reads the carried sums: allocated, not initialised (on TPU).
+    unset = mark_varying(jax.lax.empty((num_tokens, x.shape[1]), out_dtype), *operands)
+    return jax.lax.while_loop(lambda c: c[0] < passes, step, (jnp.int32(0), unset))[1]
 
 
 def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes: jax.Array,
@@ -371,8 +373,10 @@ def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes:
                  w_up: jax.Array, w_down: jax.Array, interpret: bool,
                  init: jax.Array | None = None, words: jax.Array | None = None,
                  sums_dtype: jnp.dtype = jnp.float32,
-                 vmem_limit: int = vmem_rows.VMEM_LIMIT) -> jax.Array:
-    """[T, H] in ``sums_dtype``: ``init`` (or zeros) plus the three grouped matmuls over
+                 vmem_limit: int = vmem_rows.VMEM_LIMIT,
+                 reads_init: jax.Array | bool = True) -> jax.Array:
+    """[T, H] in ``sums_dtype``: ``init`` (or zeros; zeros unless ``reads_init``: its
+    content is then unspecified) plus the three grouped matmuls over
     ``M_pad`` sorted assignments (token row ``token``, routing weight ``weight``, groups
     ``group_sizes`` from row 0; rows past their sum are in no group: never stored into a
     result, whatever they hold), summed per token: by down's kernel itself
@@ -409,10 +413,12 @@ def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes:
     if combines:
         return gmm_combine.down_and_combine(
             act, w_down, group_sizes, token, init, num_tokens, tm, interpret,
-            weight if combine_weighs else None, sums_dtype, vmem_limit)
+            weight if combine_weighs else None, sums_dtype, vmem_limit, reads_init)
     down = grouped_matmul(act, w_down, group_sizes, rows, interpret, x.dtype)  # [M_pad, H]
     out = sum_token_rows(down, jnp.clip(index, 0, m_pad - 1), held)
-    return (out if init is None else init + out).astype(sums_dtype)
+    if init is not None:  # a select, not a multiply: an unread init may hold NaN
+        out = jnp.where(reads_init, init + out, out)
+    return out.astype(sums_dtype)
 
 
 def _sorted_rows(x: jax.Array, token: jax.Array, interpret: bool) -> jax.Array:

@@ -27,8 +27,9 @@ Cost. The pipeline skips a block's copy when its index is unchanged from the pre
 step, and a group's m tiles are consecutive steps (a tile shared by two groups: two
 consecutive steps on the same activation block). So for each n tile every group's weight
 block is fetched once, however many m tiles it spans, and every m tile's activations once:
-the kernel's estimate is the activations once per n tile, the weights once, the sums (and
-``init``) once and the indices, for any routing. (Megablox's own estimate counts one weight
+the kernel's estimate is the activations once per n tile, the weights once, the sums once
+and the indices, for any routing (``init`` not counted: it is read by a second pass only,
+which a device takes when it gets more than 1.25 times its share of the assignments). (Megablox's own estimate counts one weight
 block per possible m tile, ``M_pad / tm + G - 1``: its k tiles change the weight block's
 index at every step when ``tk < K``; here ``tk = K`` always.) FLOPs are
 ``2 * M_pad * I * H``, Megablox's convention: the MXU also multiplies the other rows of a
@@ -36,6 +37,9 @@ partly owned tile, up to ``(M_pad / tm + G - 1) / (M_pad / tm)`` times that at d
 
 ``init`` (the sums of earlier passes, ``gmm.gmm_experts`` under EP) is the held block's
 starting value: the pass's rows are added to it in the same kernel, not by a separate add.
+The kernel copies each of its column blocks into the output block itself (one DMA at the
+column block's first step) and only when told to (``reads_init``): a first pass's
+loop-carried buffer is allocated, never initialised nor read (``gmm.gmm_experts``).
 Off TPU inside ``shard_map`` (where Pallas interpret mode cannot run a kernel with a held
 block: ``vmem_rows.under_manual_axes``) the same arithmetic runs in jnp: Megablox's down in
 float32 and a scatter-add in row order.
@@ -75,14 +79,14 @@ def tile_schedule(group_sizes: jax.Array, m_pad: int,
 
 
 def sums_bytes(with_init: bool, out_itemsize: int = 4) -> int:
-    """VMEM per element of the held sums' column block: the output's buffer, and ``init``'s
-    (in the output dtype) when the sums start from it; with a narrower output
-    (``out_itemsize``, :func:`down_and_combine`'s ``out_dtype``) the float32 sums are a
-    scratch block next to them. Single buffers (``pl.Buffered(1)``): the block's index
-    changes once per column block, and a double buffer would halve the width held, doubling
-    the activations' reads."""
-    held = out_itemsize * (2 if with_init else 1)
-    return held if out_itemsize == 4 else held + 4
+    """VMEM per element of the held sums' column block: the output's buffer (``init``'s
+    column block is copied into it: ``with_init`` takes no more), and with a narrower output
+    (``out_itemsize``, :func:`down_and_combine`'s ``out_dtype``) the float32 sums, a scratch
+    block next to it. Single buffers (``pl.Buffered(1)``): the block's index changes once
+    per column block, and a double buffer would halve the width held, doubling the
+    activations' reads."""
+    del with_init
+    return out_itemsize if out_itemsize == 4 else out_itemsize + 4
 
 
 def _vmem(t_pad: int, cols: int, tm: int, inter: int, itemsize: int, with_init: bool,
@@ -128,16 +132,27 @@ def _kernel(offsets_ref, groups_ref, m_tiles_ref, token_ref, *refs, with_init: b
             weighted: bool, cast: bool):
     refs = list(refs)
     weight_ref = refs.pop(0) if weighted else None  # SMEM, as the tokens
+    reads_init_ref = refs.pop(0) if with_init else None  # SMEM [1]: 0 on a first pass
     lhs_ref, w_ref = refs.pop(0), refs.pop(0)
-    init_ref = refs.pop(0) if with_init else None
+    init_hbm = refs.pop(0) if with_init else None  # HBM: its column block copied on demand
     out_ref, tile_ref = refs.pop(0), refs.pop(0)
     sums_ref = refs.pop(0) if cast else out_ref  # the float32 sums: the output, or a scratch
-    step = pl.program_id(1)
+    copy_done = refs.pop(0) if with_init else None
+    column_block, step = pl.program_id(0), pl.program_id(1)  # (read outside the conds)
 
     @pl.when(step == 0)
     def _():
-        sums_ref[...] = (init_ref[...].astype(jnp.float32) if with_init
-                         else jnp.zeros_like(sums_ref))
+        sums_ref[...] = jnp.zeros_like(sums_ref)
+        if with_init:
+            @pl.when(reads_init_ref[0] != 0)
+            def _():
+                cols = out_ref.shape[1]
+                columns = pl.ds(pl.multiple_of(column_block * cols, cols), cols)
+                copy = pltpu.make_async_copy(init_hbm.at[:, columns], out_ref, copy_done)
+                copy.start()
+                copy.wait()
+                if cast:
+                    sums_ref[...] = out_ref[...].astype(jnp.float32)
 
     tm = lhs_ref.shape[0]
     tile_ref[...] = jnp.dot(lhs_ref[...], w_ref[...], preferred_element_type=jnp.float32)
@@ -168,7 +183,8 @@ def down_and_combine(act: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
                      token: jax.Array, init: jax.Array | None, tokens: int, tm: int,
                      interpret: bool, weight: jax.Array | None = None,
                      out_dtype: jnp.dtype = jnp.float32,
-                     vmem_limit: int = vmem_rows.VMEM_LIMIT) -> jax.Array:
+                     vmem_limit: int = vmem_rows.VMEM_LIMIT,
+                     reads_init: jax.Array | bool = True) -> jax.Array:
     """``[tokens, H]`` in ``out_dtype``: ``init`` (or zeros) plus, for every sorted row ``m``
     inside the groups (``m < sum(group_sizes)``), ``act[m] @ w_down[group of m]`` (times
     ``weight[m]``, if given) added at its token ``token[m]``, in float32, rounded once to
@@ -178,7 +194,9 @@ def down_and_combine(act: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
     multiple of 128); group_sizes [G] from row 0; token [M_pad] in ``[0, tokens)`` wherever
     it is read; weight [M_pad] float32 (the routing weights, prefetched to SMEM with the
     tokens: :func:`weighs_rows`); ``init`` in ``out_dtype`` (the sums of earlier passes,
-    each rounded once to it); ``vmem_limit``: the scoped VMEM to ask for
+    each rounded once to it), taken as zeros and never read where ``reads_init`` (a traced
+    bool) is false: a first pass's loop-carried buffer (``gmm.gmm_experts``) is allocated,
+    not initialised; ``vmem_limit``: the scoped VMEM to ask for
     (``vmem_rows.vmem_limit`` of the chip), which sizes the column blocks. The caller
     checks :func:`fits`."""
     m_pad, inter = act.shape
@@ -196,6 +214,8 @@ def down_and_combine(act: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
     weight = None if weight is None else weight.astype(jnp.float32)
     if interpret and vmem_rows.under_manual_axes(act, token, w_down):
         # The kernel's arithmetic in jnp (module docstring).
+        if init is not None:
+            init = jnp.where(reads_init, init, jnp.zeros((), init.dtype))
         return _combine_jnp(act, w_down, group_sizes, token, init, tokens, tm,
                             weight).astype(out_dtype)
     t_pad = vmem_rows.pad_block(tokens)
@@ -211,20 +231,25 @@ def down_and_combine(act: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
     sums = pl.BlockSpec((t_pad, cols), lambda n, t, *_: (0, n), pipeline_mode=pl.Buffered(1))
     in_specs = [pl.BlockSpec((tm, inter), lambda n, t, o, g, mt, *_: (mt[t], 0)),
                 pl.BlockSpec((None, inter, cols), lambda n, t, o, g, mt, *_: (g[t], 0, n))]
-    # Prefetched to SMEM: the tile schedule, each row's token and (weighing) its weight.
+    # Prefetched to SMEM: the tile schedule, each row's token, (weighing) its weight and
+    # (with init) whether init is read.
     scalars = [offsets, group_ids, m_tiles, token] + ([] if weight is None else [weight])
-    operands = [act, w_down]
     if with_init:
-        in_specs.append(sums)
+        scalars.append(jnp.asarray(reads_init, jnp.int32).reshape(1))
+    operands = [act, w_down]
+    if with_init:  # copied by the kernel itself, into the output block (none on a first pass)
+        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
         operands.append(jnp.pad(init, ((0, t_pad - tokens), (0, 0))))
     scratch = [pltpu.VMEM((tm, cols), jnp.float32)]
     if cast:
         scratch.append(pltpu.VMEM((t_pad, cols), jnp.float32))
+    if with_init:
+        scratch.append(pltpu.SemaphoreType.DMA(()))
     item = act.dtype.itemsize
     cost = pl.CostEstimate(  # static, whatever the routing (module docstring, "Cost")
         flops=2 * m_pad * inter * hidden, transcendentals=0,
         bytes_accessed=(m_pad * inter * item * tiles_n + groups * inter * hidden * item
-                        + t_pad * hidden * out_dtype.itemsize * (2 if with_init else 1)
+                        + t_pad * hidden * out_dtype.itemsize
                         + (m_pad * (len(scalars) - 3) + 2 * max_tiles + groups + 1) * 4))
     with jax_config._check_vma(False):
         out = pl.pallas_call(

@@ -47,14 +47,11 @@ HELD_BUDGET = 24 * 1024 * 1024
 # values), leaving the rest to Mosaic's own scratch.
 VMEM_LIMIT = 40 * 1024 * 1024
 KERNEL_BUDGET = 32 * 1024 * 1024
-# On chips with more VMEM per TensorCore, the scoped VMEM the combine kernel asks for
-# (``gmm_combine``: its held float32 sums are as wide as VMEM allows, and each column block
-# of them reads the activations once more): (capacity at least, limit), largest first.
-# 128 MiB (v5e, v6e): 100; 64 MiB (v5p): 48, which holds 512 columns of the sums of 8,192
-# tokens (8 bytes each with a bfloat16 init and output) where 40 holds 256.
+# On chips with at least LARGE_VMEM per TensorCore (v5e, v6e: 128 MiB), the scoped VMEM the
+# combine kernel asks for (``gmm_combine``: its held float32 sums are as wide as VMEM allows,
+# and each column block of them reads the activations once more).
 LARGE_VMEM = 128 * 1024 * 1024
 LARGE_VMEM_LIMIT = 100 * 1024 * 1024
-CHIP_VMEM_LIMITS = ((LARGE_VMEM, LARGE_VMEM_LIMIT), (64 * 1024 * 1024, 48 * 1024 * 1024))
 OUT_ROWS = 64  # rows of one streamed block (a grid step)
 # Indices a kernel prefetches to SMEM (int32): 512 KiB, the most compiled (v6e, a 16,384-token
 # prefill of the 30B at k = 8: 131,072 assignment rows); more fall back to XLA's gathers.
@@ -63,8 +60,8 @@ MAX_INDICES = 131_072
 
 def vmem_limit(device_kind: str | None) -> int:
     """The scoped VMEM a kernel sized by :func:`budgets` may ask for on a chip of
-    ``device_kind`` (``jax.Device.device_kind``, e.g. "TPU v6 lite"): the limit of the
-    chip's VMEM per TensorCore in ``CHIP_VMEM_LIMITS``, else ``VMEM_LIMIT`` (also for a kind
+    ``device_kind`` (``jax.Device.device_kind``, e.g. "TPU v6 lite"): ``LARGE_VMEM_LIMIT``
+    where the chip has ``LARGE_VMEM`` per TensorCore, else ``VMEM_LIMIT`` (also for a kind
     JAX's table does not know, or no TPU)."""
     if not device_kind:
         return VMEM_LIMIT
@@ -75,7 +72,7 @@ def vmem_limit(device_kind: str | None) -> int:
         capacity = pltpu.get_tpu_info_for_chip(version, 1).vmem_capacity_bytes
     except Exception:  # noqa: BLE001 - an unknown or non-TPU kind: the default limit
         return VMEM_LIMIT
-    return next((limit for least, limit in CHIP_VMEM_LIMITS if capacity >= least), VMEM_LIMIT)
+    return LARGE_VMEM_LIMIT if capacity >= LARGE_VMEM else VMEM_LIMIT
 
 
 def budgets(limit: int = VMEM_LIMIT) -> tuple[int, int]:

@@ -624,15 +624,21 @@ def test_resolve_gmm_backend():
 
 # -- expert and tensor parallelism (4 fake CPU devices, one subprocess) -------------------------
 # name -> (ep, tp, dispatch): None = replicated tokens, one psum; "all_gather" / "all_to_all"
-# = DP attention (tokens split over "expert", ``ep_moe_forward(tokens_split=True)``).
+# = DP attention (tokens split over "expert", ``ep_moe_forward(tokens_split=True)``);
+# "all_gather_sp": DP attention with each rank's tokens split over its "tensor" devices too
+# (``sequence_split``: both sums reduce-scattered).
 PARALLEL: dict[str, tuple[int, int, str | None]] = {
     "ep2": (2, 1, None), "ep4": (4, 1, None), "tp2_ep2": (2, 2, None),
     "dp2_all_gather": (2, 1, "all_gather"), "dp2_tp2_all_to_all": (2, 2, "all_to_all"),
+    "dp2_tp2_all_gather_sp": (2, 2, "all_gather_sp"),
 }
 
 
 def parallel_tokens(name: str) -> tuple[int, ...]:
-    return (38,) if PARALLEL[name][2] else (1, 37)  # split tokens: a multiple of ep
+    dispatch = PARALLEL[name][2]
+    if dispatch == "all_gather_sp":
+        return (40,)  # a multiple of ep x tp
+    return (38,) if dispatch else (1, 37)  # split tokens: a multiple of ep
 
 
 def _worker(out_dir: str) -> None:
@@ -647,11 +653,13 @@ def _worker(out_dir: str) -> None:
     for name, (ep, tp, dispatch) in PARALLEL.items():
         mesh = Mesh(np.array(jax.devices()[: ep * tp]).reshape(ep, tp), ("expert", "tensor"))
         a2a = emulated_ragged_all_to_all if dispatch == "all_to_all" else None
-        fn = jax.jit(lambda a, split=dispatch is not None, a2a=a2a: ep_moe_forward(
+        sp = dispatch == "all_gather_sp"
+        fn = jax.jit(lambda a, split=dispatch is not None, a2a=a2a, sp=sp: ep_moe_forward(
             a["x"], a["topk_ids"], a["topk_weights"], a["w_gate"], a["w_up"], a["w_down"],
             SHUFFLED, backend=get_moe_backend("gmm"), tokens_split=split, all_to_all=a2a,
+            sequence_split=sp,
         ))
-        token_spec = ("expert",) if dispatch else ()
+        token_spec = (("expert", "tensor"),) if sp else ("expert",) if dispatch else ()
         for tokens in parallel_tokens(name):
             args = {k: jax.device_put(v, NamedSharding(mesh, P(*specs.get(k, token_spec))))
                     for k, v in physical(make_case(tokens, tokens), SHUFFLED).items()}

@@ -97,6 +97,12 @@ CONFIGS: dict[str, tuple[int, str, int, int, str | None, dict[str, Any]]] = {
     "qwen2_moe_tp2_ep2_sp": (4, "qwen2_moe", 2, 2, None, SP),
     "deepseek_v3_tp2_ep2_sp_ragged": (4, "deepseek_v3", 2, 2, None, {**SP, **RAGGED}),
     "tp2_ep2_sp_gmm": (4, TEST_MODEL_PATH, 2, 2, None, {**SP, "moe_backend": "gmm"}),
+    # ... and under DP attention: each rank's tokens split over its "tensor" devices, gathered
+    # within the rank for attention; the MoE sums reduce-scattered over both axes.
+    "tp2_ep2_dp2_sp": (4, TEST_MODEL_PATH, 2, 2, None, {**DP2, **SP}),
+    "tp2_ep2_dp2_sp_gmm": (4, TEST_MODEL_PATH, 2, 2, None,
+                           {**DP2, **SP, "moe_backend": "gmm"}),
+    "deepseek_v3_tp2_ep2_dp2_sp": (4, "deepseek_v3", 2, 2, None, {**DP2, **SP}),
     # Extend steps padded to 128 tokens, more than a device's 64 q/k/v columns at tp 2: q, k
     # and v as one matmul (GqaAttention._fused_qkv), with the residual stream split.
     "tp2_sp_fused_qkv": (2, TEST_MODEL_PATH, 2, 1, None,
@@ -104,7 +110,7 @@ CONFIGS: dict[str, tuple[int, str, int, int, str | None, dict[str, Any]]] = {
     "deepseek_v3_tp2_ep2_mapped": (4, "deepseek_v3", 2, 2, json.dumps(
         {"default": [[0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]]}), {}),
 }
-SPLIT_CHECKED = ("tp2", "tp2_sp")  # their compiled extend step's collectives are compared
+SPLIT_CHECKED = ("tp2", "tp2_sp", "tp2_ep2_dp2", "tp2_ep2_dp2_sp")  # their extend steps' collectives
 # Random checkpoints: name -> (make_random_model preset, overrides, seed).
 RANDOM_MODELS = {
     WIDE: ("tiny", {"num_attention_heads": 8, "num_key_value_heads": 8}, 11),
@@ -315,6 +321,18 @@ def test_sequence_parallel_reduce_scatters(results):
     moe_layers = sum(ModelConfig.from_hf(TEST_MODEL_PATH).moe_layers)
     assert replicated["reduce-scatter"] == 0 and replicated["all-reduce"] >= 2 * moe_layers
     assert split["reduce-scatter"] >= moe_layers
+
+
+def test_sequence_parallel_under_dp_attention(results):
+    """With DP attention and the residual stream split within each rank, the MoE block's
+    "tensor" partial sums are reduce-scattered (after the "expert" ones) instead of
+    all-reduced: one more reduce-scatter and one all-reduce fewer per MoE layer."""
+    replicated = _layout_of(results, "tp2_ep2_dp2")["collectives"]
+    split = _layout_of(results, "tp2_ep2_dp2_sp")["collectives"]
+    moe_layers = sum(ModelConfig.from_hf(TEST_MODEL_PATH).moe_layers)
+    assert replicated["reduce-scatter"] == moe_layers  # the sums over "expert"
+    assert split["reduce-scatter"] == 2 * moe_layers  # ... and over "tensor"
+    assert split["all-reduce"] < replicated["all-reduce"]
 
 
 def test_fused_qkv_projection_runs(results):

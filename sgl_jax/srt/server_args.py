@@ -150,12 +150,12 @@ class ServerArgs:
         "expert's device and back; k*T/ep rows each way, less when top-k < ep). "
         "docs/parallelism.md.", choices=MOE_DISPATCHES)
     sequence_parallel_min_tokens: int = _arg(
-        1024, "With tensor parallelism (and without DP attention), a step of at least this "
-              "many tokens keeps the residual stream split by token over the tensor-parallel "
-              "devices between the layers' projections: norms, residual adds and the router "
-              "run on 1/tp of the tokens, and each block's all-reduce becomes a "
-              "reduce-scatter. Smaller steps (decode) stay replicated. 0: never. "
-              "docs/parallelism.md.")
+        1024, "With tensor parallelism, a step of at least this many tokens (all DP "
+              "attention ranks' together) keeps the residual stream split by token over the "
+              "tensor-parallel devices (of each rank) between the layers' projections: "
+              "norms, residual adds and the router run on 1/tp of the tokens, and each "
+              "block's all-reduce becomes a reduce-scatter. Smaller steps (decode) stay "
+              "replicated. 0: never. docs/parallelism.md.")
     device_indexes: list[int] | None = _arg(
         None, "Run on these devices (positions in jax.devices()), e.g. '0 1' next to a trainer "
               "on the other devices of the host; tp_size x ep_size of them form the mesh. "

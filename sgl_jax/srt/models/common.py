@@ -16,6 +16,8 @@ here; multi-head latent attention in ``deepseek_v3.py``).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -278,8 +280,9 @@ class SparseMoeBlock(nnx.Module):
         mapping is applied, and their weights). ``sequence_split``: x is split by token over
         "tensor" (``sequence_parallel``), and so is the output."""
         topk_weights, topk_ids = self.gate(x)
+        dp = backends.dp_attention
         if sequence_split:  # the router on the split tokens (else XLA runs it on all of them)
-            topk_weights, topk_ids = (sequence_parallel.split_tokens(a)
+            topk_weights, topk_ids = (sequence_parallel.split_tokens(a, dp)
                                       for a in (topk_weights, topk_ids))
         out = ep_moe_forward(  # x split by token: gathered inside (``sequence_split``)
             x, topk_ids, topk_weights, self.w_gate[...], self.w_up[...], self.w_down[...],
@@ -290,7 +293,7 @@ class SparseMoeBlock(nnx.Module):
         )
         if self.shared_name is not None:
             if sequence_split:
-                x = sequence_parallel.gather_tokens(x)
+                x = sequence_parallel.gather_tokens(x, dp)
             shared = getattr(self, self.shared_name)(x)
             if self.gated_shared:
                 shared = jax.nn.sigmoid(x @ self.shared_expert_gate[...]) * shared
@@ -321,8 +324,10 @@ class DecoderLayer(nnx.Module):
         """The new hidden state, the layer's cache and its router choice (None: dense)."""
         split = sequence_parallel.splits(backends, h.shape[0])
         if split:  # h split by token; each block's input gathered, its output reduce-scattered
-            h = sequence_parallel.split_tokens(h)
-            gather, scatter = sequence_parallel.gather_tokens, sequence_parallel.split_tokens
+            dp = backends.dp_attention
+            h = sequence_parallel.split_tokens(h, dp)
+            gather = functools.partial(sequence_parallel.gather_tokens, dp_attention=dp)
+            scatter = functools.partial(sequence_parallel.split_tokens, dp_attention=dp)
         else:
             gather = scatter = lambda a: a
         attn_out, kv = self.self_attn(gather(self.input_layernorm(h)), batch, meta, kv,

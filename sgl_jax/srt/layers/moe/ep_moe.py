@@ -135,11 +135,16 @@ def ep_moe_forward(
     (the ragged all-to-all collective to use) each device receives only the assignments to
     its own experts instead (``dispatch.all_to_all_experts``).
 
-    ``sequence_split`` (``models/sequence_parallel.py``, without DP): x arrives split by
-    token over "tensor" and is all-gathered inside (for gmm, packed for its row DMAs before
-    the gather: ``MoEBackend.gather_tokens``); the result is returned split the same way,
-    the partial sums of the "tensor" axis reduce-scattered instead of all-reduced.
+    ``sequence_split`` (``models/sequence_parallel.py``): x arrives split by token over
+    "tensor" (with ``tokens_split``: over "expert" x "tensor", each rank's tokens split over
+    its devices; not with ``all_to_all``) and is all-gathered inside (for gmm, packed for
+    its row DMAs before the gather: ``MoEBackend.gather_tokens``); the result is returned
+    split the same way, the partial sums of the "tensor" axis reduce-scattered instead of
+    all-reduced.
     """
+    if sequence_split and all_to_all is not None:
+        raise ValueError("ep_moe_forward: the all-to-all dispatch takes each rank's tokens "
+                         "whole (sequence_split=False)")
     if location is None:
         rows = static_physical_ids(topk_ids, expert_order)
     else:
@@ -180,20 +185,25 @@ def ep_moe_forward(
     def dispatched_experts(x: jax.Array, rows: jax.Array, topk_weights: jax.Array,
                            w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
         # All-gather the ranks' tokens (every device needs every assignment to its experts),
-        # compute this device's share, and reduce-scatter the sums back to their ranks.
-        rows, topk_weights = routing(*(jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True)
+        # compute this device's share, and reduce-scatter the sums back to their ranks. Under
+        # sequence parallelism each device holds 1/tp of its rank's tokens: gathered over
+        # both axes, and the rank's sums scattered over "tensor" too instead of all-reduced.
+        axes = (EXPERT_AXIS, TENSOR_AXIS) if sequence_split else EXPERT_AXIS
+        rows, topk_weights = routing(*(jax.lax.all_gather(a, axes, axis=0, tiled=True)
                                        for a in (rows, topk_weights)))
-        x, words = backend.gather_tokens(x, EXPERT_AXIS)  # gmm's packed rows too
+        x, words = backend.gather_tokens(x, axes)  # gmm's packed rows too
         local = _local_rows(rows, w_gate.shape[0])
         # In the activation dtype, as XLA:TPU already moves the cast before the psum without
         # DP: half the bytes over the links in bfloat16 (float32 on CPU: nothing changes).
         partial = backend(x, local, topk_weights, w_gate, w_up, w_down, x.dtype, words)
         mine = jax.lax.psum_scatter(partial, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+        if sequence_split:
+            return jax.lax.psum_scatter(mine, TENSOR_AXIS, scatter_dimension=0, tiled=True)
         return jax.lax.psum(mine, TENSOR_AXIS)
 
     tokens = P(EXPERT_AXIS) if tokens_split else P()
-    if sequence_split and not tokens_split:
-        tokens = P(TENSOR_AXIS)  # x and the routing split by token, gathered inside
+    if sequence_split:  # x and the routing split by token, gathered inside
+        tokens = P((EXPERT_AXIS, TENSOR_AXIS)) if tokens_split else P(TENSOR_AXIS)
     if not tokens_split:
         per_device = local_experts
     elif all_to_all is None:

@@ -118,6 +118,31 @@ def test_all_assignments_elsewhere_gives_zero():
     np.testing.assert_array_equal(run_local(case), 0.0)
 
 
+@pytest.fixture
+def unset_is_nan(monkeypatch):
+    """The EP passes' loop-carried sums start as ``jax.lax.empty``: on TPU uninitialised
+    memory, zeros on CPU. NaN here, so that a pass reading them before it should (or a
+    result that is the unwritten carry) shows."""
+    monkeypatch.setattr(jax.lax, "empty",
+                        lambda shape, dtype, **_: jnp.full(shape, jnp.nan, dtype))
+    jax.clear_caches()  # read at trace time
+    yield
+    jax.clear_caches()
+
+
+def test_all_assignments_elsewhere_under_ep_gives_zero(unset_is_nan):
+    """Under EP, a device none of whose experts is chosen still takes one pass: it writes
+    its sums (zeros), never returns the loop's unread carry."""
+    case = local_case(3, 9)
+    case["local_ids"] = np.full_like(case["local_ids"], LOCAL_ROWS)
+    args = [case[k] for k in ("x", "local_ids", "topk_weights", "w_gate", "w_up", "w_down")]
+    assert gmm.pass_rows(case["local_ids"].size, 4, gmm.CAPACITY_FACTOR) < case["local_ids"].size
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+        backend = functools.partial(gmm.GmmExperts(shards=4), out_dtype=out_dtype)
+        got = jax.jit(backend)(*args)
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), 0.0)
+
+
 @pytest.mark.parametrize("routing,shards,factor,experts", [
     ("random", 4, 2.0, 16),  # a wide window: usually one pass
     ("random", 8, 1.0, 16),  # a small window: several passes, groups split across windows
@@ -125,7 +150,7 @@ def test_all_assignments_elsewhere_gives_zero():
     ("random", 16, 0.5, LOCAL_ROWS),  # every assignment held: the last window runs past M
 ])
 def test_passes_over_windows_of_the_local_assignments(routing, shards, factor, experts,
-                                                      nan_in_unwritten_rows):
+                                                      nan_in_unwritten_rows, unset_is_nan):
     """Under EP (``shards`` > 1) the assignments are computed in windows of
     ``pass_rows`` sorted positions (padded to the row tile): however many passes the routing
     needs, the result is the reference's (nothing dropped, nothing counted twice), with NaN
@@ -149,7 +174,7 @@ def test_passes_over_windows_of_the_local_assignments(routing, shards, factor, e
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shards,factor", [(4, 1.25), (8, 0.5), (16, 0.25)])
-def test_passes_with_fetched_rows(monkeypatch, dtype, shards, factor):
+def test_passes_with_fetched_rows(monkeypatch, unset_is_nan, dtype, shards, factor):
     """The prefill path under EP: gate/up fetching its rows by DMA (x too large to hold;
     bfloat16 x packed once for all passes) and the combine kernel updating the earlier
     passes' sums in place (in the output dtype: bfloat16 for bfloat16), over one to
@@ -159,13 +184,13 @@ def test_passes_with_fetched_rows(monkeypatch, dtype, shards, factor):
     # x not held whole, the sums (with the earlier passes') held 128 columns at a time.
     out_item = jnp.dtype(dtype).itemsize
     monkeypatch.setattr(vmem_rows, "HELD_BUDGET", vmem_rows.pad_block(tokens) * 128
-                        * gmm_combine.sums_bytes(True, out_item))
+                        * gmm_combine.sums_bytes(out_item))
     jax.clear_caches()
     rows = gmm.pass_rows(case["local_ids"].size, shards, factor)
     tm = gmm.row_tile(rows, case["w_gate"], case["w_down"])
     window = gmm.pad_rows(rows, tm)
     assert gmm_gate_up.token_mode(tokens, hidden, 128, dtype, window, tm) == gmm_gate_up.FETCH
-    assert gmm_combine.fits(tokens, hidden, window, tm, 128, 4, True, out_item)
+    assert gmm_combine.fits(tokens, hidden, window, tm, 128, 4, out_item)
     if factor < 1:
         assert int((case["local_ids"] < LOCAL_ROWS).sum()) > 2 * window  # three passes or more
     args = [case[k] for k in ("x", "local_ids", "topk_weights", "w_gate", "w_up", "w_down")]
@@ -253,7 +278,7 @@ def row_gathers(request, monkeypatch):
     XLA's gathers, Megablox's three gmm calls and ``sum_token_rows`` (``xla``)."""
     not_whole = 32 * 128 * vmem_rows.held_bytes(4)  # x held 128 of its 256 columns at most
     held = {"fetched_rows": not_whole, "gathered_rows": not_whole,
-            "combine_blocks": 32 * 128 * gmm_combine.sums_bytes(False), "xla": 0}
+            "combine_blocks": 32 * 128 * gmm_combine.sums_bytes(), "xla": 0}
     if request.param in held:
         monkeypatch.setattr(vmem_rows, "HELD_BUDGET", held[request.param])
     if request.param != "fetched_rows":  # x's rows gathered before gate/up, if held
@@ -452,9 +477,9 @@ def test_down_and_combine_weighs_rows_and_rounds_once(monkeypatch, sizes, tm, ou
     tokens, hidden = 37, 256
     item = jnp.dtype(out_dtype).itemsize
     monkeypatch.setattr(vmem_rows, "HELD_BUDGET",
-                        48 * columns * gmm_combine.sums_bytes(False, item))
+                        48 * columns * gmm_combine.sums_bytes(item))
     jax.clear_caches()  # the budget is read at trace time (again after the test: below)
-    assert gmm_combine.column_width(tokens, hidden, tm, 128, 2, False, item) == columns
+    assert gmm_combine.column_width(tokens, hidden, tm, 128, 2, item) == columns
     case = combine_case(8, sizes, 64, tokens, hidden, jnp.bfloat16)
     args = (case["act"], case["w"], jnp.asarray(case["sizes"]), jnp.asarray(case["token"]),
             None, tokens, tm, True, jnp.asarray(case["weight"]))
@@ -470,9 +495,9 @@ def test_down_and_combine_weighs_rows_and_rounds_once(monkeypatch, sizes, tm, ou
     # Starting from the sums of an earlier pass, in the output dtype (held next to the
     # float32 scratch): added in float32 and rounded once, as a float32 start would be.
     monkeypatch.setattr(vmem_rows, "HELD_BUDGET",
-                        48 * columns * gmm_combine.sums_bytes(True, item))
+                        48 * columns * gmm_combine.sums_bytes(item))
     jax.clear_caches()
-    assert gmm_combine.column_width(tokens, hidden, tm, 128, 2, True, item) == columns
+    assert gmm_combine.column_width(tokens, hidden, tm, 128, 2, item) == columns
     init = jnp.asarray(case["init"]).astype(out_dtype)
     resumed = gmm_combine.down_and_combine(*args[:4], init, *args[5:], out_dtype=out_dtype)
     assert resumed.dtype == out_dtype
@@ -504,14 +529,13 @@ def test_vmem_limit_follows_the_chip():
     assert vmem_rows.vmem_limit("TPU v5 lite") == big
     for kind in ("TPU v5p", "TPU v4", "cpu", "", None):
         assert vmem_rows.vmem_limit(kind) == vmem_rows.VMEM_LIMIT, kind
-    for with_init in (False, True):
-        assert gmm_combine.column_width(8192, 4096, 512, 384, 2, with_init, 2) == 512
+    assert gmm_combine.column_width(8192, 4096, 512, 384, 2, 2) == 512
     assert vmem_rows.budgets() == (vmem_rows.HELD_BUDGET, vmem_rows.KERNEL_BUDGET)
     extra = big - vmem_rows.VMEM_LIMIT
     assert vmem_rows.budgets(big) == (vmem_rows.HELD_BUDGET + extra,
                                       vmem_rows.KERNEL_BUDGET + extra)
-    narrow = gmm_combine.column_width(8192, 2048, 512, 192, 2, False, 2)
-    wide = gmm_combine.column_width(8192, 2048, 512, 192, 2, False, 2, big)
+    narrow = gmm_combine.column_width(8192, 2048, 512, 192, 2, 2)
+    wide = gmm_combine.column_width(8192, 2048, 512, 192, 2, 2, big)
     assert (narrow, wide) == (512, 1024)
 
 
@@ -519,10 +543,10 @@ def test_down_and_combine_column_blocks(monkeypatch):
     """Sums too wide to hold whole are held a column block at a time (prefill): each block
     sees every row, the same sums."""
     tokens, hidden = 45, 512
-    monkeypatch.setattr(vmem_rows, "HELD_BUDGET", 48 * 128 * gmm_combine.sums_bytes(True))
-    assert vmem_rows.column_block(48, hidden, gmm_combine.sums_bytes(True)) == 128
-    assert gmm_combine.column_width(tokens, hidden, 32, 128, 2, True) == 128
-    assert gmm_combine.fits(tokens, hidden, 96, 32, 128, 2, True)
+    monkeypatch.setattr(vmem_rows, "HELD_BUDGET", 48 * 128 * gmm_combine.sums_bytes())
+    assert vmem_rows.column_block(48, hidden, gmm_combine.sums_bytes()) == 128
+    assert gmm_combine.column_width(tokens, hidden, 32, 128, 2) == 128
+    assert gmm_combine.fits(tokens, hidden, 96, 32, 128, 2)
     case = combine_case(9, [13, 30, 0, 41], 96, tokens, hidden, jnp.bfloat16)
     got = np.asarray(gmm_combine.down_and_combine(
         case["act"], case["w"], jnp.asarray(case["sizes"]), jnp.asarray(case["token"]),

@@ -110,7 +110,8 @@ CONFIGS: dict[str, tuple[int, str, int, int, str | None, dict[str, Any]]] = {
     "deepseek_v3_tp2_ep2_mapped": (4, "deepseek_v3", 2, 2, json.dumps(
         {"default": [[0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]]}), {}),
 }
-SPLIT_CHECKED = ("tp2", "tp2_sp", "tp2_ep2_dp2", "tp2_ep2_dp2_sp")  # their extend steps' collectives
+SPLIT_CHECKED = ("tp2", "tp2_sp", "tp2_ep2_dp2", "tp2_ep2_dp2_sp", "tp2_ep2_dp2_sp_gmm",
+                 "deepseek_v3_tp2_ep2_dp2", "deepseek_v3_tp2_ep2_dp2_sp")  # extend collectives
 # Random checkpoints: name -> (make_random_model preset, overrides, seed).
 RANDOM_MODELS = {
     WIDE: ("tiny", {"num_attention_heads": 8, "num_key_value_heads": 8}, 11),
@@ -203,6 +204,7 @@ def _worker(job: dict[str, Any]) -> None:
             text = runner.lower_bucket(ForwardMode.EXTEND, 32, 4).compile().as_text()
             results[name]["collectives"] = {
                 op: text.count(f" {op}(") for op in ("all-reduce", "reduce-scatter")}
+            results[name]["moe_layers"] = sum(runner.model_config.moe_layers)
         if name == "tp2_sp_fused_qkv":  # the extend step's q/k/v projections, by source op
             from sgl_jax.srt.forward_batch_info import ForwardMode
 
@@ -323,16 +325,17 @@ def test_sequence_parallel_reduce_scatters(results):
     assert split["reduce-scatter"] >= moe_layers
 
 
-def test_sequence_parallel_under_dp_attention(results):
-    """With DP attention and the residual stream split within each rank, the MoE block's
-    "tensor" partial sums are reduce-scattered (after the "expert" ones) instead of
-    all-reduced: one more reduce-scatter and one all-reduce fewer per MoE layer."""
-    replicated = _layout_of(results, "tp2_ep2_dp2")["collectives"]
-    split = _layout_of(results, "tp2_ep2_dp2_sp")["collectives"]
-    moe_layers = sum(ModelConfig.from_hf(TEST_MODEL_PATH).moe_layers)
-    assert replicated["reduce-scatter"] == moe_layers  # the sums over "expert"
-    assert split["reduce-scatter"] == 2 * moe_layers  # ... and over "tensor"
-    assert split["all-reduce"] < replicated["all-reduce"]
+@pytest.mark.parametrize("replicated,split", [
+    ("tp2_ep2_dp2", "tp2_ep2_dp2_sp"), ("tp2_ep2_dp2", "tp2_ep2_dp2_sp_gmm"),
+    ("deepseek_v3_tp2_ep2_dp2", "deepseek_v3_tp2_ep2_dp2_sp")])
+def test_sequence_parallel_under_dp_attention(results, replicated, split):
+    """With DP attention and the residual stream split within each rank (the scenario
+    checked against the reference above), the MoE block's "tensor" partial sums are
+    reduce-scattered after the "expert" ones instead of all-reduced: one more
+    reduce-scatter per MoE layer in the extend step."""
+    moe_layers = _layout_of(results, split)["moe_layers"]
+    assert _layout_of(results, replicated)["collectives"]["reduce-scatter"] == moe_layers
+    assert _layout_of(results, split)["collectives"]["reduce-scatter"] == 2 * moe_layers
 
 
 def test_fused_qkv_projection_runs(results):

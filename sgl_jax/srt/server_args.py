@@ -150,8 +150,8 @@ class ServerArgs:
         "expert's device and back; k*T/ep rows each way, less when top-k < ep). "
         "docs/parallelism.md.", choices=MOE_DISPATCHES)
     sequence_parallel_min_tokens: int = _arg(
-        1024, "With tensor parallelism, a step of at least this many tokens (all DP "
-              "attention ranks' together) keeps the residual stream split by token over the "
+        1024, "With tensor parallelism, a step of at least this many tokens (per DP "
+              "attention rank) keeps the residual stream split by token over the "
               "tensor-parallel devices (of each rank) between the layers' projections: "
               "norms, residual adds and the router run on 1/tp of the tokens, and each "
               "block's all-reduce becomes a reduce-scatter. Smaller steps (decode) stay "

@@ -278,7 +278,8 @@ class SparseMoeBlock(nnx.Module):
                  sequence_split: bool = False) -> tuple[jax.Array, LayerRouting]:
         """The block's output and its router choice (logical ids, before any device-expert
         mapping is applied, and their weights). ``sequence_split``: x is split by token over
-        "tensor" (``sequence_parallel``), and so is the output."""
+        "tensor" (with DP attention, over "expert" x "tensor": ``sequence_parallel``), and so
+        is the output."""
         topk_weights, topk_ids = self.gate(x)
         dp = backends.dp_attention
         if sequence_split:  # the router on the split tokens (else XLA runs it on all of them)

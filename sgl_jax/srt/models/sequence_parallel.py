@@ -13,13 +13,16 @@ moved over the links are the same (an all-reduce is a reduce-scatter and an all-
 
 Decode steps keep the replicated layout: with a few tokens a step is bound by collective
 latency, and two collectives per block cost more than one (``sequence_parallel_tokens``:
-the smallest step split). With DP attention the tokens are split over "expert" (the ranks)
-already and each rank's are replicated over its "tensor" devices; split, each device holds
-``1 / tp`` of its rank's tokens (over "expert" x "tensor"), gathered within the rank for
-attention (which runs per rank), and the MoE block's sums reduce-scattered over "expert"
-and then over "tensor" (``ep_moe.ep_moe_forward``). Not with the all-to-all dispatch, which
-moves each rank's replicated tokens. The split changes where each token's arithmetic runs and the collective that adds
-the partial sums: a reduce-scatter may add them in another order than an all-reduce, and
+the smallest step split, in tokens per device before the split). With DP attention the
+tokens are split over "expert" (the ranks) already and each rank's are replicated over its
+"tensor" devices; split, each device holds ``1 / tp`` of its rank's tokens (over "expert" x
+"tensor"), gathered within the rank for attention (which runs per rank), and the MoE
+block's sums reduce-scattered over "expert" and then over "tensor"
+(``ep_moe.ep_moe_forward``). Not with the all-to-all dispatch, which moves each rank's
+replicated tokens.
+
+The split changes where each token's arithmetic runs and the collective that adds the
+partial sums: a reduce-scatter may add them in another order than an all-reduce, and
 the MoE block's are added in the activation dtype (as XLA:TPU adds the replicated layout's;
 on CPU the all-reduce adds float32). With a bfloat16 model the hidden states may differ in
 the last bits of bfloat16, as between two tensor-parallel sizes.
@@ -37,9 +40,7 @@ from sgl_jax.srt.models.backends import ModelBackends
 def splits(backends: ModelBackends, tokens: int) -> bool:
     """Whether a step of ``tokens`` tokens runs with its residual stream split by token over
     the "tensor" axis of the mesh in context (every device an equal share; with DP
-    attention, of its rank's tokens)."""
-    if not backends.sequence_parallel_tokens or tokens < backends.sequence_parallel_tokens:
-        return False
+    attention, of its rank's ``tokens / ranks``, which the threshold is compared with)."""
     mesh = jax.sharding.get_abstract_mesh()
     # Not in deterministic mode: which device adds a token's partial sums, in which order,
     # depends on the token's place in the batch. Not with the all-to-all dispatch (module
@@ -49,7 +50,8 @@ def splits(backends: ModelBackends, tokens: int) -> bool:
         return False
     tp = mesh.shape[TENSOR_AXIS]
     ranks = mesh.shape[EXPERT_AXIS] if backends.dp_attention else 1
-    return tp > 1 and tokens % (tp * ranks) == 0
+    return (tp > 1 and tokens % (tp * ranks) == 0
+            and 0 < backends.sequence_parallel_tokens <= tokens // ranks)
 
 
 def gather_tokens(x: jax.Array, dp_attention: bool = False) -> jax.Array:

@@ -28,11 +28,12 @@ kernels on the tile schedule of JAX's Megablox ``gmm``
    (sentinel, padding) are never added. Each row is multiplied by its routing weight as it
    is added, a float32 scalar from SMEM (``gmm_combine.weighs_rows``: up to 65,536 rows;
    beyond, gate/up multiplies its activation by a ``[M_pad, 1]`` float32 column, which
-   HBM lays out 128 lanes wide). In one pass (no EP) the kernel writes the sums rounded
-   once to the dtype its caller moves them in (the activation dtype under sequence
-   parallelism), not a float32 array XLA reads back to cast. Beyond that, down is a third
-   ``gmm`` call stored in the compute dtype and :func:`sum_token_rows` puts its rows back in ``[T, k]`` order (a
-   gather through the inverse permutation), drops the assignments held elsewhere with a
+   HBM lays out 128 lanes wide). The kernel writes the sums rounded once (per pass: see
+   "Passes") to the dtype its caller moves them in (the activation dtype under sequence
+   parallelism and DP attention), not a float32 array XLA reads back to cast. Beyond
+   that, down is a third ``gmm`` call stored in the compute dtype and
+   :func:`sum_token_rows` puts its rows back in ``[T, k]`` order (a gather through the
+   inverse permutation), drops the assignments held elsewhere with a
    select on ``local_ids`` (the kernel does not store the rows of a partly visited tile that
    belong to no group: those rows hold whatever the output buffer held, maybe NaN) and sums
    the k rows of each token in float32.
@@ -298,7 +299,7 @@ def gmm_experts(
     vmem_limit: int = vmem_rows.VMEM_LIMIT,
 ) -> jax.Array:
     """The backend entry point (signature: ``experts.ExpertCompute``) -> [T, H] in
-    ``out_dtype`` (the float32 sums rounded once; by the combine kernel itself in one pass).
+    ``out_dtype`` (the float32 sums rounded once per pass, by the combine kernel itself).
     ``words``: x as gate/up's row DMAs read it (``gmm_gate_up.fetch_source``), if the caller
     has it (packed before an all-gather: ``MoEBackend.gather_tokens``). ``vmem_limit``: the
     scoped VMEM the combine kernel may ask for on the chip (``vmem_rows.vmem_limit``).
@@ -356,7 +357,9 @@ def gmm_experts(
 
     if rows >= m:  # one pass holds every assignment
         return one_pass(0, sums_dtype=out_dtype)
-    passes = -(-ends[-1] // rows_pad)  # data: 1 while no device gets capacity_factor x its share
+    # Data: 1 while no device gets capacity_factor x its share. At least 1: the first pass
+    # writes the sums (zeros on a device with no assignment), the carry is never read.
+    passes = jnp.maximum(-(-ends[-1] // rows_pad), 1)
     operands = (x, local_ids, topk_weights, w_gate, w_up, w_down)
 
     def step(carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -392,8 +395,8 @@ def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes:
     inter, item = w_gate.shape[2], x.dtype.itemsize
     minor = k_minor(hidden, inter)
     sums_item = jnp.dtype(sums_dtype).itemsize
-    combines = gmm_combine.fits(num_tokens, hidden, m_pad, tm, inter, item, init is not None,
-                                sums_item, vmem_limit)
+    combines = gmm_combine.fits(num_tokens, hidden, m_pad, tm, inter, item, sums_item,
+                                vmem_limit)
     combine_weighs = combines and gmm_combine.weighs_rows(m_pad)
     act_weight = None if combine_weighs else weight
     if gmm_gate_up.token_mode(num_tokens, hidden, inter, x.dtype, m_pad, tm) is not None:

@@ -29,9 +29,10 @@ consecutive steps on the same activation block). So for each n tile every group'
 block is fetched once, however many m tiles it spans, and every m tile's activations once:
 the kernel's estimate is the activations once per n tile, the weights once, the sums once
 and the indices, for any routing (``init`` not counted: it is read by a second pass only,
-which a device takes when it gets more than 1.25 times its share of the assignments). (Megablox's own estimate counts one weight
-block per possible m tile, ``M_pad / tm + G - 1``: its k tiles change the weight block's
-index at every step when ``tk < K``; here ``tk = K`` always.) FLOPs are
+which a device takes when it gets more than ``gmm.CAPACITY_FACTOR`` times its share of the
+assignments). (Megablox's own estimate counts one weight block per possible m tile,
+``M_pad / tm + G - 1``: its k tiles change the weight block's index at every step when
+``tk < K``; here ``tk = K`` always.) FLOPs are
 ``2 * M_pad * I * H``, Megablox's convention: the MXU also multiplies the other rows of a
 partly owned tile, up to ``(M_pad / tm + G - 1) / (M_pad / tm)`` times that at decode.
 
@@ -78,46 +79,44 @@ def tile_schedule(group_sizes: jax.Array, m_pad: int,
     return metadata, active, m_pad // tm + groups - 1
 
 
-def sums_bytes(with_init: bool, out_itemsize: int = 4) -> int:
+def sums_bytes(out_itemsize: int = 4) -> int:
     """VMEM per element of the held sums' column block: the output's buffer (``init``'s
     column block is copied into it: ``with_init`` takes no more), and with a narrower output
     (``out_itemsize``, :func:`down_and_combine`'s ``out_dtype``) the float32 sums, a scratch
     block next to it. Single buffers (``pl.Buffered(1)``): the block's index changes once
     per column block, and a double buffer would halve the width held, doubling the
     activations' reads."""
-    del with_init
     return out_itemsize if out_itemsize == 4 else out_itemsize + 4
 
 
-def _vmem(t_pad: int, cols: int, tm: int, inter: int, itemsize: int, with_init: bool,
+def _vmem(t_pad: int, cols: int, tm: int, inter: int, itemsize: int,
           out_itemsize: int = 4) -> int:
-    """VMEM of one column width: the held sums (and ``init``), double-buffered activation
-    and weight blocks, the float32 tile scratch and the dot's float32 value."""
-    return (t_pad * cols * sums_bytes(with_init, out_itemsize)
+    """VMEM of one column width: the held sums, double-buffered activation and weight
+    blocks, the float32 tile scratch and the dot's float32 value."""
+    return (t_pad * cols * sums_bytes(out_itemsize)
             + 2 * (tm * inter + inter * cols) * itemsize + 2 * tm * cols * 4)
 
 
 def column_width(tokens: int, hidden: int, tm: int, inter: int, itemsize: int,
-                 with_init: bool, out_itemsize: int = 4,
-                 vmem_limit: int = vmem_rows.VMEM_LIMIT) -> int | None:
+                 out_itemsize: int = 4, vmem_limit: int = vmem_rows.VMEM_LIMIT) -> int | None:
     """The widest column block of the ``[tokens, hidden]`` sums (a lane tile of H) whose
     held sums and whole footprint fit the budgets of a scoped VMEM limit of ``vmem_limit``
     (``vmem_rows.budgets``); None: not even 128 columns do."""
     t_pad = vmem_rows.pad_block(tokens)
     held, whole = vmem_rows.budgets(vmem_limit)
     return next((c for c in vmem_rows.lane_tiles(hidden)
-                 if t_pad * c * sums_bytes(with_init, out_itemsize) <= held
-                 and _vmem(t_pad, c, tm, inter, itemsize, with_init, out_itemsize) <= whole),
+                 if t_pad * c * sums_bytes(out_itemsize) <= held
+                 and _vmem(t_pad, c, tm, inter, itemsize, out_itemsize) <= whole),
                 None)
 
 
 def fits(tokens: int, hidden: int, rows: int, tm: int, inter: int, itemsize: int,
-         with_init: bool, out_itemsize: int = 4, vmem_limit: int = vmem_rows.VMEM_LIMIT) -> bool:
+         out_itemsize: int = 4, vmem_limit: int = vmem_rows.VMEM_LIMIT) -> bool:
     """Whether :func:`down_and_combine` can run: H a multiple of 128, a column width
     (:func:`column_width`), and the ``rows`` row tokens prefetched to SMEM
     (``vmem_rows.MAX_INDICES``)."""
     return (hidden % vmem_rows.LANE == 0 and rows <= vmem_rows.MAX_INDICES
-            and column_width(tokens, hidden, tm, inter, itemsize, with_init, out_itemsize,
+            and column_width(tokens, hidden, tm, inter, itemsize, out_itemsize,
                              vmem_limit) is not None)
 
 
@@ -140,19 +139,22 @@ def _kernel(offsets_ref, groups_ref, m_tiles_ref, token_ref, *refs, with_init: b
     copy_done = refs.pop(0) if with_init else None
     column_block, step = pl.program_id(0), pl.program_id(1)  # (read outside the conds)
 
-    @pl.when(step == 0)
+    reads_init = reads_init_ref[0] != 0 if with_init else False
+
+    @pl.when((step == 0) & jnp.logical_not(reads_init))
     def _():
         sums_ref[...] = jnp.zeros_like(sums_ref)
-        if with_init:
-            @pl.when(reads_init_ref[0] != 0)
-            def _():
-                cols = out_ref.shape[1]
-                columns = pl.ds(pl.multiple_of(column_block * cols, cols), cols)
-                copy = pltpu.make_async_copy(init_hbm.at[:, columns], out_ref, copy_done)
-                copy.start()
-                copy.wait()
-                if cast:
-                    sums_ref[...] = out_ref[...].astype(jnp.float32)
+
+    if with_init:
+        @pl.when((step == 0) & reads_init)
+        def _():
+            cols = out_ref.shape[1]
+            columns = pl.ds(pl.multiple_of(column_block * cols, cols), cols)
+            copy = pltpu.make_async_copy(init_hbm.at[:, columns], out_ref, copy_done)
+            copy.start()
+            copy.wait()
+            if cast:
+                sums_ref[...] = out_ref[...].astype(jnp.float32)
 
     tm = lhs_ref.shape[0]
     tile_ref[...] = jnp.dot(lhs_ref[...], w_ref[...], preferred_element_type=jnp.float32)
@@ -220,10 +222,10 @@ def down_and_combine(act: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
                             weight).astype(out_dtype)
     t_pad = vmem_rows.pad_block(tokens)
     with_init = init is not None
-    cols = column_width(tokens, hidden, tm, inter, act.dtype.itemsize, with_init,
-                        out_dtype.itemsize, vmem_limit)
+    cols = column_width(tokens, hidden, tm, inter, act.dtype.itemsize, out_dtype.itemsize,
+                        vmem_limit)
     if cols is None:
-        raise ValueError(f"{tokens} x {hidden} float32 sums do not fit "
+        raise ValueError(f"{tokens} x {hidden} sums ({out_dtype}) do not fit "
                          f"{vmem_rows.budgets(vmem_limit)[0]} bytes of VMEM 128 columns at "
                          "a time")
     (offsets, group_ids, m_tiles), active, max_tiles = tile_schedule(group_sizes, m_pad, tm)
@@ -246,11 +248,12 @@ def down_and_combine(act: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
     if with_init:
         scratch.append(pltpu.SemaphoreType.DMA(()))
     item = act.dtype.itemsize
+    per_row = 1 if weight is None else 2  # the int32 token and float32 weight scalars
     cost = pl.CostEstimate(  # static, whatever the routing (module docstring, "Cost")
         flops=2 * m_pad * inter * hidden, transcendentals=0,
         bytes_accessed=(m_pad * inter * item * tiles_n + groups * inter * hidden * item
                         + t_pad * hidden * out_dtype.itemsize
-                        + (m_pad * (len(scalars) - 3) + 2 * max_tiles + groups + 1) * 4))
+                        + (m_pad * per_row + 2 * max_tiles + groups + 1) * 4))
     with jax_config._check_vma(False):
         out = pl.pallas_call(
             functools.partial(_kernel, with_init=with_init, weighted=weight is not None,

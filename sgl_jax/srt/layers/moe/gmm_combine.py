@@ -80,8 +80,8 @@ def tile_schedule(group_sizes: jax.Array, m_pad: int,
 
 
 def sums_bytes(out_itemsize: int = 4) -> int:
-    """VMEM per element of the held sums' column block: the output's buffer (``init``'s
-    column block is copied into it: ``with_init`` takes no more), and with a narrower output
+    """VMEM per element of the held sums' column block: the output's buffer (a later pass's
+    ``init`` is copied into it and takes no more), and with a narrower output
     (``out_itemsize``, :func:`down_and_combine`'s ``out_dtype``) the float32 sums, a scratch
     block next to it. Single buffers (``pl.Buffered(1)``): the block's index changes once
     per column block, and a double buffer would halve the width held, doubling the

@@ -98,10 +98,10 @@ CONFIGS: dict[str, tuple[int, str, int, int, str | None, dict[str, Any]]] = {
     "deepseek_v3_tp2_ep2_sp_ragged": (4, "deepseek_v3", 2, 2, None, {**SP, **RAGGED}),
     "tp2_ep2_sp_gmm": (4, TEST_MODEL_PATH, 2, 2, None, {**SP, "moe_backend": "gmm"}),
     # ... and under DP attention: each rank's tokens split over its "tensor" devices, gathered
-    # within the rank for attention; the MoE sums reduce-scattered over both axes.
+    # within the rank for attention; the MoE sums reduce-scattered over both axes. (gmm under
+    # DP x SP: tests/test_moe_gmm.py. Here its interpret-mode passes can keep one rank's
+    # devices more than the 40 s XLA:CPU waits at a collective for the others.)
     "tp2_ep2_dp2_sp": (4, TEST_MODEL_PATH, 2, 2, None, {**DP2, **SP}),
-    "tp2_ep2_dp2_sp_gmm": (4, TEST_MODEL_PATH, 2, 2, None,
-                           {**DP2, **SP, "moe_backend": "gmm"}),
     "deepseek_v3_tp2_ep2_dp2_sp": (4, "deepseek_v3", 2, 2, None, {**DP2, **SP}),
     # Extend steps padded to 128 tokens, more than a device's 64 q/k/v columns at tp 2: q, k
     # and v as one matmul (GqaAttention._fused_qkv), with the residual stream split.
@@ -110,8 +110,8 @@ CONFIGS: dict[str, tuple[int, str, int, int, str | None, dict[str, Any]]] = {
     "deepseek_v3_tp2_ep2_mapped": (4, "deepseek_v3", 2, 2, json.dumps(
         {"default": [[0, 2, 4, 6, 8, 10, 12, 14], [1, 3, 5, 7, 9, 11, 13, 15]]}), {}),
 }
-SPLIT_CHECKED = ("tp2", "tp2_sp", "tp2_ep2_dp2", "tp2_ep2_dp2_sp", "tp2_ep2_dp2_sp_gmm",
-                 "deepseek_v3_tp2_ep2_dp2", "deepseek_v3_tp2_ep2_dp2_sp")  # extend collectives
+SPLIT_CHECKED = ("tp2", "tp2_sp", "tp2_ep2_dp2", "tp2_ep2_dp2_sp", "deepseek_v3_tp2_ep2_dp2",
+                 "deepseek_v3_tp2_ep2_dp2_sp")  # their extend steps' collectives are compared
 # Random checkpoints: name -> (make_random_model preset, overrides, seed).
 RANDOM_MODELS = {
     WIDE: ("tiny", {"num_attention_heads": 8, "num_key_value_heads": 8}, 11),
@@ -326,8 +326,7 @@ def test_sequence_parallel_reduce_scatters(results):
 
 
 @pytest.mark.parametrize("replicated,split", [
-    ("tp2_ep2_dp2", "tp2_ep2_dp2_sp"), ("tp2_ep2_dp2", "tp2_ep2_dp2_sp_gmm"),
-    ("deepseek_v3_tp2_ep2_dp2", "deepseek_v3_tp2_ep2_dp2_sp")])
+    ("tp2_ep2_dp2", "tp2_ep2_dp2_sp"), ("deepseek_v3_tp2_ep2_dp2", "deepseek_v3_tp2_ep2_dp2_sp")])
 def test_sequence_parallel_under_dp_attention(results, replicated, split):
     """With DP attention and the residual stream split within each rank (the scenario
     checked against the reference above), the MoE block's "tensor" partial sums are

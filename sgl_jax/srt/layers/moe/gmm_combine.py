@@ -138,14 +138,11 @@ def _kernel(offsets_ref, groups_ref, m_tiles_ref, token_ref, *refs, with_init: b
     sums_ref = refs.pop(0) if cast else out_ref  # the float32 sums: the output, or a scratch
     copy_done = refs.pop(0) if with_init else None
     column_block, step = pl.program_id(0), pl.program_id(1)  # (read outside the conds)
-
-    reads_init = reads_init_ref[0] != 0 if with_init else False
-
-    @pl.when((step == 0) & jnp.logical_not(reads_init))
-    def _():
-        sums_ref[...] = jnp.zeros_like(sums_ref)
-
+    starts_from_zero = step == 0
     if with_init:
+        reads_init = reads_init_ref[0] != 0
+        starts_from_zero &= jnp.logical_not(reads_init)
+
         @pl.when((step == 0) & reads_init)
         def _():
             cols = out_ref.shape[1]
@@ -155,6 +152,10 @@ def _kernel(offsets_ref, groups_ref, m_tiles_ref, token_ref, *refs, with_init: b
             copy.wait()
             if cast:
                 sums_ref[...] = out_ref[...].astype(jnp.float32)
+
+    @pl.when(starts_from_zero)
+    def _():
+        sums_ref[...] = jnp.zeros_like(sums_ref)
 
     tm = lhs_ref.shape[0]
     tile_ref[...] = jnp.dot(lhs_ref[...], w_ref[...], preferred_element_type=jnp.float32)
@@ -236,16 +237,14 @@ def down_and_combine(act: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
     # Prefetched to SMEM: the tile schedule, each row's token, (weighing) its weight and
     # (with init) whether init is read.
     scalars = [offsets, group_ids, m_tiles, token] + ([] if weight is None else [weight])
-    if with_init:
-        scalars.append(jnp.asarray(reads_init, jnp.int32).reshape(1))
     operands = [act, w_down]
-    if with_init:  # copied by the kernel itself, into the output block (none on a first pass)
-        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-        operands.append(jnp.pad(init, ((0, t_pad - tokens), (0, 0))))
     scratch = [pltpu.VMEM((tm, cols), jnp.float32)]
     if cast:
         scratch.append(pltpu.VMEM((t_pad, cols), jnp.float32))
-    if with_init:
+    if with_init:  # copied by the kernel itself, into the output block (none on a first pass)
+        scalars.append(jnp.asarray(reads_init, jnp.int32).reshape(1))
+        in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+        operands.append(jnp.pad(init, ((0, t_pad - tokens), (0, 0))))
         scratch.append(pltpu.SemaphoreType.DMA(()))
     item = act.dtype.itemsize
     per_row = 1 if weight is None else 2  # the int32 token and float32 weight scalars

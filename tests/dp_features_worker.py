@@ -52,7 +52,9 @@ PROMPTS = [prompt_ids(1100 + i, n) for i, n in enumerate([9, 23, 80, 14])]
 MAX_NEW = [6, 4, 5, 7]
 INPUT_LP_PROMPTS = PROMPTS[1:3]  # 23 tokens, and 80 prefilled in two chunks
 RIDS = [f"p{i}" for i in range(len(PROMPTS))]
-RUNNING_NEW = 40  # the requests running while weights are updated
+# The requests running while weights are updated or generation is paused: long enough that
+# neither finishes between the poll that sees both running and the call that follows it.
+RUNNING_NEW = 160
 TARGET = prompt_ids(1200, 31)
 TARGET_NEW = 10
 SCORE_PROMPT = prompt_ids(1400, 13)
@@ -152,8 +154,15 @@ def start_two(eng, max_new: int) -> tuple[Any, dict, list[int]]:
     thread = threading.Thread(target=lambda: box.setdefault(
         "outs", generate(eng, PROMPTS[:2], [max_new, max_new])))
     thread.start()
-    assert wait_until(lambda: eng.get_server_info()["num_running_reqs"] == 2, timeout=120)
-    per_rank = [r["num_running_reqs"] for r in eng.get_server_info()["dp_ranks"]]
+    seen: dict[str, Any] = {}
+
+    def both_running() -> bool:
+        seen.update(eng.get_server_info())
+        return seen["num_running_reqs"] == 2
+
+    assert wait_until(both_running, timeout=120)
+    # From the same snapshot: a second call could already see them finished.
+    per_rank = [r["num_running_reqs"] for r in seen["dp_ranks"]]
     return thread, box, per_rank
 
 

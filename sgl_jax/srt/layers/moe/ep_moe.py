@@ -100,6 +100,21 @@ def _local_rows(rows: jax.Array, rows_here: int) -> jax.Array:
     return jnp.where((local >= 0) & (local < rows_here), local, rows_here)
 
 
+def scatter_token_sums(sums: jax.Array, axis: str) -> jax.Array:
+    """``jax.lax.psum_scatter`` of ``[T, H]`` sums over ``axis`` by token blocks (tiled: the
+    device at index i gets rows ``[i * T / n, (i + 1) * T / n)``), the blocks a leading
+    dimension of their own. The same result; XLA:TPU lowers a scatter of the first dimension
+    of a 2-D array as an uneven ring (each device's output over-sized, then a
+    collective-permute, a concatenate and a slice to fix it up): on v5p:2x2x4, with the
+    235B's ``[8,192, 4,096]`` bf16 sums scattered over "expert" and then "tensor", XLA
+    counts 238 MB that way and 152 MB this way (``docs/performance.md``)."""
+    n = jax.lax.axis_size(axis)
+    tokens, hidden = sums.shape
+    blocks = sums.reshape(n, tokens // n, hidden)
+    return jax.lax.psum_scatter(blocks, axis, scatter_dimension=0, tiled=True).reshape(
+        tokens // n, hidden)
+
+
 def ep_moe_forward(
     x: jax.Array,
     topk_ids: jax.Array,
@@ -175,8 +190,7 @@ def ep_moe_forward(
             rows, topk_weights = routing(rows, topk_weights)
             local = _local_rows(rows, w_gate.shape[0])
             partial = backend(x, local, topk_weights, w_gate, w_up, w_down, x.dtype, words)
-            mine = jax.lax.psum_scatter(partial, TENSOR_AXIS, scatter_dimension=0, tiled=True)
-            return jax.lax.psum(mine, EXPERT_AXIS)
+            return jax.lax.psum(scatter_token_sums(partial, TENSOR_AXIS), EXPERT_AXIS)
         rows, topk_weights = routing(rows, topk_weights)
         local = _local_rows(rows, w_gate.shape[0])
         partial = backend(x, local, topk_weights, w_gate, w_up, w_down)  # float32
@@ -196,9 +210,9 @@ def ep_moe_forward(
         # In the activation dtype, as XLA:TPU already moves the cast before the psum without
         # DP: half the bytes over the links in bfloat16 (float32 on CPU: nothing changes).
         partial = backend(x, local, topk_weights, w_gate, w_up, w_down, x.dtype, words)
-        mine = jax.lax.psum_scatter(partial, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+        mine = scatter_token_sums(partial, EXPERT_AXIS)
         if sequence_split:
-            return jax.lax.psum_scatter(mine, TENSOR_AXIS, scatter_dimension=0, tiled=True)
+            return scatter_token_sums(mine, TENSOR_AXIS)
         return jax.lax.psum(mine, TENSOR_AXIS)
 
     tokens = P(EXPERT_AXIS) if tokens_split else P()

@@ -184,7 +184,7 @@ def test_passes_with_fetched_rows(monkeypatch, unset_is_nan, dtype, shards, fact
     # x not held whole, the sums (with the earlier passes') held 128 columns at a time.
     out_item = jnp.dtype(dtype).itemsize
     monkeypatch.setattr(vmem_rows, "HELD_BUDGET", vmem_rows.pad_block(tokens) * 128
-                        * gmm_combine.sums_bytes(out_item))
+                        * gmm_combine.SUMS_BYTES)
     jax.clear_caches()
     rows = gmm.pass_rows(case["local_ids"].size, shards, factor)
     tm = gmm.row_tile(rows, case["w_gate"], case["w_down"])
@@ -278,7 +278,7 @@ def row_gathers(request, monkeypatch):
     XLA's gathers, Megablox's three gmm calls and ``sum_token_rows`` (``xla``)."""
     not_whole = 32 * 128 * vmem_rows.held_bytes(4)  # x held 128 of its 256 columns at most
     held = {"fetched_rows": not_whole, "gathered_rows": not_whole,
-            "combine_blocks": 32 * 128 * gmm_combine.sums_bytes(), "xla": 0}
+            "combine_blocks": 32 * 128 * gmm_combine.SUMS_BYTES, "xla": 0}
     if request.param in held:
         monkeypatch.setattr(vmem_rows, "HELD_BUDGET", held[request.param])
     if request.param != "fetched_rows":  # x's rows gathered before gate/up, if held
@@ -477,7 +477,7 @@ def test_down_and_combine_weighs_rows_and_rounds_once(monkeypatch, sizes, tm, ou
     tokens, hidden = 37, 256
     item = jnp.dtype(out_dtype).itemsize
     monkeypatch.setattr(vmem_rows, "HELD_BUDGET",
-                        48 * columns * gmm_combine.sums_bytes(item))
+                        48 * columns * gmm_combine.SUMS_BYTES)
     jax.clear_caches()  # the budget is read at trace time (again after the test: below)
     assert gmm_combine.column_width(tokens, hidden, tm, 128, 2, item) == columns
     case = combine_case(8, sizes, 64, tokens, hidden, jnp.bfloat16)
@@ -495,7 +495,7 @@ def test_down_and_combine_weighs_rows_and_rounds_once(monkeypatch, sizes, tm, ou
     # Starting from the sums of an earlier pass, in the output dtype (held next to the
     # float32 scratch): added in float32 and rounded once, as a float32 start would be.
     monkeypatch.setattr(vmem_rows, "HELD_BUDGET",
-                        48 * columns * gmm_combine.sums_bytes(item))
+                        48 * columns * gmm_combine.SUMS_BYTES)
     jax.clear_caches()
     assert gmm_combine.column_width(tokens, hidden, tm, 128, 2, item) == columns
     init = jnp.asarray(case["init"]).astype(out_dtype)
@@ -519,32 +519,33 @@ def test_down_and_combine_weighs_rows_and_rounds_once(monkeypatch, sizes, tm, ou
 
 def test_vmem_limit_follows_the_chip():
     """The combine's scoped VMEM: 100 MiB on chips with 128 MiB per TensorCore (v5e, v6e),
-    the default 40 MiB on the others and for kinds JAX's table does not know; the held
-    block takes what a larger limit adds, and widens the 30B's prefill column blocks. (At
-    40 MiB, v5p's, the 235B's 8,192 tokens' bfloat16 sums are held 512 columns at a time,
-    whether they start from an earlier pass's or not: init is copied into the output
-    block.)"""
-    big = vmem_rows.LARGE_VMEM_LIMIT
+    48 MiB on those with 64 (v5p), the default 40 MiB on the others and for kinds JAX's
+    table does not know; the held block takes what a larger limit adds. The 235B's 8,192
+    tokens' sums are held 1,024 of 4,096 columns at a time on v5p (512 at the default), the
+    30B's whole on v6e: the float32 sums alone (a bfloat16 output stays in HBM, staged)."""
+    (_, big), (_, mid) = vmem_rows.VMEM_TIERS
     assert vmem_rows.vmem_limit("TPU v6 lite") == big
     assert vmem_rows.vmem_limit("TPU v5 lite") == big
-    for kind in ("TPU v5p", "TPU v4", "cpu", "", None):
+    assert vmem_rows.vmem_limit("TPU v5p") == vmem_rows.vmem_limit("TPU v5") == mid
+    for kind in ("TPU v4", "cpu", "", None):
         assert vmem_rows.vmem_limit(kind) == vmem_rows.VMEM_LIMIT, kind
     assert gmm_combine.column_width(8192, 4096, 512, 384, 2, 2) == 512
+    assert gmm_combine.column_width(8192, 4096, 512, 384, 2, 2, mid) == 1024
     assert vmem_rows.budgets() == (vmem_rows.HELD_BUDGET, vmem_rows.KERNEL_BUDGET)
     extra = big - vmem_rows.VMEM_LIMIT
     assert vmem_rows.budgets(big) == (vmem_rows.HELD_BUDGET + extra,
                                       vmem_rows.KERNEL_BUDGET + extra)
     narrow = gmm_combine.column_width(8192, 2048, 512, 192, 2, 2)
     wide = gmm_combine.column_width(8192, 2048, 512, 192, 2, 2, big)
-    assert (narrow, wide) == (512, 1024)
+    assert (narrow, wide) == (512, 2048)
 
 
 def test_down_and_combine_column_blocks(monkeypatch):
     """Sums too wide to hold whole are held a column block at a time (prefill): each block
     sees every row, the same sums."""
     tokens, hidden = 45, 512
-    monkeypatch.setattr(vmem_rows, "HELD_BUDGET", 48 * 128 * gmm_combine.sums_bytes())
-    assert vmem_rows.column_block(48, hidden, gmm_combine.sums_bytes()) == 128
+    monkeypatch.setattr(vmem_rows, "HELD_BUDGET", 48 * 128 * gmm_combine.SUMS_BYTES)
+    assert vmem_rows.column_block(48, hidden, gmm_combine.SUMS_BYTES) == 128
     assert gmm_combine.column_width(tokens, hidden, 32, 128, 2) == 128
     assert gmm_combine.fits(tokens, hidden, 96, 32, 128, 2)
     case = combine_case(9, [13, 30, 0, 41], 96, tokens, hidden, jnp.bfloat16)

@@ -19,9 +19,13 @@ Rows are added in sorted order (group by group, row by row), each multiplied by 
 weight as it is added when the caller passes the weights (float32 scalars prefetched to SMEM
 next to the row tokens: no ``[M_pad, 1]`` column, which HBM lays out 128 lanes wide, for
 gate/up to read). With an output dtype narrower than float32 the float32 sums are a VMEM
-scratch (starting from ``init``, in the output dtype, if given) and the column block is
-rounded once into the output after its last step: the ``[T, H]`` float32 sums are not
-written to HBM and read back to cast.
+scratch (starting from ``init``, in the output dtype, if given) and the output stays in
+HBM: after a column block's last step the kernel rounds its sums once, ``STAGE_ROWS`` rows
+at a time into two staging buffers in turn, and copies them out by DMA (one block rounded
+while the one before is copied). The ``[T, H]`` float32 sums
+are not written to HBM and read back to cast, and VMEM holds 4 bytes per element of the
+column block, not 6 with a bfloat16 output block next to the sums: wider blocks, fewer
+reads of the activations.
 
 Cost. The pipeline skips a block's copy when its index is unchanged from the previous grid
 step, and a group's m tiles are consecutive steps (a tile shared by two groups: two
@@ -38,8 +42,9 @@ partly owned tile, up to ``(M_pad / tm + G - 1) / (M_pad / tm)`` times that at d
 
 ``init`` (the sums of earlier passes, ``gmm.gmm_experts`` under EP) is the held block's
 starting value: the pass's rows are added to it in the same kernel, not by a separate add.
-The kernel copies each of its column blocks into the output block itself (one DMA at the
-column block's first step) and only when told to (``reads_init``): a first pass's
+The kernel copies each of its column blocks in itself (at the column block's first step: one
+DMA into a float32 output block, or staged into the float32 scratch) and only when told to
+(``reads_init``): a first pass's
 loop-carried buffer is allocated, never initialised nor read (``gmm.gmm_experts``).
 Off TPU inside ``shard_map`` (where Pallas interpret mode cannot run a kernel with a held
 block: ``vmem_rows.under_manual_axes``) the same arithmetic runs in jnp: Megablox's down in
@@ -50,6 +55,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 
 import jax
 import jax.numpy as jnp
@@ -79,21 +85,28 @@ def tile_schedule(group_sizes: jax.Array, m_pad: int,
     return metadata, active, m_pad // tm + groups - 1
 
 
-def sums_bytes(out_itemsize: int = 4) -> int:
-    """VMEM per element of the held sums' column block: the output's buffer (a later pass's
-    ``init`` is copied into it and takes no more), and with a narrower output
-    (``out_itemsize``, :func:`down_and_combine`'s ``out_dtype``) the float32 sums, a scratch
-    block next to it. Single buffers (``pl.Buffered(1)``): the block's index changes once
-    per column block, and a double buffer would halve the width held, doubling the
-    activations' reads."""
-    return out_itemsize if out_itemsize == 4 else out_itemsize + 4
+# VMEM per element of the held sums' column block: float32. A float32 output is that block
+# itself (a single buffer, ``pl.Buffered(1)``: its index changes once per column block, and
+# a double buffer would halve the width held, doubling the activations' reads); a narrower
+# one stays in HBM, and the float32 sums (a scratch) pass through two STAGE_ROWS-row
+# buffers in the output dtype, on their way in (a later pass's ``init``) and out.
+SUMS_BYTES = 4
+STAGE_ROWS = 256
+
+
+def stage_rows(t_pad: int) -> int:
+    """Rows of the staging buffer: the largest block of at most ``STAGE_ROWS`` rows that
+    divides the padded tokens ``t_pad`` (a multiple of ``vmem_rows.BLOCK``)."""
+    return math.gcd(t_pad, STAGE_ROWS)
 
 
 def _vmem(t_pad: int, cols: int, tm: int, inter: int, itemsize: int,
           out_itemsize: int = 4) -> int:
-    """VMEM of one column width: the held sums, double-buffered activation and weight
-    blocks, the float32 tile scratch and the dot's float32 value."""
-    return (t_pad * cols * sums_bytes(out_itemsize)
+    """VMEM of one column width: the held float32 sums, the staging buffer of a narrower
+    output, double-buffered activation and weight blocks, the float32 tile scratch and the
+    dot's float32 value."""
+    stage = 0 if out_itemsize == 4 else 2 * stage_rows(t_pad) * cols * out_itemsize
+    return (t_pad * cols * SUMS_BYTES + stage
             + 2 * (tm * inter + inter * cols) * itemsize + 2 * tm * cols * 4)
 
 
@@ -105,7 +118,7 @@ def column_width(tokens: int, hidden: int, tm: int, inter: int, itemsize: int,
     t_pad = vmem_rows.pad_block(tokens)
     held, whole = vmem_rows.budgets(vmem_limit)
     return next((c for c in vmem_rows.lane_tiles(hidden)
-                 if t_pad * c * sums_bytes(out_itemsize) <= held
+                 if t_pad * c * SUMS_BYTES <= held
                  and _vmem(t_pad, c, tm, inter, itemsize, out_itemsize) <= whole),
                 None)
 
@@ -134,24 +147,42 @@ def _kernel(offsets_ref, groups_ref, m_tiles_ref, token_ref, *refs, with_init: b
     reads_init_ref = refs.pop(0) if with_init else None  # SMEM [1]: 0 on a first pass
     lhs_ref, w_ref = refs.pop(0), refs.pop(0)
     init_hbm = refs.pop(0) if with_init else None  # HBM: its column block copied on demand
-    out_ref, tile_ref = refs.pop(0), refs.pop(0)
-    sums_ref = refs.pop(0) if cast else out_ref  # the float32 sums: the output, or a scratch
-    copy_done = refs.pop(0) if with_init else None
+    out_ref, tile_ref = refs.pop(0), refs.pop(0)  # out: HBM when cast, else the held block
+    # The float32 sums: the output block itself, or (cast) a scratch staged through a
+    # buffer in the output dtype.
+    sums_ref, stage_ref = (refs.pop(0), refs.pop(0)) if cast else (out_ref, None)
+    dma = refs.pop(0) if with_init or cast else None
     column_block, step = pl.program_id(0), pl.program_id(1)  # (read outside the conds)
+    cols = sums_ref.shape[1]
+    columns = pl.ds(pl.multiple_of(column_block * cols, cols), cols)
+
+    def stage_block(i) -> pl.Slice:
+        """The rows of staging block ``i``."""
+        stage = stage_ref.shape[1]
+        return pl.ds(pl.multiple_of(i * stage, stage), stage)
+
     starts_from_zero = step == 0
     if with_init:
         reads_init = reads_init_ref[0] != 0
         starts_from_zero &= jnp.logical_not(reads_init)
 
-        @pl.when((step == 0) & reads_init)
-        def _():
-            cols = out_ref.shape[1]
-            columns = pl.ds(pl.multiple_of(column_block * cols, cols), cols)
-            copy = pltpu.make_async_copy(init_hbm.at[:, columns], out_ref, copy_done)
+        def load(i, carry):  # a later pass only: one staging buffer, one copy at a time
+            rows = stage_block(i)
+            copy = pltpu.make_async_copy(init_hbm.at[rows, columns], stage_ref.at[0],
+                                         dma.at[0])
             copy.start()
             copy.wait()
+            sums_ref[rows, :] = stage_ref[0].astype(jnp.float32)
+            return carry
+
+        @pl.when((step == 0) & reads_init)
+        def _():
             if cast:
-                sums_ref[...] = out_ref[...].astype(jnp.float32)
+                jax.lax.fori_loop(0, sums_ref.shape[0] // stage_ref.shape[1], load, 0)
+            else:  # straight into the held output block
+                copy = pltpu.make_async_copy(init_hbm.at[:, columns], out_ref, dma.at[0])
+                copy.start()
+                copy.wait()
 
     @pl.when(starts_from_zero)
     def _():
@@ -177,7 +208,27 @@ def _kernel(offsets_ref, groups_ref, m_tiles_ref, token_ref, *refs, with_init: b
     if cast:  # the column block's sums are complete after its last step: rounded once
         @pl.when(step == pl.num_programs(1) - 1)
         def _():
-            out_ref[...] = sums_ref[...].astype(out_ref.dtype)
+            # Two staging buffers: block i is rounded into one while block i - 1 is copied
+            # out of the other.
+            blocks = sums_ref.shape[0] // stage_ref.shape[1]
+
+            def out_copy(i):
+                return pltpu.make_async_copy(stage_ref.at[i % 2],
+                                             out_ref.at[stage_block(i), columns],
+                                             dma.at[i % 2])
+
+            def store(i, carry):
+                @pl.when(i >= 2)
+                def _():
+                    out_copy(i - 2).wait()  # its buffer is free again
+
+                stage_ref[i % 2] = sums_ref[stage_block(i), :].astype(stage_ref.dtype)
+                out_copy(i).start()
+                return carry
+
+            jax.lax.fori_loop(0, blocks, store, 0)
+            for i in range(max(blocks - 2, 0), blocks):  # the copies still in flight
+                out_copy(i).wait()
 
 
 @functools.partial(jax.jit,
@@ -231,7 +282,11 @@ def down_and_combine(act: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
                          "a time")
     (offsets, group_ids, m_tiles), active, max_tiles = tile_schedule(group_sizes, m_pad, tm)
     tiles_n = hidden // cols
-    sums = pl.BlockSpec((t_pad, cols), lambda n, t, *_: (0, n), pipeline_mode=pl.Buffered(1))
+    if cast:  # written by the kernel's own DMAs, through the staging buffer
+        sums = pl.BlockSpec(memory_space=pl.ANY)
+    else:
+        sums = pl.BlockSpec((t_pad, cols), lambda n, t, *_: (0, n),
+                            pipeline_mode=pl.Buffered(1))
     in_specs = [pl.BlockSpec((tm, inter), lambda n, t, o, g, mt, *_: (mt[t], 0)),
                 pl.BlockSpec((None, inter, cols), lambda n, t, o, g, mt, *_: (g[t], 0, n))]
     # Prefetched to SMEM: the tile schedule, each row's token, (weighing) its weight and
@@ -240,12 +295,14 @@ def down_and_combine(act: jax.Array, w_down: jax.Array, group_sizes: jax.Array,
     operands = [act, w_down]
     scratch = [pltpu.VMEM((tm, cols), jnp.float32)]
     if cast:
-        scratch.append(pltpu.VMEM((t_pad, cols), jnp.float32))
-    if with_init:  # copied by the kernel itself, into the output block (none on a first pass)
+        scratch += [pltpu.VMEM((t_pad, cols), jnp.float32),
+                    pltpu.VMEM((2, stage_rows(t_pad), cols), out_dtype)]
+    if with_init:  # copied by the kernel itself (none on a first pass)
         scalars.append(jnp.asarray(reads_init, jnp.int32).reshape(1))
         in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
         operands.append(jnp.pad(init, ((0, t_pad - tokens), (0, 0))))
-        scratch.append(pltpu.SemaphoreType.DMA(()))
+    if with_init or cast:  # one per staging buffer
+        scratch.append(pltpu.SemaphoreType.DMA((2,)))
     item = act.dtype.itemsize
     per_row = 1 if weight is None else 2  # the int32 token and float32 weight scalars
     cost = pl.CostEstimate(  # static, whatever the routing (module docstring, "Cost")

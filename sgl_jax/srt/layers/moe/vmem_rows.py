@@ -47,11 +47,12 @@ HELD_BUDGET = 24 * 1024 * 1024
 # values), leaving the rest to Mosaic's own scratch.
 VMEM_LIMIT = 40 * 1024 * 1024
 KERNEL_BUDGET = 32 * 1024 * 1024
-# On chips with at least LARGE_VMEM per TensorCore (v5e, v6e: 128 MiB), the scoped VMEM the
-# combine kernel asks for (``gmm_combine``: its held float32 sums are as wide as VMEM allows,
-# and each column block of them reads the activations once more).
-LARGE_VMEM = 128 * 1024 * 1024
-LARGE_VMEM_LIMIT = 100 * 1024 * 1024
+# The scoped VMEM the combine kernel asks for on chips with at least so much VMEM per
+# TensorCore (``gmm_combine``: its held float32 sums are as wide as VMEM allows, and each
+# column block of them reads the activations once more): 100 MiB of v5e's and v6e's 128,
+# 48 MiB of v5p's 64 (the 235B's 8,192 tokens' sums 1,024 columns at a time, not 512).
+# Largest first.
+VMEM_TIERS = ((128 * 1024 * 1024, 100 * 1024 * 1024), (64 * 1024 * 1024, 48 * 1024 * 1024))
 OUT_ROWS = 64  # rows of one streamed block (a grid step)
 # Indices a kernel prefetches to SMEM (int32): 512 KiB, the most compiled (v6e, a 16,384-token
 # prefill of the 30B at k = 8: 131,072 assignment rows); more fall back to XLA's gathers.
@@ -60,9 +61,9 @@ MAX_INDICES = 131_072
 
 def vmem_limit(device_kind: str | None) -> int:
     """The scoped VMEM a kernel sized by :func:`budgets` may ask for on a chip of
-    ``device_kind`` (``jax.Device.device_kind``, e.g. "TPU v6 lite"): ``LARGE_VMEM_LIMIT``
-    where the chip has ``LARGE_VMEM`` per TensorCore, else ``VMEM_LIMIT`` (also for a kind
-    JAX's table does not know, or no TPU)."""
+    ``device_kind`` (``jax.Device.device_kind``, e.g. "TPU v6 lite"): the limit of the
+    first of ``VMEM_TIERS`` whose VMEM per TensorCore the chip has, else ``VMEM_LIMIT``
+    (also for a kind JAX's table does not know, or no TPU)."""
     if not device_kind:
         return VMEM_LIMIT
     try:
@@ -72,7 +73,7 @@ def vmem_limit(device_kind: str | None) -> int:
         capacity = pltpu.get_tpu_info_for_chip(version, 1).vmem_capacity_bytes
     except Exception:  # noqa: BLE001 - an unknown or non-TPU kind: the default limit
         return VMEM_LIMIT
-    return LARGE_VMEM_LIMIT if capacity >= LARGE_VMEM else VMEM_LIMIT
+    return next((limit for vmem, limit in VMEM_TIERS if capacity >= vmem), VMEM_LIMIT)
 
 
 def budgets(limit: int = VMEM_LIMIT) -> tuple[int, int]:

@@ -145,6 +145,14 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0,
     return predicate()
 
 
+def fake_devices_flags(devices: int) -> str:
+    """``XLA_FLAGS`` for a process of ``devices`` fake CPU devices. XLA:CPU aborts the process
+    when a collective's device threads have not all arrived within 40 s; on a loaded 2-core
+    machine one thread can be starved that long (a CI run did), so the limit is raised."""
+    return (f"--xla_force_host_platform_device_count={devices} "
+            "--xla_cpu_collective_call_terminate_timeout_seconds=600")
+
+
 class ServerProcess:
     """A real server process on ``127.0.0.1:<free port>`` (``url``), ready when constructed."""
 
@@ -244,7 +252,7 @@ class MultiNodeJob:
                  wait: bool = True, follower_env: dict[str, str] | None = None) -> None:
         self.addr = f"127.0.0.1:{free_port_pair()}"
         self.env = {"JAX_PLATFORMS": "cpu",
-                    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_node}",
+                    "XLA_FLAGS": fake_devices_flags(devices_per_node),
                     "SGL_JAX_NODE_SECRET": secrets.token_hex(32)}
         self.followers: list[subprocess.Popen] = []
         self.follower_logs: list[str] = []

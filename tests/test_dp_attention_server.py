@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from sgl_jax.testing import server_flags
+from sgl_jax.testing import fake_devices_flags, server_flags
 from tests.engine_utils import (
     decoded_rows,
     expected_rows,
@@ -32,7 +32,7 @@ NEW_TOKENS = 8
 @pytest.fixture(scope="module")
 def server(request):
     yield from server_fixture(
-        request, DP_ARGS, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+        request, DP_ARGS, env={"XLA_FLAGS": fake_devices_flags(4)})
 
 
 @pytest.fixture(scope="module")

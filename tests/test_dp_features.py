@@ -37,7 +37,7 @@ from sgl_jax.srt.routed_experts_codec import (
     extract_routed_expert_weights_from_meta_info,
     extract_routed_experts_from_meta_info,
 )
-from sgl_jax.testing import TEST_MODEL_PATH, MultiNodeJob, server_flags
+from sgl_jax.testing import TEST_MODEL_PATH, MultiNodeJob, fake_devices_flags, server_flags
 from sgl_jax.tools.make_random_model import write_random_model
 from tests.dp_features_worker import (
     INPUT_LP_PROMPTS,
@@ -69,7 +69,7 @@ def _worker(mode: str, second: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "out.pkl")
         env = {**os.environ, "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+               "XLA_FLAGS": fake_devices_flags(4)}
         proc = subprocess.run(
             [sys.executable, "-m", "tests.dp_features_worker", mode, second, path],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.testing import TEST_MODEL_PATH
+from sgl_jax.testing import TEST_MODEL_PATH, fake_devices_flags
 from tests.dp_scheduler_worker import CHUNK
 from tests.engine_utils import decoded_rows, expected_rows, reference_greedy
 
@@ -41,7 +41,7 @@ def _worker(*args: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "out.pkl")
         env = {**os.environ, "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+               "XLA_FLAGS": fake_devices_flags(4)}
         proc = subprocess.run([sys.executable, "-m", "tests.dp_scheduler_worker", *args, path],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.testing import TEST_MODEL_PATH
+from sgl_jax.testing import TEST_MODEL_PATH, fake_devices_flags
 from tests.backend_scenario import assert_matches, reference_scenario, run_scenario
 
 REPO = Path(__file__).absolute().parents[1]
@@ -158,7 +158,7 @@ def _worker(out_dir: str) -> None:
 def results() -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}"}
+               "XLA_FLAGS": fake_devices_flags(DEVICES)}
         proc = subprocess.run([sys.executable, "-m", "tests.test_eplb_parallel", tmp], cwd=REPO,
                               env=env, capture_output=True, text=True, timeout=1200)
         assert proc.returncode == 0, proc.stderr[-4000:]

@@ -39,6 +39,7 @@ from sgl_jax.srt.layers.moe.experts import (
     resolve_moe_backend,
 )
 from sgl_jax.srt.layers.moe.ragged import group_assignments, ragged_experts
+from sgl_jax.testing import fake_devices_flags
 
 REPO = Path(__file__).absolute().parents[1]
 REL_TOL = 1e-5
@@ -252,7 +253,7 @@ def parallel_worker() -> Any:
     """Started before this module's first test, so that it compiles while they run."""
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+               "XLA_FLAGS": fake_devices_flags(8)}
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.test_moe_backends", json.dumps({"out": tmp})],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -34,6 +34,7 @@ from sgl_jax.srt.layers.moe.experts import (
     get_moe_backend,
     resolve_moe_backend,
 )
+from sgl_jax.testing import fake_devices_flags
 from tests.test_moe_backends import (
     BF16_TOL,
     IDENTITY,
@@ -724,7 +725,7 @@ SP_TOKENS = 38
 def test_parallel_gmm_matches_reference():
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+               "XLA_FLAGS": fake_devices_flags(4)}
         proc = subprocess.run(
             [sys.executable, "-m", "tests.test_moe_gmm", json.dumps({"out": tmp})],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=600,

@@ -25,7 +25,14 @@ from safetensors.numpy import load_file, save_file
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.utils import free_port
-from sgl_jax.testing import TEST_MODEL_PATH, MultiNodeJob, ServerProcess, server_flags, wait_until
+from sgl_jax.testing import (
+    TEST_MODEL_PATH,
+    MultiNodeJob,
+    ServerProcess,
+    fake_devices_flags,
+    server_flags,
+    wait_until,
+)
 from tests.engine_utils import decoded_rows, expected_rows, prompt_ids, reference_greedy
 
 CFG = ModelConfig.from_hf(TEST_MODEL_PATH)
@@ -69,7 +76,7 @@ def gone(pid: int) -> bool:
 def single_process() -> dict[str, list[dict]]:
     """The same layout in one process on 4 devices."""
     server = ServerProcess(LAYOUT, env={
-        "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+        "JAX_PLATFORMS": "cpu", "XLA_FLAGS": fake_devices_flags(4)})
     try:
         return run_all(server)
     finally:

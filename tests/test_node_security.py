@@ -48,7 +48,13 @@ from sgl_jax.srt.managers.step_channel import (
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
 from sgl_jax.srt.utils import free_port
-from sgl_jax.testing import engine_args, free_port_pair, server_flags, wait_until
+from sgl_jax.testing import (
+    engine_args,
+    fake_devices_flags,
+    free_port_pair,
+    server_flags,
+    wait_until,
+)
 
 SECRET = "correct horse battery staple 0123456789"
 
@@ -74,7 +80,7 @@ def _node_cmd(addr: str, rank: int, http_port: int) -> list[str]:
 
 def _start(cmd: list[str], secret: str, log_path: str) -> subprocess.Popen:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "SGL_JAX_NODE_SECRET": secret,
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+           "XLA_FLAGS": fake_devices_flags(2)}
     with open(log_path, "w") as log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 

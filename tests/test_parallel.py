@@ -27,7 +27,7 @@ from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.distributed import check_parallel_layout, maybe_initialize_distributed
 from sgl_jax.srt.layers.moe.balancing import balanced_mapping, expert_load
 from sgl_jax.srt.layers.moe.placement import ExpertPlacement
-from sgl_jax.testing import TEST_MODEL_PATH
+from sgl_jax.testing import TEST_MODEL_PATH, fake_devices_flags
 from tests.backend_scenario import assert_matches, reference_scenario, run_scenario
 
 REPO = Path(__file__).absolute().parents[1]
@@ -236,7 +236,7 @@ def results() -> dict[str, Any]:
         def run(devices: int) -> subprocess.CompletedProcess:
             job = {"devices": devices, "configs": by_devices[devices], "out": tmp}
             env = {**os.environ, "JAX_PLATFORMS": "cpu",
-                   "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+                   "XLA_FLAGS": fake_devices_flags(devices)}
             return subprocess.run(
                 [sys.executable, "-m", "tests.test_parallel", json.dumps(job)],
                 cwd=REPO, env=env, capture_output=True, text=True, timeout=1200,

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from sgl_jax.testing import fake_devices_flags
+
 REPO = Path(__file__).absolute().parents[1]
 TOKENS = (16, 200)  # decode-sized (three matmuls) and prefill-sized (one)
 
@@ -96,7 +98,7 @@ def worker(out_dir: str) -> None:
 def test_fused_qkv_projection_on_two_devices():
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+               "XLA_FLAGS": fake_devices_flags(2)}
         proc = subprocess.run(
             [sys.executable, "-m", "tests.test_qkv_projection", json.dumps({"out": tmp})],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

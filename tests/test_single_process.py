@@ -29,7 +29,13 @@ from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.entrypoints.engine import EngineStartupError
 from sgl_jax.srt.managers.tokenizer_manager import EngineDeadError
 from sgl_jax.srt.server_args import ServerArgs
-from sgl_jax.testing import TEST_MODEL_PATH, engine_args, server_flags, wait_until
+from sgl_jax.testing import (
+    TEST_MODEL_PATH,
+    engine_args,
+    fake_devices_flags,
+    server_flags,
+    wait_until,
+)
 from tests.engine_utils import (
     assert_no_leak,
     decoded_rows,
@@ -174,7 +180,7 @@ def test_multi_device_mesh_and_device_indexes():
     """A 2 x 2 mesh the caller built (devices in an order of its own) and device_indexes, on
     4 fake CPU devices in a process of their own (tests/single_process_mesh_worker.py)."""
     prompts = [prompt_ids(300 + i, 6 + 17 * i) for i in range(3)]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    env = {**os.environ, "XLA_FLAGS": fake_devices_flags(4),
            "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.single_process_mesh_worker", json.dumps([prompts, 6])],

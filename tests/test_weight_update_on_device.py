@@ -32,7 +32,7 @@ from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.managers import array_handoff
 from sgl_jax.srt.managers.control import UpdateWeightsInProcess
 from sgl_jax.srt.model_executor.memory_occupation import live_device_bytes
-from sgl_jax.testing import TEST_MODEL_PATH, engine_args, wait_until
+from sgl_jax.testing import TEST_MODEL_PATH, engine_args, fake_devices_flags, wait_until
 from tests.engine_utils import decoded_rows, expected_rows, prompt_ids, reference_greedy
 
 CFG = ModelConfig.from_hf(TEST_MODEL_PATH)
@@ -217,7 +217,7 @@ def test_a_token_means_nothing_to_a_scheduler_process():
 def test_reshards_on_a_mesh():
     """Arrays laid out another way (replicated over 4 fake CPU devices) are resharded on the
     devices into a 2 x 2 mesh's engine (tests/on_device_update_worker.py)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    env = {**os.environ, "XLA_FLAGS": fake_devices_flags(4),
            "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "tests.on_device_update_worker",
                            json.dumps([PROMPTS, GREEDY])],

@@ -1,14 +1,16 @@
 """The attention block's q, k and v projections as one matmul at prefill
-(``GqaAttention._fused_qkv``, its parts ``_qkv_part``): on a 2-device "tensor" mesh (a subprocess with 2 fake CPU
-devices), with and without q/k/v biases, the fused path is the one traced when the step has
-more tokens than a device's fused columns, never at decode, and both give the float64
-products ``x @ w (+ b)``; with the Pallas attention backend the norm/rotary kernel reads q's
-and k's columns of the fused array in place, with the result it has on separate
-projections, in one kernel call for both (``tests/test_norm_rope.py`` checks the single
-projection against float64)."""
+(``GqaAttention._fused_qkv``, its parts ``_qkv_part``), in a subprocess with 4 fake CPU
+devices: on a 2-device "tensor" mesh, and with DP attention (2 ranks x tp 2, the tokens split
+by rank). With and without q/k/v biases, the fused path is the one traced when the step (a
+rank's share of it) has more tokens than a device's fused columns, never at decode, and both
+give the float64 products ``x @ w (+ b)``; with the Pallas attention backend the norm/rotary
+kernel reads q's and k's columns of the fused array in place, with the result it has on
+separate projections, in one kernel call for both, with and without DP attention
+(``tests/test_norm_rope.py`` checks the single projection against float64)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -28,7 +30,8 @@ def worker(out_dir: str) -> None:
     """Runs in the 2-device subprocess: each case's q, k, v and the dots it traced."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from sgl_jax.srt.configs.model_config import ModelConfig
     from sgl_jax.srt.models.common import GqaAttention
@@ -36,6 +39,7 @@ def worker(out_dir: str) -> None:
 
     base = ModelConfig.from_hf(TEST_MODEL_PATH)
     mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("expert", "tensor"))
+    dp_mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("expert", "tensor"))
     rng = np.random.default_rng(0)
     results = {}
     for bias in (False, True):
@@ -46,22 +50,29 @@ def worker(out_dir: str) -> None:
                 p = getattr(attn, name + suffix)
                 p.value = jnp.asarray(rng.standard_normal(p.value.shape), jnp.float32)
                 results[f"{bias}/{name}{suffix}"] = np.asarray(p.value)
-        for tokens in TOKENS:
-            x = jnp.asarray(rng.standard_normal((tokens, config.hidden_size)), jnp.float32)
-            def project(a, x):
-                fused = a._fused_qkv(x, False)
-                if fused is None:
-                    return tuple(a._project(x, n) for n in ("q_proj", "k_proj", "v_proj"))
-                return tuple(a._qkv_part(fused, part) for part in range(3))
+        # Tensor parallelism alone, and with DP attention (each rank's tokens: half of them).
+        for layout, layout_mesh, dp in (("tp", mesh, False), ("dp", dp_mesh, True)):
+            for tokens in TOKENS:
+                tokens *= 2 if dp else 1
+                x = jnp.asarray(rng.standard_normal((tokens, config.hidden_size)), jnp.float32)
+                if dp:
+                    x = jax.device_put(x, NamedSharding(dp_mesh, P("expert")))
 
-            fn = jax.jit(project)
-            with jax.set_mesh(mesh):
-                jaxpr = str(jax.make_jaxpr(fn)(attn, x))
-                q, k, v = fn(attn, x)
-            results[f"{bias}/{tokens}/x"] = np.asarray(x)
-            for n, a in zip("qkv", (q, k, v), strict=True):
-                results[f"{bias}/{tokens}/{n}"] = np.asarray(a)
-            results[f"{bias}/{tokens}/dots"] = np.asarray(jaxpr.count("dot_general"))
+                def project(a, x, dp=dp):
+                    fused = a._fused_qkv(x, dp)
+                    if fused is None:
+                        return tuple(a._project(x, n) for n in ("q_proj", "k_proj", "v_proj"))
+                    return tuple(a._qkv_part(fused, part) for part in range(3))
+
+                fn = jax.jit(project)
+                with jax.set_mesh(layout_mesh):
+                    jaxpr = str(jax.make_jaxpr(fn)(attn, x))
+                    q, k, v = fn(attn, x)
+                key = f"{bias}/{layout}/{tokens}"
+                results[f"{key}/x"] = np.asarray(x)
+                for n, a in zip("qkv", (q, k, v), strict=True):
+                    results[f"{key}/{n}"] = np.asarray(a)
+                results[f"{key}/dots"] = np.asarray(jaxpr.count("dot_general"))
     # With the Pallas attention backend, q and k normed and rotated by the kernel reading
     # their columns of the fused array in place: as from three separate projections.
     from sgl_jax.srt.layers.attention import create_attention_backend
@@ -79,7 +90,7 @@ def worker(out_dir: str) -> None:
     positions = jnp.asarray(rng.integers(0, 4096, tokens), jnp.int32)
 
     def rotated(a, x, fuse):
-        fused = a._fused_qkv(x, False) if fuse else None
+        fused = a._fused_qkv(x, backends.dp_attention) if fuse else None
         heads = (a.num_heads, a.num_kv_heads)
         norms = (a.q_norm, a.k_norm)
         if fused is None:
@@ -92,13 +103,21 @@ def worker(out_dir: str) -> None:
         for fuse in (True, False):
             for n, a in zip("qk", jax.jit(rotated, static_argnums=2)(attn, x, fuse), strict=True):
                 results[f"rope/{fuse}/{n}"] = np.asarray(a)
+    # With DP attention: each rank's tokens (x split by token over "expert").
+    backends = dataclasses.replace(backends, dp_attention=True)
+    x = jax.device_put(jnp.concatenate([x, x[::-1]]), NamedSharding(dp_mesh, P("expert")))
+    positions = jnp.concatenate([positions, positions[::-1]])
+    with jax.set_mesh(dp_mesh):
+        for fuse in (True, False):
+            for n, a in zip("qk", jax.jit(rotated, static_argnums=2)(attn, x, fuse), strict=True):
+                results[f"rope_dp/{fuse}/{n}"] = np.asarray(a)
     np.savez(os.path.join(out_dir, "qkv.npz"), **results)
 
 
-def test_fused_qkv_projection_on_two_devices():
+def test_fused_qkv_projection_with_and_without_dp_attention():
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": fake_devices_flags(2)}
+               "XLA_FLAGS": fake_devices_flags(4)}
         proc = subprocess.run(
             [sys.executable, "-m", "tests.test_qkv_projection", json.dumps({"out": tmp})],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -106,20 +125,23 @@ def test_fused_qkv_projection_on_two_devices():
         with np.load(os.path.join(tmp, "qkv.npz")) as z:
             got = dict(z)
     for bias in (False, True):
-        for tokens in TOKENS:
-            x = got[f"{bias}/{tokens}/x"].astype(np.float64)
-            # The tiny model at tp 2: 4 heads + 2 x 2 KV heads of 16 = 64 columns a device.
-            assert int(got[f"{bias}/{tokens}/dots"]) == (1 if tokens > 64 else 3)
-            for n in "qkv":
-                want = x @ got[f"{bias}/{n}_proj"].astype(np.float64)
-                if bias:
-                    want = want + got[f"{bias}/{n}_proj_bias"]
-                np.testing.assert_allclose(got[f"{bias}/{tokens}/{n}"], want, rtol=1e-4,
-                                           atol=1e-4)
-    for n in "qk":
-        assert got[f"rope/True/{n}"].shape == got[f"rope/False/{n}"].shape
-        np.testing.assert_allclose(got[f"rope/True/{n}"], got[f"rope/False/{n}"], rtol=1e-5,
-                                   atol=1e-5)
+        for layout, ranks in (("tp", 1), ("dp", 2)):
+            for tokens in TOKENS:
+                key = f"{bias}/{layout}/{tokens * ranks}"
+                x = got[f"{key}/x"].astype(np.float64)
+                # The tiny model at tp 2: 4 heads + 2 x 2 KV heads of 16 = 64 columns a
+                # device; with DP attention, compared with a rank's tokens.
+                assert int(got[f"{key}/dots"]) == (1 if tokens > 64 else 3), key
+                for n in "qkv":
+                    want = x @ got[f"{bias}/{n}_proj"].astype(np.float64)
+                    if bias:
+                        want = want + got[f"{bias}/{n}_proj_bias"]
+                    np.testing.assert_allclose(got[f"{key}/{n}"], want, rtol=1e-4, atol=1e-4)
+    for rope in ("rope", "rope_dp"):
+        for n in "qk":
+            assert got[f"{rope}/True/{n}"].shape == got[f"{rope}/False/{n}"].shape
+            np.testing.assert_allclose(got[f"{rope}/True/{n}"], got[f"{rope}/False/{n}"],
+                                       rtol=1e-5, atol=1e-5)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from sgl_jax.srt.layers.attention.data_parallel import (
     take_rank_rows,
 )
 from sgl_jax.srt.layers.moe.ep_moe import (
+    EXPERT_AXIS,
     TENSOR_AXIS,
     W_DOWN_SPEC,
     W_GATE_UP_SPEC,
@@ -116,13 +117,14 @@ class GqaAttention(nnx.Module):
         Each matmul of its own reads x ``[T, H]`` whole; the fused one reads it once but
         first writes each device's q, k and v weight columns next to each other (a copy of
         its share of the weights every step). So it is used when x is wider in tokens than
-        the device's fused columns (a prefill; never at decode), with every device holding
-        a whole number of KV heads (the weights' "tensor" blocks then line up) and without
-        DP attention (whose ranks split the heads otherwise)."""
+        the device's fused columns (a prefill; never at decode; with DP attention, a rank's
+        tokens), with every device holding a whole number of KV heads (the weights'
+        "tensor" blocks then line up)."""
         mesh = jax.sharding.get_abstract_mesh()
         tp = 1 if mesh.empty else mesh.shape.get(TENSOR_AXIS, 1)
         local = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim // tp
-        if tp == 1 or dp_attention or self.num_kv_heads % tp or x.shape[0] <= local:
+        ranks = mesh.shape.get(EXPERT_AXIS, 1) if dp_attention else 1
+        if tp == 1 or self.num_kv_heads % tp or x.shape[0] // ranks <= local:
             return None
         names = ("q_proj", "k_proj", "v_proj")
         # [H, tp, width / tp] per weight: device i's columns are block i of dimension 1.

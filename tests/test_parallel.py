@@ -99,8 +99,7 @@ CONFIGS: dict[str, tuple[int, str, int, int, str | None, dict[str, Any]]] = {
     "tp2_ep2_sp_gmm": (4, TEST_MODEL_PATH, 2, 2, None, {**SP, "moe_backend": "gmm"}),
     # ... and under DP attention: each rank's tokens split over its "tensor" devices, gathered
     # within the rank for attention; the MoE sums reduce-scattered over both axes. (gmm under
-    # DP x SP: tests/test_moe_gmm.py. Here its interpret-mode passes can keep one rank's
-    # devices more than the 40 s XLA:CPU waits at a collective for the others.)
+    # DP x SP: tests/test_moe_gmm.py; its interpret-mode passes are slow in a whole model.)
     "tp2_ep2_dp2_sp": (4, TEST_MODEL_PATH, 2, 2, None, {**DP2, **SP}),
     "deepseek_v3_tp2_ep2_dp2_sp": (4, "deepseek_v3", 2, 2, None, {**DP2, **SP}),
     # Extend steps padded to 128 tokens, more than a device's 64 q/k/v columns at tp 2: q, k

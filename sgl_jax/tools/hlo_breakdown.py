@@ -49,7 +49,8 @@ in ``layers/moe/`` expert code, ``ragged_dot``), ``moe_dispatch`` (the rest of t
 expert, gathers, the weighted combine), ``router`` (``layers/moe/router.py``, routing),
 ``attention`` (the attention backend, the kernel's metadata, rotary embedding; not its
 projections), ``kv_cache_write`` (``write_kv``: the step's new K/V into the cache),
-``projections`` (every other dot: q/k/v/o, dense MLP, the LM head), ``sampler``
+``projections`` (every other dot: q/k/v/o, dense MLP, the LM head; the token matmul
+kernel, ``PROJECTION_KERNELS``), ``sampler``
 (``layers/sampler.py``, logprobs), ``sampler_full_sort`` (see above), ``collectives``
 (all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute), ``copies`` (copy,
 copy-start, transpose and fusions of only those: layout changes and prefetches without a
@@ -118,6 +119,7 @@ FALLBACK_FUNCTIONS = ("full_sort",)
 # name): Megablox's ``gmm``, gate + up + activation, and down with the per-token combine
 # (whose adds into the sums are counted with its matmul).
 MATMUL_KERNELS = ("gmm", "gate_up_act", "down_and_combine")
+PROJECTION_KERNELS = ("token_matmul",)  # layers/token_matmul.py: a prefill's q/k/v
 
 
 # -- costs ---------------------------------------------------------------------------------
@@ -265,7 +267,7 @@ def _has_dot(module: Module, ins: Instr) -> bool:
     if ins.opcode in ("dot", "convolution"):
         return True
     if ins.opcode == "custom-call":
-        return _expert_kernel(ins)
+        return _expert_kernel(ins) or _projection_kernel(ins)
     if ins.opcode == "fusion":
         return any(_has_dot(module, i) for c in ins.called
                    for i in module.computations.get(c, []))
@@ -277,6 +279,12 @@ def _expert_kernel(ins: Instr) -> bool:
     return ins.opcode == "custom-call" and (
         "ragged-dot" in ins.name or "ragged_dot" in ins.op_name
         or any(f"jit({k})" in ins.op_name for k in MATMUL_KERNELS))
+
+
+def _projection_kernel(ins: Instr) -> bool:
+    """A custom call that is a projection's matmul kernel (``PROJECTION_KERNELS``)."""
+    return ins.opcode == "custom-call" and any(f"jit({k})" in ins.op_name
+                                               for k in PROJECTION_KERNELS)
 
 
 def _frame_chain(module: Module, ins: Instr) -> list[tuple[str, str]]:
@@ -302,6 +310,8 @@ def classify(module: Module, ins: Instr, default: str = "other") -> str:
     dot = _has_dot(module, ins)
     if _expert_kernel(ins) or "ragged_dot" in name:
         return "expert_matmuls"
+    if _projection_kernel(ins):
+        return "projections"
     for file, function in _frame_chain(module, ins):
         for frag, fn, cls in FRAME_RULES:
             if (frag is None or frag in file) and (fn is None or fn == function.split(".")[-1]):

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch_info import ForwardBatch
-from sgl_jax.srt.layers import norm_rope
+from sgl_jax.srt.layers import norm_rope, token_matmul
 from sgl_jax.srt.layers.attention import AttentionMetadata, write_kv
 from sgl_jax.srt.layers.attention.data_parallel import (
     DATA_AXIS,
@@ -103,13 +103,26 @@ class GqaAttention(nnx.Module):
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
 
-    def _project(self, x: jax.Array, name: str) -> jax.Array:
-        y = x @ getattr(self, name)[...]
+    @staticmethod
+    def _kernel_matmul(x: jax.Array, w: jax.Array, backends: ModelBackends) -> jax.Array | None:
+        """``x @ w`` (one of q, k, v projected separately), w split by column over
+        "tensor", at prefill on the Pallas path by the kernel that reads x once
+        (``layers/token_matmul.py``); None where it does not apply (nor in deterministic
+        mode, where a row's product must not depend on the step's size): the caller's dot."""
+        if backends.attention.name != "pallas" or backends.batch_invariant:
+            return None
+        return token_matmul.column_parallel(x, w, getattr(backends.attention, "interpret",
+                                                          False), backends.dp_attention)
+
+    def _project(self, x: jax.Array, name: str, backends: ModelBackends) -> jax.Array:
+        w = getattr(self, name)[...]
+        y = self._kernel_matmul(x, w, backends)
+        y = x @ w if y is None else y
         if self.has_bias:
             y = y + getattr(self, f"{name}_bias")[...]
         return y  # [T, heads * head_dim]
 
-    def _fused_qkv(self, x: jax.Array, dp_attention: bool) -> jax.Array | None:
+    def _fused_qkv(self, x: jax.Array, backends: ModelBackends) -> jax.Array | None:
         """q, k and v as one matmul, ``[T, tp * W]``: device i's columns ``[i * W, (i + 1) *
         W)`` hold its q, k and v heads side by side (:meth:`_qkv_part`); None where three
         matmuls cost less.
@@ -123,7 +136,7 @@ class GqaAttention(nnx.Module):
         mesh = jax.sharding.get_abstract_mesh()
         tp = 1 if mesh.empty else mesh.shape.get(TENSOR_AXIS, 1)
         local = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim // tp
-        ranks = mesh.shape.get(EXPERT_AXIS, 1) if dp_attention else 1
+        ranks = mesh.shape.get(EXPERT_AXIS, 1) if backends.dp_attention else 1
         if tp == 1 or self.num_kv_heads % tp or x.shape[0] // ranks <= local:
             return None
         names = ("q_proj", "k_proj", "v_proj")
@@ -131,6 +144,8 @@ class GqaAttention(nnx.Module):
         blocks = [getattr(self, n)[...].reshape(x.shape[1], tp, -1) for n in names]
         fused = jax.lax.with_sharding_constraint(jnp.concatenate(blocks, axis=2),
                                                  P(None, TENSOR_AXIS, None))
+        # XLA's dot (the token matmul kernel on these weights counted 0.5 GB more on the
+        # 30B's prefill, compile-only v6e: docs/performance.md).
         y = jnp.einsum("th,hsd->tsd", x, fused)
         if self.has_bias:
             y = y + jnp.concatenate([getattr(self, f"{n}_bias")[...].reshape(tp, -1)
@@ -198,18 +213,18 @@ class GqaAttention(nnx.Module):
         self, x: jax.Array, batch: ForwardBatch, meta: AttentionMetadata, kv: jax.Array,
         backends: ModelBackends,
     ) -> tuple[jax.Array, jax.Array]:
-        fused = self._fused_qkv(x, backends.dp_attention)
+        fused = self._fused_qkv(x, backends)
         q_norm, k_norm = (self.q_norm, self.k_norm) if self.has_qk_norm else (None, None)
         # (Fused, every device holds whole KV heads, so the kernel covers q if it covers k.)
         if fused is not None and self._rotates_in_kernel(backends, self.num_kv_heads):
             q, k = self._rotate_fused(fused, meta.positions, backends)
         else:
-            q, k = ((self._project(x, n) for n in ("q_proj", "k_proj")) if fused is None
+            q, k = ((self._project(x, n, backends) for n in ("q_proj", "k_proj")) if fused is None
                     else (self._qkv_part(fused, part) for part in (0, 1)))
             q = self._norm_and_rotate(q, q_norm, self.num_heads, meta.positions, backends,
                                       query=True)
             k = self._norm_and_rotate(k, k_norm, self.num_kv_heads, meta.positions, backends)
-        v = self._project(x, "v_proj") if fused is None else self._qkv_part(fused, 2)
+        v = self._project(x, "v_proj", backends) if fused is None else self._qkv_part(fused, 2)
         v = v.reshape(x.shape[0], self.num_kv_heads, self.head_dim)
         scale = self.head_dim**-0.5
 

@@ -96,7 +96,9 @@ def worker(out_dir: str) -> None:
         p.value = jnp.asarray(rng.standard_normal(p.value.shape) / 8, jnp.float32)
     backends = ModelBackends(create_attention_backend("pallas", "cpu", 128, 16),
                              get_moe_backend("dense"))
-    tokens = 600  # more than a device's 4 + 2 x 2 heads of 128 columns at tp 2
+    # More than a device's 4 + 2 x 2 heads of 128 columns at tp 2 (fused: XLA's dot); not
+    # fused, the kernel's projections (a multiple of its 16-row tile).
+    tokens = 608
     x = jnp.asarray(rng.standard_normal((tokens, config.hidden_size)), jnp.float32)
     positions = jnp.asarray(rng.integers(0, 4096, tokens), jnp.int32)
 

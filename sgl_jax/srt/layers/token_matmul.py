@@ -9,10 +9,10 @@ device is one VMEM block, fetched once (single-buffered: its index never changes
 grid step multiplies one ``[tm, K]`` token tile by it: x read once, the weights once, the
 result written once, which is the kernel's cost estimate.
 
-Used where it pays and fits (:func:`row_tile`): a prefill-sized step (at least
-``MIN_TOKENS`` of them per device's share of the tokens), the weight block and the streamed
-tiles within ``vmem_rows.KERNEL_BUDGET``. Decode steps keep XLA's dot (there the weights
-dominate and are read once either way). Under tensor parallelism the kernel, a custom call
+Used where it pays and fits (:func:`row_tile`): a step of at least ``MIN_TOKENS`` tokens
+in a device's share (a prefill; a decode batch that large too), the weight block and the
+streamed tiles within ``vmem_rows.KERNEL_BUDGET``. Smaller steps keep XLA's dot (there the
+weights dominate and are read once either way). Under tensor parallelism the kernel, a custom call
 XLA cannot partition, runs inside ``shard_map`` on the device's columns (and, with DP
 attention, its rank's tokens).
 """

@@ -106,17 +106,21 @@ class GqaAttention(nnx.Module):
     @staticmethod
     def _kernel_matmul(x: jax.Array, w: jax.Array, backends: ModelBackends) -> jax.Array | None:
         """``x @ w`` (one of q, k, v projected separately), w split by column over
-        "tensor", at prefill on the Pallas path by the kernel that reads x once
-        (``layers/token_matmul.py``); None where it does not apply (nor in deterministic
-        mode, where a row's product must not depend on the step's size): the caller's dot."""
-        if backends.attention.name != "pallas" or backends.batch_invariant:
+        "tensor", in a prefill-sized step on the Pallas path by the kernel that reads x once
+        (``layers/token_matmul.py``); None where it does not apply: the caller's dot.
+        (Deterministic mode, where a row's product must not depend on the step's size,
+        runs the native attention backend.)"""
+        if backends.attention.name != "pallas":
             return None
         return token_matmul.column_parallel(x, w, getattr(backends.attention, "interpret",
                                                           False), backends.dp_attention)
 
     def _project(self, x: jax.Array, name: str, backends: ModelBackends) -> jax.Array:
         w = getattr(self, name)[...]
-        y = self._kernel_matmul(x, w, backends)
+        # (k and v with KV heads replicated over "tensor": XLA's dot, whose layout the
+        # attention wants; the kernel's columns would be gathered back.)
+        kernel = name == "q_proj" or self.kv_heads_split
+        y = self._kernel_matmul(x, w, backends) if kernel else None
         y = x @ w if y is None else y
         if self.has_bias:
             y = y + getattr(self, f"{name}_bias")[...]

@@ -95,8 +95,9 @@ STAGE_ROWS = 256
 
 
 def stage_rows(t_pad: int) -> int:
-    """Rows of the staging buffer: the largest block of at most ``STAGE_ROWS`` rows that
-    divides the padded tokens ``t_pad`` (a multiple of ``vmem_rows.BLOCK``)."""
+    """Rows of a staging buffer: the largest divisor of ``STAGE_ROWS`` that divides the
+    padded tokens ``t_pad`` (a multiple of ``vmem_rows.BLOCK``, so at least 16 rows; all
+    256 when ``t_pad`` is a multiple of 256, as a prefill's padded token count is)."""
     return math.gcd(t_pad, STAGE_ROWS)
 
 

@@ -38,8 +38,8 @@ from sgl_jax.srt.layers.moe.manual_axes import mark_varying, varying_axes
 BLOCK = 16  # rows of a bfloat16 (16, 128) tile; also a multiple of float32's 8
 LANE = 128
 # VMEM of the block a kernel holds across its grid steps: a column block of the gathered
-# operand (two pipeline buffers and its float32 copy), or of gmm_combine's float32 sums (and
-# their bfloat16 output: 512 of the 30B's 2,048 columns of 8,192 tokens at 6 bytes each).
+# operand (two pipeline buffers and its float32 copy), or of gmm_combine's float32 sums (4
+# bytes an element whatever the output dtype: 768 columns of 8,192 tokens).
 HELD_BUDGET = 24 * 1024 * 1024
 # Scoped VMEM a kernel may ask for (below the 64 / 128 / 128 MiB per TensorCore of v5p / v5e /
 # v6e in JAX's table; v4 has 16: its compiler refuses more), and what the

@@ -274,17 +274,21 @@ def _has_dot(module: Module, ins: Instr) -> bool:
     return False
 
 
+def _kernel_call(ins: Instr, kernels: tuple[str, ...]) -> bool:
+    """A custom call made by one of the jitted kernel functions named ``kernels``."""
+    return ins.opcode == "custom-call" and any(f"jit({k})" in ins.op_name for k in kernels)
+
+
 def _expert_kernel(ins: Instr) -> bool:
     """A custom call that is a grouped expert matmul: ``ragged_dot`` or a gmm kernel."""
-    return ins.opcode == "custom-call" and (
-        "ragged-dot" in ins.name or "ragged_dot" in ins.op_name
-        or any(f"jit({k})" in ins.op_name for k in MATMUL_KERNELS))
+    return (ins.opcode == "custom-call"
+            and ("ragged-dot" in ins.name or "ragged_dot" in ins.op_name)
+            or _kernel_call(ins, MATMUL_KERNELS))
 
 
 def _projection_kernel(ins: Instr) -> bool:
     """A custom call that is a projection's matmul kernel (``PROJECTION_KERNELS``)."""
-    return ins.opcode == "custom-call" and any(f"jit({k})" in ins.op_name
-                                               for k in PROJECTION_KERNELS)
+    return _kernel_call(ins, PROJECTION_KERNELS)
 
 
 def _frame_chain(module: Module, ins: Instr) -> list[tuple[str, str]]:

@@ -33,7 +33,6 @@ from sgl_jax.srt.layers.attention.data_parallel import (
     take_rank_rows,
 )
 from sgl_jax.srt.layers.moe.ep_moe import (
-    EXPERT_AXIS,
     TENSOR_AXIS,
     W_DOWN_SPEC,
     W_GATE_UP_SPEC,
@@ -103,24 +102,16 @@ class GqaAttention(nnx.Module):
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
 
-    @staticmethod
-    def _kernel_matmul(x: jax.Array, w: jax.Array, backends: ModelBackends) -> jax.Array | None:
-        """``x @ w`` (one of q, k, v projected separately), w split by column over
-        "tensor", in a prefill-sized step on the Pallas path by the kernel that reads x once
-        (``layers/token_matmul.py``); None where it does not apply: the caller's dot.
-        (Deterministic mode, where a row's product must not depend on the step's size,
-        runs the native attention backend.)"""
-        if backends.attention.name != "pallas":
-            return None
-        return token_matmul.column_parallel(x, w, getattr(backends.attention, "interpret",
-                                                          False), backends.dp_attention)
-
     def _project(self, x: jax.Array, name: str, backends: ModelBackends) -> jax.Array:
+        """One of q, k, v: in a prefill-sized step on the Pallas path by the kernel that
+        reads x once (``layers/token_matmul.py``), else XLA's dot. Not for k and v with KV
+        heads replicated over "tensor" (the attention wants them whole; the kernel's
+        columns would be gathered back), nor in deterministic mode (the native backend)."""
         w = getattr(self, name)[...]
-        # (k and v with KV heads replicated over "tensor": XLA's dot, whose layout the
-        # attention wants; the kernel's columns would be gathered back.)
-        kernel = name == "q_proj" or self.kv_heads_split
-        y = self._kernel_matmul(x, w, backends) if kernel else None
+        y = None
+        if backends.attention.name == "pallas" and (name == "q_proj" or self.kv_heads_split):
+            y = token_matmul.column_parallel(x, w, getattr(backends.attention, "interpret",
+                                                           False), backends.dp_attention)
         y = x @ w if y is None else y
         if self.has_bias:
             y = y + getattr(self, f"{name}_bias")[...]
@@ -140,7 +131,7 @@ class GqaAttention(nnx.Module):
         mesh = jax.sharding.get_abstract_mesh()
         tp = 1 if mesh.empty else mesh.shape.get(TENSOR_AXIS, 1)
         local = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim // tp
-        ranks = mesh.shape.get(EXPERT_AXIS, 1) if backends.dp_attention else 1
+        ranks = mesh.shape.get(DATA_AXIS, 1) if backends.dp_attention else 1
         if tp == 1 or self.num_kv_heads % tp or x.shape[0] // ranks <= local:
             return None
         names = ("q_proj", "k_proj", "v_proj")

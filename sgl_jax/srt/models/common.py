@@ -102,20 +102,30 @@ class GqaAttention(nnx.Module):
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
 
-    def _project(self, x: jax.Array, name: str, backends: ModelBackends) -> jax.Array:
-        """One of q, k, v: in a prefill-sized step on the Pallas path by the kernel that
-        reads x once (``layers/token_matmul.py``), else XLA's dot. Not for k and v with KV
-        heads replicated over "tensor" (the attention wants them whole; the kernel's
-        columns would be gathered back), nor in deterministic mode (the native backend)."""
-        w = getattr(self, name)[...]
-        y = None
-        if backends.attention.name == "pallas" and (name == "q_proj" or self.kv_heads_split):
-            y = token_matmul.column_parallel(x, w, getattr(backends.attention, "interpret",
-                                                           False), backends.dp_attention)
-        y = x @ w if y is None else y
-        if self.has_bias:
-            y = y + getattr(self, f"{name}_bias")[...]
-        return y  # [T, heads * head_dim]
+    def _projections(self, x: jax.Array, backends: ModelBackends
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k and v ``[T, heads * head_dim]`` each, as three matmuls: in a prefill-sized
+        step on the Pallas path, q (and k and v with their KV heads split over "tensor") by
+        one call of the kernel that reads x once for all (``layers/token_matmul.py``), else
+        XLA's dots. Not k and v with KV heads replicated over "tensor" (the attention wants
+        them whole; the kernel's columns would be gathered back), nor in deterministic mode
+        (the native backend)."""
+        names = ("q_proj", "k_proj", "v_proj")
+        weights = {name: getattr(self, name)[...] for name in names}
+        by_kernel = names if self.kv_heads_split else names[:1]
+        done: dict[str, jax.Array] = {}
+        if backends.attention.name == "pallas":
+            ys = token_matmul.column_parallel(
+                x, tuple(weights[name] for name in by_kernel),
+                getattr(backends.attention, "interpret", False), backends.dp_attention)
+            done = dict(zip(by_kernel, ys, strict=True)) if ys is not None else {}
+        out = []
+        for name in names:
+            y = done[name] if name in done else x @ weights[name]
+            if self.has_bias:
+                y = y + getattr(self, f"{name}_bias")[...]
+            out.append(y)
+        return tuple(out)
 
     def _fused_qkv(self, x: jax.Array, backends: ModelBackends) -> jax.Array | None:
         """q, k and v as one matmul, ``[T, tp * W]``: device i's columns ``[i * W, (i + 1) *
@@ -211,15 +221,14 @@ class GqaAttention(nnx.Module):
         fused = self._fused_qkv(x, backends)
         q_norm, k_norm = (self.q_norm, self.k_norm) if self.has_qk_norm else (None, None)
         # (Fused, every device holds whole KV heads, so the kernel covers q if it covers k.)
+        q, k, v = (self._projections(x, backends) if fused is None
+                   else (self._qkv_part(fused, part) for part in range(3)))
         if fused is not None and self._rotates_in_kernel(backends, self.num_kv_heads):
             q, k = self._rotate_fused(fused, meta.positions, backends)
         else:
-            q, k = ((self._project(x, n, backends) for n in ("q_proj", "k_proj")) if fused is None
-                    else (self._qkv_part(fused, part) for part in (0, 1)))
             q = self._norm_and_rotate(q, q_norm, self.num_heads, meta.positions, backends,
                                       query=True)
             k = self._norm_and_rotate(k, k_norm, self.num_kv_heads, meta.positions, backends)
-        v = self._project(x, "v_proj", backends) if fused is None else self._qkv_part(fused, 2)
         v = v.reshape(x.shape[0], self.num_kv_heads, self.head_dim)
         scale = self.head_dim**-0.5
 

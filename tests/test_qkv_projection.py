@@ -1,16 +1,18 @@
-"""The attention block's q, k and v projections as one matmul at prefill
-(``GqaAttention._fused_qkv``, its parts ``_qkv_part``), in a subprocess with 4 fake CPU
+"""The attention block's q, k and v projections at prefill, in a subprocess with 4 fake CPU
 devices: on a 2-device "tensor" mesh, and with DP attention (2 ranks x tp 2, the tokens split
-by rank). With and without q/k/v biases, the fused path is the one traced when the step (a
-rank's share of it) has more tokens than a device's fused columns, never at decode, and both
-give the float64 products ``x @ w (+ b)``; with the Pallas attention backend the norm/rotary
-kernel reads q's and k's columns of the fused array in place, with the result it has on
-separate projections, in one kernel call for both, with and without DP attention
-(``tests/test_norm_rope.py`` checks the single projection against float64)."""
+by rank), each against float64 ``x @ w (+ b)``, q and k then per-head RMS-normed and rotated
+(a reference written from the definitions).
+
+- ``GqaAttention._fused_qkv`` (one XLA matmul, ``_qkv_part`` its parts) is traced when the
+  step (a rank's share of it) has more tokens than a device's fused columns, never at decode;
+- otherwise ``_projections``: three XLA dots, or with the Pallas attention backend one call
+  of the token matmul kernel for all three, which with heads of 128 (the norm/rotary
+  kernel's layout) also norms and rotates q and k itself (no norm/rotary kernel traced),
+  with the result the fused path gets from the norm/rotary kernel reading its columns in
+  place; with and without q/k/v biases and DP attention."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import os
@@ -25,6 +27,20 @@ from sgl_jax.testing import fake_devices_flags
 
 REPO = Path(__file__).absolute().parents[1]
 TOKENS = (16, 256)  # decode-sized (three matmuls) and prefill-sized (one)
+
+
+def reference(y: np.ndarray, heads: int, norm: np.ndarray | None, eps: float,
+              positions: np.ndarray, theta: float) -> np.ndarray:
+    """float64 ``[T, heads, D]``: each head of ``y`` RMS-normed (if ``norm``), then rotated
+    "rotate half" by ``positions``."""
+    y = y.reshape(y.shape[0], heads, -1)
+    if norm is not None:
+        y = y / np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + eps) * norm
+    d = y.shape[-1]
+    angle = positions[:, None, None] * (1.0 / theta ** (np.arange(0, d, 2) / d))
+    cos, sin = np.cos(angle), np.sin(angle)
+    y1, y2 = y[..., :d // 2], y[..., d // 2:]
+    return np.concatenate([y1 * cos - y2 * sin, y2 * cos + y1 * sin], axis=-1)
 
 
 def worker(out_dir: str) -> None:
@@ -49,14 +65,44 @@ def worker(out_dir: str) -> None:
     dp_mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("expert", "tensor"))
     rng = np.random.default_rng(0)
     results = {}
+
+    def randomize(attn: GqaAttention, prefix: str, scale: float = 1.0) -> None:
+        names = ["q_proj", "k_proj", "v_proj", "q_norm.weight", "k_norm.weight"]
+        if attn.has_bias:
+            names += ["q_proj_bias", "k_proj_bias", "v_proj_bias"]
+        for name in names:
+            owner, _, leaf = name.rpartition(".")
+            p = getattr(getattr(attn, owner) if owner else attn, leaf)
+            p.value = jnp.asarray(rng.standard_normal(p.value.shape) * scale, jnp.float32)
+            results[f"{prefix}/{name}"] = np.asarray(p.value)
+
+    def project(a, x, positions, backends):
+        fused = a._fused_qkv(x, backends)
+        if fused is None:
+            return a._projections(x, positions, backends)
+        if a._rotates_in_kernel(backends, a.num_kv_heads):
+            return (*a._rotate_fused(fused, positions, backends), a._qkv_part(fused, 2))
+        q, k, v = (a._qkv_part(fused, part) for part in range(3))
+        return (a._norm_and_rotate(q, a.q_norm, a.num_heads, positions, backends, query=True),
+                a._norm_and_rotate(k, a.k_norm, a.num_kv_heads, positions, backends), v)
+
+    def run(key, attn, x, positions, backends, layout_mesh):
+        fn = jax.jit(project, static_argnums=3)
+        with jax.set_mesh(layout_mesh):
+            jaxpr = str(jax.make_jaxpr(fn, static_argnums=3)(attn, x, positions, backends))
+            q, k, v = fn(attn, x, positions, backends)
+        results[f"{key}/x"] = np.asarray(x)
+        results[f"{key}/positions"] = np.asarray(positions)
+        for n, a in zip("qkv", (q, k, v), strict=True):
+            results[f"{key}/{n}"] = np.asarray(a)
+        results[f"{key}/dots"] = np.asarray(jaxpr.count("dot_general"))
+        results[f"{key}/kernels"] = np.asarray(jaxpr.count("name=token_matmul"))
+        results[f"{key}/norm_rope"] = np.asarray(jaxpr.count("name=_norm_rope_local"))
+
     for bias in (False, True):
         config = base.__class__(**{**base.__dict__, "qkv_bias": bias})
         attn = GqaAttention(config, jnp.float32)
-        for name in ("q_proj", "k_proj", "v_proj"):
-            for suffix in ("", "_bias") if bias else ("",):
-                p = getattr(attn, name + suffix)
-                p.value = jnp.asarray(rng.standard_normal(p.value.shape), jnp.float32)
-                results[f"{bias}/{name}{suffix}"] = np.asarray(p.value)
+        randomize(attn, str(bias))
         # Tensor parallelism alone, and with DP attention (each rank's tokens: half of them);
         # XLA's dots, and (the Pallas attention backend) the token matmul kernel's.
         layouts = [(layout, layout_mesh, dp, attention)
@@ -68,65 +114,37 @@ def worker(out_dir: str) -> None:
             for tokens in TOKENS:
                 tokens *= 2 if dp else 1
                 x = jnp.asarray(rng.standard_normal((tokens, config.hidden_size)), jnp.float32)
+                positions = jnp.asarray(rng.integers(0, 4096, tokens), jnp.int32)
                 if dp:
                     x = jax.device_put(x, NamedSharding(dp_mesh, P("expert")))
-
-                def project(a, x, backends=backends):
-                    fused = a._fused_qkv(x, backends)
-                    if fused is None:
-                        return a._projections(x, backends)
-                    return tuple(a._qkv_part(fused, part) for part in range(3))
-
-                fn = jax.jit(project)
-                with jax.set_mesh(layout_mesh):
-                    jaxpr = str(jax.make_jaxpr(fn)(attn, x))
-                    q, k, v = fn(attn, x)
-                key = f"{bias}/{layout}/{attention}/{tokens}"
-                results[f"{key}/x"] = np.asarray(x)
-                for n, a in zip("qkv", (q, k, v), strict=True):
-                    results[f"{key}/{n}"] = np.asarray(a)
-                results[f"{key}/dots"] = np.asarray(jaxpr.count("dot_general"))
-                results[f"{key}/kernels"] = np.asarray(jaxpr.count("name=token_matmul"))
-    # With the Pallas attention backend, q and k normed and rotated by the kernel reading
-    # their columns of the fused array in place: as from three separate projections.
+                run(f"{bias}/{layout}/{attention}/{tokens}", attn, x, positions, backends,
+                    layout_mesh)
+    # Heads of 128 (the norm/rotary kernel's layout), the Pallas attention backend: fused
+    # (more than a device's 4 + 2 x 2 heads of 128 columns at tp 2), q and k normed and
+    # rotated by the norm/rotary kernel reading their columns in place; not fused, by the
+    # token matmul kernel after its products (a multiple of its 16-row tile).
     config = base.__class__(**{**base.__dict__, "head_dim": 128})
     attn = GqaAttention(config, jnp.float32)
-    for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.q_norm.weight, attn.k_norm.weight):
-        p.value = jnp.asarray(rng.standard_normal(p.value.shape) / 8, jnp.float32)
-    backends = ModelBackends(create_attention_backend("pallas", "cpu", 128, 16),
-                             get_moe_backend("dense"))
-    # More than a device's 4 + 2 x 2 heads of 128 columns at tp 2 (fused: XLA's dot); not
-    # fused, the kernel's projections (a multiple of its 16-row tile).
+    randomize(attn, "rope", 1 / 8)
     tokens = 608
     x = jnp.asarray(rng.standard_normal((tokens, config.hidden_size)), jnp.float32)
     positions = jnp.asarray(rng.integers(0, 4096, tokens), jnp.int32)
-
-    def rotated(a, x, fuse):
-        fused = a._fused_qkv(x, backends) if fuse else None
-        heads = (a.num_heads, a.num_kv_heads)
-        norms = (a.q_norm, a.k_norm)
-        if fused is None:
-            return tuple(a._norm_and_rotate(y, norm, h, positions, backends, query=n == "q")
-                         for n, y, norm, h in zip("qk", a._projections(x, backends), norms, heads,
-                                                  strict=False))
-        return a._rotate_fused(fused, positions, backends)
-
-    with jax.set_mesh(mesh):
+    for dp, layout_mesh in ((False, mesh), (True, dp_mesh)):
+        backends = ModelBackends(create_attention_backend("pallas", "cpu", 128, 16),
+                                 get_moe_backend("dense"), dp_attention=dp)
+        if dp:  # each rank's tokens (x split by token over "expert")
+            x = jax.device_put(jnp.concatenate([x, x[::-1]]), NamedSharding(dp_mesh, P("expert")))
+            positions = jnp.concatenate([positions, positions[::-1]])
         for fuse in (True, False):
-            for n, a in zip("qk", jax.jit(rotated, static_argnums=2)(attn, x, fuse), strict=True):
-                results[f"rope/{fuse}/{n}"] = np.asarray(a)
-    # With DP attention: each rank's tokens (x split by token over "expert").
-    backends = dataclasses.replace(backends, dp_attention=True)
-    x = jax.device_put(jnp.concatenate([x, x[::-1]]), NamedSharding(dp_mesh, P("expert")))
-    positions = jnp.concatenate([positions, positions[::-1]])
-    with jax.set_mesh(dp_mesh):
-        for fuse in (True, False):
-            for n, a in zip("qk", jax.jit(rotated, static_argnums=2)(attn, x, fuse), strict=True):
-                results[f"rope_dp/{fuse}/{n}"] = np.asarray(a)
+            fused_qkv = attn._fused_qkv
+            if not fuse:
+                attn._fused_qkv = lambda x, backends: None
+            run(f"rope/{dp}/{fuse}", attn, x, positions, backends, layout_mesh)
+            attn._fused_qkv = fused_qkv
     np.savez(os.path.join(out_dir, "qkv.npz"), **results)
 
 
-def test_fused_qkv_projection_with_and_without_dp_attention():
+def test_qkv_projections_with_and_without_dp_attention():
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "JAX_PLATFORMS": "cpu",
                "XLA_FLAGS": fake_devices_flags(4)}
@@ -136,12 +154,30 @@ def test_fused_qkv_projection_with_and_without_dp_attention():
         assert proc.returncode == 0, proc.stderr[-4000:]
         with np.load(os.path.join(tmp, "qkv.npz")) as z:
             got = dict(z)
+    from sgl_jax.srt.configs.model_config import ModelConfig
+    from sgl_jax.testing import TEST_MODEL_PATH
+
+    config = ModelConfig.from_hf(TEST_MODEL_PATH)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+
+    def check(key: str, prefix: str, bias: bool) -> None:
+        x = got[f"{key}/x"].astype(np.float64)
+        for n, h in zip("qkv", (heads, kv_heads, kv_heads), strict=True):
+            want = x @ got[f"{prefix}/{n}_proj"].astype(np.float64)
+            if bias:
+                want = want + got[f"{prefix}/{n}_proj_bias"]
+            if n != "v":
+                want = reference(want, h, got[f"{prefix}/{n}_norm.weight"], config.rms_norm_eps,
+                                 got[f"{key}/positions"], config.rope_theta)
+            # float32 rotation angles: position x frequency rounded, as every implementation
+            tol = 1e-4 if n == "v" else 2e-3
+            np.testing.assert_allclose(got[f"{key}/{n}"], want, rtol=tol, atol=tol, err_msg=key)
+
     for bias in (False, True):
         for (layout, ranks), attention in itertools.product((("tp", 1), ("dp", 2)),
                                                            ("native", "pallas")):
             for tokens in TOKENS:
                 key = f"{bias}/{layout}/{attention}/{tokens * ranks}"
-                x = got[f"{key}/x"].astype(np.float64)
                 # The tiny model at tp 2: 4 heads + 2 x 2 KV heads of 16 = 64 columns a
                 # device; with DP attention, compared with a rank's tokens. With the Pallas
                 # backend the three separate ones are the token matmul kernel's (its
@@ -151,15 +187,18 @@ def test_fused_qkv_projection_with_and_without_dp_attention():
                 assert int(got[f"{key}/kernels"]) == kernels, key
                 if not kernels:  # (a kernel's dot is in its jaxpr, which JAX prints once)
                     assert int(got[f"{key}/dots"]) == (1 if one else 3), key
-                for n in "qkv":
-                    want = x @ got[f"{bias}/{n}_proj"].astype(np.float64)
-                    if bias:
-                        want = want + got[f"{bias}/{n}_proj_bias"]
-                    np.testing.assert_allclose(got[f"{key}/{n}"], want, rtol=1e-4, atol=1e-4)
-    for rope in ("rope", "rope_dp"):
-        for n in "qk":
-            assert got[f"{rope}/True/{n}"].shape == got[f"{rope}/False/{n}"].shape
-            np.testing.assert_allclose(got[f"{rope}/True/{n}"], got[f"{rope}/False/{n}"],
+                check(key, str(bias), bias)
+    for dp in (False, True):
+        fused, separate = f"rope/{dp}/True", f"rope/{dp}/False"
+        for key in (fused, separate):
+            check(key, "rope", False)
+        # Fused: XLA's matmul, then the norm/rotary kernel; separate: the token matmul
+        # kernel norming and rotating itself.
+        assert (int(got[f"{fused}/kernels"]), int(got[f"{fused}/norm_rope"])) == (0, 1)
+        assert (int(got[f"{separate}/kernels"]), int(got[f"{separate}/norm_rope"])) == (1, 0)
+        for n in "qkv":
+            assert got[f"{fused}/{n}"].shape == got[f"{separate}/{n}"].shape
+            np.testing.assert_allclose(got[f"{fused}/{n}"], got[f"{separate}/{n}"],
                                        rtol=1e-5, atol=1e-5)
 
 

@@ -61,9 +61,11 @@ class Part:
     heads_axis: bool = False
 
 
-def _rotate_heads(x_ref, w_ref, out_ref, cos: jax.Array, sin: jax.Array, heads: int,
-                  eps: float | None) -> None:
-    """One part's block: each head normed (if ``w_ref``) and rotated, stored once."""
+def rotate_heads(x_ref, w_ref, out_ref, cos: jax.Array, sin: jax.Array, heads: int,
+                 eps: float | None) -> None:
+    """In a kernel: one part's block of tokens, each head normed (if ``w_ref``) and rotated
+    (``cos``, ``sin``: :func:`expand_table`), stored once into ``out_ref`` (``[tokens,
+    heads, D]`` or ``[tokens, heads * D]``)."""
     head_dim = cos.shape[1]
     for h in range(heads):  # static: whole heads, lane-aligned column blocks
         cols = slice(h * head_dim, (h + 1) * head_dim)
@@ -91,16 +93,19 @@ def _kernel(*refs, parts: tuple[tuple[int, bool], ...], eps: float | None):
     w_iter = iter(refs[n + 1:n + 1 + sum(normed)])
     w_refs = [next(w_iter) if has_norm else None for has_norm in normed]
     out_refs = refs[n + 1 + sum(normed):]
-    head_dim = table_ref.shape[1]
-    # [cos | sin] -> [cos | cos] and [-sin | sin] (exactly the table's values), once for all
-    # the parts.
-    table = table_ref[...]
+    cos, sin = expand_table(table_ref[...])  # once for all the parts
+    for (heads, _), x_ref, w_ref, out_ref in zip(parts, x_refs, w_refs, out_refs, strict=True):
+        rotate_heads(x_ref, w_ref, out_ref, cos, sin, heads, eps)
+
+
+def expand_table(table: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """In a kernel: a block of ``rotary.rotation_table`` rows, ``[cos | sin]``, as the
+    ``[cos | cos]`` and ``[-sin | sin]`` that :func:`rotate_heads` multiplies by (exactly
+    the table's values)."""
+    head_dim = table.shape[1]
     swapped = pltpu.roll(table, head_dim // 2, 1)  # [sin | cos]
     first = jax.lax.broadcasted_iota(jnp.int32, table.shape, 1) < head_dim // 2
-    cos = jnp.where(first, table, swapped)
-    sin = jnp.where(first, -swapped, table)
-    for (heads, _), x_ref, w_ref, out_ref in zip(parts, x_refs, w_refs, out_refs, strict=True):
-        _rotate_heads(x_ref, w_ref, out_ref, cos, sin, heads, eps)
+    return jnp.where(first, table, swapped), jnp.where(first, -swapped, table)
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "eps", "interpret"))

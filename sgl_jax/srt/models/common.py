@@ -42,7 +42,7 @@ from sgl_jax.srt.layers.moe.ep_moe import (
 from sgl_jax.srt.layers.moe.router import create_router
 from sgl_jax.srt.layers.moe.routing import LayerRouting, stack_routing
 from sgl_jax.srt.layers.norm import RMSNorm
-from sgl_jax.srt.layers.rotary import apply_rotary
+from sgl_jax.srt.layers.rotary import apply_rotary, rotation_table
 from sgl_jax.srt.models import sequence_parallel
 from sgl_jax.srt.models.backends import ModelBackends
 
@@ -102,30 +102,44 @@ class GqaAttention(nnx.Module):
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
 
-    def _projections(self, x: jax.Array, backends: ModelBackends
+    def _projections(self, x: jax.Array, positions: jax.Array, backends: ModelBackends
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """q, k and v ``[T, heads * head_dim]`` each, as three matmuls: in a prefill-sized
-        step on the Pallas path, q (and k and v with their KV heads split over "tensor") by
-        one call of the kernel that reads x once for all (``layers/token_matmul.py``), else
-        XLA's dots. Not k and v with KV heads replicated over "tensor" (the attention wants
-        them whole; the kernel's columns would be gathered back), nor in deterministic mode
-        (the native backend)."""
+        """q ``[T, heads, D]`` and k ``[T, kv_heads, D]`` normed and rotated, v ``[T,
+        kv_heads * D]``, from three matmuls.
+
+        In a prefill-sized step on the Pallas path all three come out of one call of the
+        kernel that reads x once (``layers/token_matmul.py``), which also norms and rotates q
+        and k where the norm/rotary kernel covers them and there is no bias (q and k are
+        then never written unrotated); else XLA's dots (and in deterministic mode: the
+        native backend)."""
         names = ("q_proj", "k_proj", "v_proj")
-        weights = {name: getattr(self, name)[...] for name in names}
-        by_kernel = names if self.kv_heads_split else names[:1]
-        done: dict[str, jax.Array] = {}
+        weights = tuple(getattr(self, name)[...] for name in names)
+        q_norm, k_norm = (self.q_norm, self.k_norm) if self.has_qk_norm else (None, None)
+        done = None
+        # (Every device holding whole KV heads, the kernel covers q if it covers k.)
+        rotates = not self.has_bias and self._rotates_in_kernel(backends, self.num_kv_heads)
         if backends.attention.name == "pallas":
-            ys = token_matmul.column_parallel(
-                x, tuple(weights[name] for name in by_kernel),
-                getattr(backends.attention, "interpret", False), backends.dp_attention)
-            done = dict(zip(by_kernel, ys, strict=True)) if ys is not None else {}
-        out = []
-        for name in names:
-            y = done[name] if name in done else x @ weights[name]
-            if self.has_bias:
-                y = y + getattr(self, f"{name}_bias")[...]
-            out.append(y)
-        return tuple(out)
+            # q and k normed and rotated in the kernel, q with a heads axis (the attention's).
+            parts = (norm_rope.Part(self.num_heads, None if q_norm is None else q_norm.weight[...],
+                                    heads_axis=True),
+                     norm_rope.Part(self.num_kv_heads,
+                                    None if k_norm is None else k_norm.weight[...]),
+                     None) if rotates else None
+            done = token_matmul.column_parallel(
+                x, weights, getattr(backends.attention, "interpret", False),
+                backends.dp_attention, parts,
+                rotation_table(positions, self.rope_theta, self.head_dim) if rotates else None,
+                None if q_norm is None else q_norm.eps)  # k_norm's too: both rms_norm_eps
+        if done is not None and rotates:
+            q, k, v = done
+            return q, k.reshape(k.shape[0], self.num_kv_heads, self.head_dim), v
+        q, k, v = done if done is not None else (x @ w for w in weights)
+        if self.has_bias:
+            q, k, v = (y + getattr(self, f"{name}_bias")[...]
+                       for y, name in zip((q, k, v), names, strict=True))
+        q = self._norm_and_rotate(q, q_norm, self.num_heads, positions, backends, query=True)
+        k = self._norm_and_rotate(k, k_norm, self.num_kv_heads, positions, backends)
+        return q, k, v
 
     def _fused_qkv(self, x: jax.Array, backends: ModelBackends) -> jax.Array | None:
         """q, k and v as one matmul, ``[T, tp * W]``: device i's columns ``[i * W, (i + 1) *
@@ -221,11 +235,13 @@ class GqaAttention(nnx.Module):
         fused = self._fused_qkv(x, backends)
         q_norm, k_norm = (self.q_norm, self.k_norm) if self.has_qk_norm else (None, None)
         # (Fused, every device holds whole KV heads, so the kernel covers q if it covers k.)
-        q, k, v = (self._projections(x, backends) if fused is None
-                   else (self._qkv_part(fused, part) for part in range(3)))
-        if fused is not None and self._rotates_in_kernel(backends, self.num_kv_heads):
+        if fused is None:
+            q, k, v = self._projections(x, meta.positions, backends)
+        elif self._rotates_in_kernel(backends, self.num_kv_heads):
             q, k = self._rotate_fused(fused, meta.positions, backends)
+            v = self._qkv_part(fused, 2)
         else:
+            q, k, v = (self._qkv_part(fused, part) for part in range(3))
             q = self._norm_and_rotate(q, q_norm, self.num_heads, meta.positions, backends,
                                       query=True)
             k = self._norm_and_rotate(k, k_norm, self.num_kv_heads, meta.positions, backends)

@@ -3,16 +3,19 @@ devices: on a 2-device "tensor" mesh, and with DP attention (2 ranks x tp 2, the
 by rank), each against float64 ``x @ w (+ b)``, q and k then per-head RMS-normed and rotated
 (a reference written from the definitions).
 
-- ``GqaAttention._fused_qkv`` (one XLA matmul, ``_qkv_part`` its parts) is traced when the
-  step (a rank's share of it) has more tokens than a device's fused columns, never at decode;
-- otherwise ``_projections``: three XLA dots, or with the Pallas attention backend one call
-  of the token matmul kernel for all three, which with heads of 128 (the norm/rotary
-  kernel's layout) also norms and rotates q and k itself (no norm/rotary kernel traced),
-  with the result the fused path gets from the norm/rotary kernel reading its columns in
-  place; with and without q/k/v biases and DP attention."""
+``GqaAttention._projections``, each path it takes:
+
+- with the Pallas attention backend, one call of the token matmul kernel for all three
+  (with heads of 128, the norm/rotary kernel's layout, norming and rotating q and k itself:
+  no norm/rotary kernel traced), with and without q/k/v biases and DP attention;
+- out of the kernel's reach, one fused XLA matmul (``_fused_qkv``, ``_qkv_part`` its parts)
+  when the step (a rank's share of it) has more tokens than a device's fused columns, with
+  heads of 128 the norm/rotary kernel reading q's and k's columns in place;
+- otherwise (decode, the native backend) three XLA dots."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -77,17 +80,10 @@ def worker(out_dir: str) -> None:
             results[f"{prefix}/{name}"] = np.asarray(p.value)
 
     def project(a, x, positions, backends):
-        fused = a._fused_qkv(x, backends)
-        if fused is None:
-            return a._projections(x, positions, backends)
-        if a._rotates_in_kernel(backends, a.num_kv_heads):
-            return (*a._rotate_fused(fused, positions, backends), a._qkv_part(fused, 2))
-        q, k, v = (a._qkv_part(fused, part) for part in range(3))
-        return (a._norm_and_rotate(q, a.q_norm, a.num_heads, positions, backends, query=True),
-                a._norm_and_rotate(k, a.k_norm, a.num_kv_heads, positions, backends), v)
+        return a._projections(x, positions, backends)
 
     def run(key, attn, x, positions, backends, layout_mesh):
-        fn = jax.jit(project, static_argnums=3)
+        fn = jax.jit(functools.partial(project), static_argnums=3)  # traced anew
         with jax.set_mesh(layout_mesh):
             jaxpr = str(jax.make_jaxpr(fn, static_argnums=3)(attn, x, positions, backends))
             q, k, v = fn(attn, x, positions, backends)
@@ -119,10 +115,10 @@ def worker(out_dir: str) -> None:
                     x = jax.device_put(x, NamedSharding(dp_mesh, P("expert")))
                 run(f"{bias}/{layout}/{attention}/{tokens}", attn, x, positions, backends,
                     layout_mesh)
-    # Heads of 128 (the norm/rotary kernel's layout), the Pallas attention backend: fused
-    # (more than a device's 4 + 2 x 2 heads of 128 columns at tp 2), q and k normed and
-    # rotated by the norm/rotary kernel reading their columns in place; not fused, by the
-    # token matmul kernel after its products (a multiple of its 16-row tile).
+    # Heads of 128 (the norm/rotary kernel's layout), the Pallas attention backend: the token
+    # matmul kernel norming and rotating q and k after its products (608 tokens: a multiple
+    # of its 16-row tile); with the kernel out of reach, fused (more than a device's 4 + 2 x 2
+    # heads of 128 columns at tp 2), the norm/rotary kernel reading q's and k's columns.
     config = base.__class__(**{**base.__dict__, "head_dim": 128})
     attn = GqaAttention(config, jnp.float32)
     randomize(attn, "rope", 1 / 8)
@@ -135,12 +131,9 @@ def worker(out_dir: str) -> None:
         if dp:  # each rank's tokens (x split by token over "expert")
             x = jax.device_put(jnp.concatenate([x, x[::-1]]), NamedSharding(dp_mesh, P("expert")))
             positions = jnp.concatenate([positions, positions[::-1]])
-        for fuse in (True, False):
-            fused_qkv = attn._fused_qkv
-            if not fuse:
-                attn._fused_qkv = lambda x, backends: None
+        for fuse in (True, False):  # fused: the token matmul kernel out of reach
+            token_matmul.MIN_TOKENS = 10**9 if fuse else 16
             run(f"rope/{dp}/{fuse}", attn, x, positions, backends, layout_mesh)
-            attn._fused_qkv = fused_qkv
     np.savez(os.path.join(out_dir, "qkv.npz"), **results)
 
 
@@ -178,15 +171,14 @@ def test_qkv_projections_with_and_without_dp_attention():
                                                            ("native", "pallas")):
             for tokens in TOKENS:
                 key = f"{bias}/{layout}/{attention}/{tokens * ranks}"
-                # The tiny model at tp 2: 4 heads + 2 x 2 KV heads of 16 = 64 columns a
-                # device; with DP attention, compared with a rank's tokens. With the Pallas
-                # backend the three separate ones are the token matmul kernel's (its
-                # MIN_TOKENS lowered to 16 here), in one call, the one fused matmul XLA's.
-                one = tokens > 64
-                kernels = 1 if attention == "pallas" and not one else 0
+                # With the Pallas backend, the token matmul kernel (its MIN_TOKENS lowered to
+                # 16 here) in one call; else XLA's: the tiny model at tp 2 has 4 heads + 2 x
+                # 2 KV heads of 16 = 64 columns a device, fused above that many tokens (with
+                # DP attention, a rank's).
+                kernels = 1 if attention == "pallas" else 0
                 assert int(got[f"{key}/kernels"]) == kernels, key
                 if not kernels:  # (a kernel's dot is in its jaxpr, which JAX prints once)
-                    assert int(got[f"{key}/dots"]) == (1 if one else 3), key
+                    assert int(got[f"{key}/dots"]) == (1 if tokens > 64 else 3), key
                 check(key, str(bias), bias)
     for dp in (False, True):
         fused, separate = f"rope/{dp}/True", f"rope/{dp}/False"

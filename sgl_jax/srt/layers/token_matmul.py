@@ -10,6 +10,12 @@ Here each ``[K, N_i]`` weight block of the device is one VMEM block, fetched onc
 token tile by every block: x read once, the weights once, the results written once, which
 is the kernel's cost estimate.
 
+With q and k (``GqaAttention._projections``) the kernel also norms and rotates them after
+their products, per token tile, as ``layers/norm_rope.py`` does (the same arithmetic on the
+product rounded to the activation dtype, held in a VMEM copy): q and k are never written
+unrotated and read back (compile-only v5p, the 235B's DP prefill: 139.8 -> 131.7 GB per
+device).
+
 Used where it pays and fits (:func:`row_tile`): a step of at least ``MIN_TOKENS`` tokens
 in a device's share (a prefill; a decode batch that large too), the weight blocks and the
 streamed tiles within ``vmem_rows.KERNEL_BUDGET``. Smaller steps keep XLA's dot (there the

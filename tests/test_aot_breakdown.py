@@ -155,8 +155,19 @@ def test_classes_of_a_hand_written_module() -> None:
     negate_bytes = 2 * 16 * 32 * 4
     assert costs["sampler"][1] == negate_bytes + cheap_bytes
     assert costs["sampler_full_sort"][1] == sort_bytes - cheap_bytes
+    # Kernels at their own estimates (XLA's total holds exactly those), XLA's own ops scaled
+    # to the rest of XLA's total.
+    kernel_bytes = 34816 + 2000 + 512
+    assert sum(v[3] for v in costs.values()) == kernel_bytes
     est = sum(v[1] for v in costs.values())
-    assert b.bytes_scale == pytest.approx(1e6 / est)
+    scale = (1e6 - kernel_bytes) / (est - kernel_bytes)
+    assert b.bytes_scale == pytest.approx(scale)
+    assert b.bytes["attention"] == pytest.approx(512)  # the norm/rotary kernel alone
+    assert b.bytes["projections"] == pytest.approx(hb.op_bytes(m, entry["proj"], types) * scale)
+    expert = sum(hb.op_bytes(m, entry[n], types) for n in ("ragged-dot-none", "gu"))
+    assert costs["expert_matmuls"][3] == expert
+    assert b.bytes["expert_matmuls"] == pytest.approx(
+        expert + (costs["expert_matmuls"][1] - expert) * scale)
 
 
 def test_parse_instruction_types_and_operands() -> None:

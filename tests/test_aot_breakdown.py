@@ -155,14 +155,17 @@ def test_classes_of_a_hand_written_module() -> None:
     negate_bytes = 2 * 16 * 32 * 4
     assert costs["sampler"][1] == negate_bytes + cheap_bytes
     assert costs["sampler_full_sort"][1] == sort_bytes - cheap_bytes
-    # Kernels at their own estimates (XLA's total holds exactly those), XLA's own ops scaled
-    # to the rest of XLA's total.
-    kernel_bytes = 34816 + 2000 + 512
-    assert sum(v[3] for v in costs.values()) == kernel_bytes
+    # Kernels at their own estimates and the all-reduce at its operand and result (XLA's
+    # total holds exactly those), XLA's other ops scaled to the rest of XLA's total.
+    all_reduce = hb.op_bytes(m, entry["ar"], types)
+    assert all_reduce == 2 * 16 * 32 * 4 and hb.counted_exactly(entry["ar"])
+    exact = 34816 + 2000 + 512 + all_reduce
+    assert sum(v[3] for v in costs.values()) == exact
     est = sum(v[1] for v in costs.values())
-    scale = (1e6 - kernel_bytes) / (est - kernel_bytes)
+    scale = (1e6 - exact) / (est - exact)
     assert b.bytes_scale == pytest.approx(scale)
     assert b.bytes["attention"] == pytest.approx(512)  # the norm/rotary kernel alone
+    assert b.bytes["collectives"] == pytest.approx(all_reduce)
     assert b.bytes["projections"] == pytest.approx(hb.op_bytes(m, entry["proj"], types) * scale)
     expert = sum(hb.op_bytes(m, entry[n], types) for n in ("ragged-dot-none", "gu"))
     assert costs["expert_matmuls"][3] == expert

@@ -592,14 +592,14 @@ class Compiled:
             out: dict[str, float] = {}
             for prop in ("flops", "bytes"):
                 parts = {}
-                for part in ("estimate", "kernel"):
+                for part in ("estimate", "exact"):
                     prefix = f"{part}.{prop}."
                     parts[part] = {k[len(prefix):]: solve([c.breakdown[k] for _, c in points])
                                    for k in keys if k.startswith(prefix)}
                     out.update({prefix + k: v for k, v in parts[part].items()})
                 xla = solve([getattr(c, prop) for _, c in points])
                 scaled, out[f"scale.{prop}"] = scale_classes(parts["estimate"],
-                                                             parts["kernel"], xla)
+                                                             parts["exact"], xla)
                 out.update({f"{prop}.{k}": v for k, v in scaled.items()})
             return out
 
@@ -796,12 +796,12 @@ def compile_bucket(runner: Any, b: Bucket, device_kind: str,
         classes = {**{f"flops.{k}": v for k, v in bd.flops.items()},
                    **{f"bytes.{k}": v for k, v in bd.bytes.items()},
                    "scale.flops": bd.flops_scale, "scale.bytes": bd.bytes_scale}
-        # The unscaled per-op estimates and their kernels' parts, for extrapolating over
-        # depth (Compiled.extrapolate).
+        # The unscaled per-op estimates and their parts XLA counts exactly so, for
+        # extrapolating over depth (Compiled.extrapolate).
         for prop in ("flops", "bytes"):
             classes.update({f"estimate.{prop}.{k}": v for k, v in bd.estimates[prop].items()})
-            classes.update({f"kernel.{prop}.{k}": v
-                            for k, v in bd.estimates[f"kernel_{prop}"].items()})
+            classes.update({f"exact.{prop}.{k}": v
+                            for k, v in bd.estimates[f"exact_{prop}"].items()})
         if top_ops:
             log_top_ops(hlo, top_ops, bd.bytes_scale)
     return Compiled(
@@ -822,13 +822,13 @@ def compile_bucket(runner: Any, b: Bucket, device_kind: str,
 
 def log_top_ops(hlo: str, n: int, scale: float) -> None:
     """--top-ops: the n ops of the compiled step with the most estimated bytes (per device;
-    an XLA op's times the breakdown's scale, a kernel's its own estimate, as the classes
-    count them), to see what a class is made of."""
+    times the breakdown's scale unless XLA counts the op exactly so, as the classes count
+    them), to see what a class is made of."""
     from sgl_jax.tools.hlo_breakdown import top_ops
 
-    for cls, name, flops, nbytes, op_name, kernel in top_ops(hlo, n):
+    for cls, name, flops, nbytes, op_name, exact in top_ops(hlo, n):
         logger.info("  %9.1f MB %8.2f GFLOP  %-16s %-36s %s",
-                    nbytes * (1.0 if kernel else scale) / 1e6, flops / 1e9, cls, name[-36:],
+                    nbytes * (1.0 if exact else scale) / 1e6, flops / 1e9, cls, name[-36:],
                     op_name[:100])
 
 
@@ -1185,8 +1185,9 @@ def format_breakdown(records: list[dict]) -> str:
             cells = [f"{v / scale:.2f} ({100 * v / t:.0f}%)" if t else "0"
                      for v, t in zip(vs, totals, strict=True)]
             lines.append(f"| {k} | " + " | ".join(cells) + " |")
-        lines.append("(kernels at their own estimates; XLA's ops' estimates scaled by "
-                     "(XLA total - kernels) / (estimate - kernels): "
+        lines.append("(kernels and all-gathers/-reduces, reduce-scatters, all-to-alls as "
+                     "estimated, the other ops' estimates scaled by (XLA total - those) / "
+                     "(estimate - those): "
                      + ", ".join(f"{r[f'breakdown_{prop}_scale']:.3f}" for r in records) + ")")
     return "\n".join(lines)
 

@@ -2,8 +2,8 @@
 
 ``breakdown(hlo_text, xla_flops, xla_bytes)`` reads the optimized HLO of a compiled program
 (``compiled.as_text()``) and returns, per op class, the FLOPs and bytes of its instructions,
-the kernels' at their own estimates and the rest scaled, so that the classes sum exactly to
-XLA's own totals (``compiled.cost_analysis()``).
+what XLA counts exactly as estimated kept and the rest scaled, so that the classes sum
+exactly to XLA's own totals (``compiled.cost_analysis()``).
 
 Counting (per device; the HLO after SPMD partitioning holds per-device shapes):
 
@@ -39,13 +39,14 @@ Counting (per device; the HLO after SPMD partitioning holds per-device shapes):
   cheapest branch is the common case: its ops keep their classes and the difference up to the
   counted maximum is the class ``sampler_full_sort``, so the rest of the table is the
   common-case cost.
-- Scaling: a kernel's own estimate is what XLA's total holds for it, exactly; the rest of
-  each property's estimate is multiplied by ``(XLA total - kernels) / (estimated total -
-  kernels)`` (``scale``, reported), so the classes sum exactly to XLA's total. A scale near 1
-  says the per-op rules reproduce XLA's accounting of its own ops; above 1, XLA counts them
-  more than their operands and results (compile-only v5p: a bf16 ``[512, 4,096]`` residual
-  add and RMSNorm alone, 1.29 times; a ``[2,048, 2,048] @ [2,048, 4,096]`` dot alone, 2.6
-  times; its all-gathers and reduce-scatters alone, 1.0).
+- Scaling: a kernel's own estimate is what XLA's total holds for it, exactly, and so are the
+  operands and results of all-gathers, all-reduces, reduce-scatters and all-to-alls
+  (``counted_exactly``); the rest of each property's estimate is multiplied by ``(XLA
+  total - exact) / (estimated total - exact)`` (``scale``, reported), so the classes sum
+  exactly to XLA's total. A scale near 1 says the per-op rules reproduce XLA's accounting of
+  its other ops; above 1, XLA counts them at more than their operands and results
+  (compile-only v5p, each alone: a bf16 ``[512, 4,096]`` residual add and RMSNorm 1.29
+  times, a ``[2,048, 2,048] @ [2,048, 4,096]`` dot 2.6 times).
 
 Classes, from each op's source stack (the ``StackFrames`` XLA keeps: file and function,
 innermost first), its ``op_name`` metadata and its opcode (``CLASSES`` in this order):
@@ -367,9 +368,21 @@ def _in_fallback(module: Module, computation: str, seen: set[str] | None = None)
     return False
 
 
-# class -> [flops, bytes, kernel flops, kernel bytes]: the last two the part of the first
-# two that kernels with their own estimate make (XLA counts those exactly, unscaled).
+# class -> [flops, bytes, exact flops, exact bytes]: the last two the part of the first two
+# that ops XLA counts exactly as estimated here make (:func:`counted_exactly`; unscaled).
 Costs = dict[str, list[float]]
+
+# Collectives XLA counts at their operands and result, as estimated here (each compiled alone
+# for v5p:2x2x4, bf16 and float32, over one axis and two: the same bytes). Not
+# collective-permute (XLA counted one twice that).
+EXACT_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all")
+
+
+def counted_exactly(ins: Instr) -> bool:
+    """Whether XLA's total holds this op at exactly its estimate here: a kernel with its own
+    cost estimate, or one of ``EXACT_COLLECTIVES``."""
+    return (ins.opcode in EXACT_COLLECTIVES
+            or (ins.opcode == "custom-call" and kernel_estimate(ins) is not None))
 
 
 def _add(into: Costs, other: Costs) -> None:
@@ -383,18 +396,18 @@ def _total(c: Costs) -> tuple[float, float]:
     return sum(v[0] for v in c.values()), sum(v[1] for v in c.values())
 
 
-def scale_classes(estimates: dict[str, float], kernels: dict[str, float],
+def scale_classes(estimates: dict[str, float], exact: dict[str, float],
                   xla_total: float) -> tuple[dict[str, float], float]:
-    """Per class, its kernels' own estimates as they are (XLA's total holds exactly those) plus
-    the rest of its estimate times ``(XLA total - kernels) / (estimate - kernels)``, so that
-    the classes sum to ``xla_total``; and that scale. Every figure is scaled alike if the
-    kernels alone reach XLA's total (not seen)."""
-    total, exact = sum(estimates.values()), sum(kernels.values())
-    if total <= exact or xla_total < exact:
+    """Per class, the part of its estimate XLA counts exactly as estimated (``exact``:
+    :func:`counted_exactly`) as it is, plus the rest times ``(XLA total - exact) / (estimate
+    - exact)``, so that the classes sum to ``xla_total``; and that scale. Every figure is
+    scaled alike if the exact part alone reaches XLA's total (not seen)."""
+    total, fixed = sum(estimates.values()), sum(exact.values())
+    if total <= fixed or xla_total < fixed:
         scale = xla_total / total if total else 0.0
         return {k: v * scale for k, v in estimates.items()}, scale
-    scale = (xla_total - exact) / (total - exact)
-    return {k: kernels.get(k, 0.0) + (v - kernels.get(k, 0.0)) * scale
+    scale = (xla_total - fixed) / (total - fixed)
+    return {k: exact.get(k, 0.0) + (v - exact.get(k, 0.0)) * scale
             for k, v in estimates.items()}, scale
 
 
@@ -417,8 +430,7 @@ def computation_costs(module: Module, computation: str, default: str = "other") 
                 _add(out, computation_costs(module, c, inherited))
         else:
             cost = [op_flops(module, ins, types), op_bytes(module, ins, types)]
-            exact = ins.opcode == "custom-call" and kernel_estimate(ins) is not None
-            _add(out, {inherited: cost + (cost if exact else [0.0, 0.0])})
+            _add(out, {inherited: cost + (cost if counted_exactly(ins) else [0.0, 0.0])})
     return out
 
 
@@ -453,10 +465,10 @@ class Breakdown:
     bytes: dict[str, float]
     estimated_flops: float  # the per-op estimate's totals before scaling
     estimated_bytes: float
-    flops_scale: float  # of the estimates other than kernels' own: (XLA - kernels) / (est - kernels)
+    flops_scale: float  # of the rest of the estimate: (XLA - exact) / (estimate - exact)
     bytes_scale: float
-    # Per class before scaling: the estimate ("flops" / "bytes") and its kernels' part
-    # ("kernel_flops" / "kernel_bytes"), for extrapolating over depth (aot_report).
+    # Per class before scaling: the estimate ("flops" / "bytes") and its part XLA counts
+    # exactly ("exact_flops" / "exact_bytes"), for extrapolating over depth (aot_report).
     estimates: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -469,14 +481,14 @@ class Breakdown:
 def breakdown(hlo: str, xla_flops: float, xla_bytes: float) -> Breakdown:
     """Per-class FLOPs and bytes of the compiled module ``hlo`` summing exactly to XLA's
     ``xla_flops`` and ``xla_bytes`` (every class of ``CLASSES`` present, 0 when empty):
-    kernels at their own estimates, the rest scaled (:func:`scale_classes`)."""
+    what XLA counts as estimated as it is, the rest scaled (:func:`scale_classes`)."""
     module = parse_module(hlo)
     costs = computation_costs(module, module.entry)
     est_f, est_b = _total(costs)
     estimates = {name: {k: costs.get(k, [0.0] * 4)[i] for k in CLASSES}
-                 for i, name in enumerate(("flops", "bytes", "kernel_flops", "kernel_bytes"))}
-    flops, sf = scale_classes(estimates["flops"], estimates["kernel_flops"], xla_flops)
-    bytes_, sb = scale_classes(estimates["bytes"], estimates["kernel_bytes"], xla_bytes)
+                 for i, name in enumerate(("flops", "bytes", "exact_flops", "exact_bytes"))}
+    flops, sf = scale_classes(estimates["flops"], estimates["exact_flops"], xla_flops)
+    bytes_, sb = scale_classes(estimates["bytes"], estimates["exact_bytes"], xla_bytes)
     # Exact sums: the rounding residue goes to the largest class.
     for d, total in ((flops, xla_flops), (bytes_, xla_bytes)):
         if any(d.values()):
@@ -487,7 +499,7 @@ def breakdown(hlo: str, xla_flops: float, xla_bytes: float) -> Breakdown:
 
 def top_ops(hlo: str, n: int = 20) -> Iterator[tuple[str, str, float, float, str, bool]]:
     """The n ops of largest estimated bytes: (class, name, flops, bytes, op_name, whether
-    a kernel's own estimate), for finding what a class is made of."""
+    XLA counts it exactly so: :func:`counted_exactly`), for finding what a class is made of."""
     module = parse_module(hlo)
     rows = []
 
@@ -500,8 +512,7 @@ def top_ops(hlo: str, n: int = 20) -> Iterator[tuple[str, str, float, float, str
                 continue
             rows.append((classify(module, ins, default), f"{computation}/{ins.name}",
                          op_flops(module, ins, types), op_bytes(module, ins, types),
-                         ins.op_name,
-                         ins.opcode == "custom-call" and kernel_estimate(ins) is not None))
+                         ins.op_name, counted_exactly(ins)))
 
     visit(module.entry)
     yield from sorted(rows, key=lambda r: -r[3])[:n]

@@ -240,26 +240,31 @@ def test_cpu_step_breakdown_sums_to_xla(cpu_config: Path, mode: str, tokens: int
 
 def _compiled_with_classes(moe_layers: int, scale: float) -> Any:
     """A compiled step of ``moe_layers`` MoE layers: per-op estimates of 10 GB per layer of
-    expert matmuls and a depth-independent 3 GB sampler, XLA's total = scale x estimate."""
+    expert matmuls, 6 GB of which kernels (counted exactly by XLA), and a depth-independent
+    3 GB sampler; XLA's total = the kernels + scale x the rest."""
     from sgl_jax.tools.aot_report import Compiled
 
     est = {k: 0.0 for k in hb.CLASSES}
     est.update(expert_matmuls=10e9 * moe_layers, sampler=3e9)
-    total = sum(est.values())
+    exact = {k: 0.0 for k in hb.CLASSES}
+    exact.update(expert_matmuls=6e9 * moe_layers)
+    scaled, _ = hb.scale_classes(est, exact, sum(exact.values())
+                                 + scale * (sum(est.values()) - sum(exact.values())))
     breakdown = {"scale.flops": 1.0, "scale.bytes": scale}
     for k, v in est.items():
-        breakdown.update({f"flops.{k}": 0.0, f"bytes.{k}": v * scale,
-                          f"estimate.flops.{k}": 0.0, f"estimate.bytes.{k}": v})
-    return Compiled(flops=0.0, bytes=total * scale, arguments=0, outputs=0, aliased=0,
+        breakdown.update({f"flops.{k}": 0.0, f"bytes.{k}": scaled[k],
+                          f"estimate.flops.{k}": 0.0, f"estimate.bytes.{k}": v,
+                          f"exact.flops.{k}": 0.0, f"exact.bytes.{k}": exact[k]})
+    return Compiled(flops=0.0, bytes=sum(scaled.values()), arguments=0, outputs=0, aliased=0,
                     temporaries=0, code=0, kernel_calls=0, seconds=0, breakdown=breakdown)
 
 
 def test_extrapolated_breakdown_keeps_a_depth_independent_class() -> None:
     """--scale-from-layers: the scale differs a little between the 2- and 4-layer compiles;
     the sampler (the same ops at every depth) must stay its estimate times the scale at 48
-    layers, not be extrapolated through the scales' difference (3.3 + 23 x (3.42 - 3.3) = 6.1
-    GB here; with the scales the other way round it goes below zero), and the classes must
-    still sum to the extrapolated total."""
+    layers, not be extrapolated through the scales' difference (with the scales the other
+    way round it could go below zero), the kernels' exact part must stay unscaled, and the
+    classes must still sum to the extrapolated total."""
     from sgl_jax.tools.aot_report import Compiled
 
     two, four = _compiled_with_classes(2, 1.10), _compiled_with_classes(4, 1.14)
@@ -269,6 +274,7 @@ def test_extrapolated_breakdown_keeps_a_depth_independent_class() -> None:
     assert target.bytes == pytest.approx(two.bytes + 23 * (four.bytes - two.bytes))
     scale = target.breakdown["scale.bytes"]
     assert classes["sampler"] == pytest.approx(3e9 * scale, rel=1e-12)
+    assert classes["expert_matmuls"] == pytest.approx(48 * 6e9 + 48 * 4e9 * scale, rel=1e-12)
     assert 1.10 < scale < 1.2
     assert min(classes.values()) >= 0
 

@@ -5,12 +5,14 @@ by rank), each against float64 ``x @ w (+ b)``, q and k then per-head RMS-normed
 
 ``GqaAttention._projections``, each path it takes:
 
-- with the Pallas attention backend, one call of the token matmul kernel for all three
-  (with heads of 128, the norm/rotary kernel's layout, norming and rotating q and k itself:
-  no norm/rotary kernel traced), with and without q/k/v biases and DP attention;
-- out of the kernel's reach, one fused XLA matmul (``_fused_qkv``, ``_qkv_part`` its parts)
-  when the step (a rank's share of it) has more tokens than a device's fused columns, with
-  heads of 128 the norm/rotary kernel reading q's and k's columns in place;
+- with the Pallas attention backend, heads of 128 (the norm/rotary kernel's layout) and no
+  biases, one call of the token matmul kernel for all three that also norms and rotates q
+  and k itself (no norm/rotary kernel traced), with and without DP attention;
+- one fused XLA matmul (``_fused_qkv``, ``_qkv_part`` its parts, biases added in it) when
+  the step (a rank's share of it) has more tokens than a device's fused columns, with heads
+  of 128 the norm/rotary kernel reading q's and k's columns in place;
+- with the Pallas backend below that, the token matmul kernel's products alone, then the
+  biases, norms and rotation;
 - otherwise (decode, the native backend) three XLA dots."""
 
 from __future__ import annotations
@@ -134,6 +136,19 @@ def worker(out_dir: str) -> None:
         for fuse in (True, False):  # fused: the token matmul kernel out of reach
             token_matmul.MIN_TOKENS = 10**9 if fuse else 16
             run(f"rope/{dp}/{fuse}", attn, x, positions, backends, layout_mesh)
+    # With biases (Qwen2-MoE, GLM-4.5): never rotated in the token matmul kernel. Above a
+    # device's fused columns, fused (its bias added in it); below, the kernel's products,
+    # then the biases, then the norm/rotary kernel on q and on k.
+    config = base.__class__(**{**base.__dict__, "head_dim": 128, "qkv_bias": True})
+    attn = GqaAttention(config, jnp.float32)
+    randomize(attn, "rope_bias", 1 / 8)
+    token_matmul.MIN_TOKENS = 16
+    backends = ModelBackends(create_attention_backend("pallas", "cpu", 128, 16),
+                             get_moe_backend("dense"))
+    for tokens in (64, 608):
+        x = jnp.asarray(rng.standard_normal((tokens, config.hidden_size)), jnp.float32)
+        positions = jnp.asarray(rng.integers(0, 4096, tokens), jnp.int32)
+        run(f"rope_bias/{tokens}", attn, x, positions, backends, mesh)
     np.savez(os.path.join(out_dir, "qkv.npz"), **results)
 
 
@@ -171,15 +186,21 @@ def test_qkv_projections_with_and_without_dp_attention():
                                                            ("native", "pallas")):
             for tokens in TOKENS:
                 key = f"{bias}/{layout}/{attention}/{tokens * ranks}"
-                # With the Pallas backend, the token matmul kernel (its MIN_TOKENS lowered to
-                # 16 here) in one call; else XLA's: the tiny model at tp 2 has 4 heads + 2 x
-                # 2 KV heads of 16 = 64 columns a device, fused above that many tokens (with
-                # DP attention, a rank's).
-                kernels = 1 if attention == "pallas" else 0
+                # The tiny model at tp 2: 4 heads + 2 x 2 KV heads of 16 = 64 columns a
+                # device (with DP attention, compared with a rank's tokens), heads the
+                # norm/rotary kernel does not cover: fused by XLA above that many tokens,
+                # else with the Pallas backend the token matmul kernel's products in one call
+                # (its MIN_TOKENS lowered to 16 here), else three XLA dots.
+                one = tokens > 64
+                kernels = 1 if attention == "pallas" and not one else 0
                 assert int(got[f"{key}/kernels"]) == kernels, key
                 if not kernels:  # (a kernel's dot is in its jaxpr, which JAX prints once)
-                    assert int(got[f"{key}/dots"]) == (1 if tokens > 64 else 3), key
+                    assert int(got[f"{key}/dots"]) == (1 if one else 3), key
                 check(key, str(bias), bias)
+    for tokens, counts in ((64, (1, 2)), (608, (0, 1))):  # (token matmul, norm/rotary calls)
+        key = f"rope_bias/{tokens}"
+        check(key, "rope_bias", True)
+        assert (int(got[f"{key}/kernels"]), int(got[f"{key}/norm_rope"])) == counts, key
     for dp in (False, True):
         fused, separate = f"rope/{dp}/True", f"rope/{dp}/False"
         for key in (fused, separate):

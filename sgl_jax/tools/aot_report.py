@@ -547,7 +547,9 @@ class Compiled:
     collective_bytes: float = 0.0
     moe_collective_bytes: float = 0.0
     # --breakdown: "flops.<class>" / "bytes.<class>" per device (hlo_breakdown), summing to
-    # ``flops`` / ``bytes``; "scale.flops" / "scale.bytes": XLA's total over the estimate
+    # ``flops`` / ``bytes``; "scale.flops" / "scale.bytes": the scale of the ops XLA does not
+    # count exactly as estimated (hlo_breakdown.scale_classes); "estimate.*" / "exact.*":
+    # per class, the unscaled estimate and its exact part
     breakdown: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @staticmethod
@@ -580,9 +582,10 @@ class Compiled:
             return solve(values)
 
         def extrapolated_breakdown(keys: dict[str, float]) -> dict[str, float]:
-            """Each class's unscaled estimate extrapolated on its own (a depth-independent
-            class such as the sampler stays what it is), then scaled so the classes sum to
-            the extrapolated XLA total. (Extrapolating the scaled classes would not do: the
+            """Each class's unscaled estimate and its exact part extrapolated on their own (a
+            depth-independent class such as the sampler stays what it is), then scaled as
+            ``hlo_breakdown.scale_classes`` does so the classes sum to the extrapolated XLA
+            total. (Extrapolating the scaled classes would not do: the
             scale differs a little between the compiles, and the extrapolation multiplies
             the difference of a constant class by the depth, even below zero.)"""
             if not keys:
@@ -1147,7 +1150,8 @@ def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_de
 def breakdown_fields(c: Compiled, kernel_flops: float, kernel_bytes: float) -> dict:
     """--breakdown: per class FLOPs and bytes per device (summing to XLA's count,
     ``xla_*_per_device``), the attention kernel's analytic work (added by the report on top of
-    XLA's count) and the estimate's scale (XLA total / per-op estimate)."""
+    XLA's count) and the scale of the estimates XLA does not count exactly so ((XLA total -
+    exact) / (estimate - exact): hlo_breakdown.scale_classes)."""
     if not c.breakdown:
         return {}
     from sgl_jax.tools.hlo_breakdown import CLASSES

@@ -53,7 +53,8 @@ innermost first), its ``op_name`` metadata and its opcode (``CLASSES`` in this o
 ``expert_matmuls`` (grouped / dense expert matmuls: the gmm kernels (``MATMUL_KERNELS``), dots
 in ``layers/moe/`` expert code, ``ragged_dot``), ``moe_dispatch`` (the rest of the expert code: sorting assignments by
 expert, gathers, the weighted combine), ``router`` (``layers/moe/router.py``, routing),
-``attention`` (the attention backend, the kernel's metadata, rotary embedding; not its
+``attention`` (the attention backend, the kernel's metadata, rotary embedding (not where the
+token matmul kernel rotates q and k after their projections: ``projections``); not its
 projections), ``kv_cache_write`` (``write_kv``: the step's new K/V into the cache),
 ``projections`` (every other dot: q/k/v/o, dense MLP, the LM head; the token matmul
 kernel, ``PROJECTION_KERNELS``), ``sampler``
@@ -372,17 +373,20 @@ def _in_fallback(module: Module, computation: str, seen: set[str] | None = None)
 # that ops XLA counts exactly as estimated here make (:func:`counted_exactly`; unscaled).
 Costs = dict[str, list[float]]
 
-# Collectives XLA counts at their operands and result, as estimated here (each compiled alone
-# for v5p:2x2x4, bf16 and float32, over one axis and two: the same bytes). Not
-# collective-permute (XLA counted one twice that).
+# Collectives whose bytes XLA counts as their operands and result, as estimated here (each
+# compiled alone for v5p:2x2x4, bf16 and float32, over one axis and two: the same bytes). The
+# synchronous ops only (the async ``*-start`` forms were not measured), and not
+# collective-permute (XLA counted one at twice that).
 EXACT_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all")
 
 
-def counted_exactly(ins: Instr) -> bool:
-    """Whether XLA's total holds this op at exactly its estimate here: a kernel with its own
-    cost estimate, or one of ``EXACT_COLLECTIVES``."""
-    return (ins.opcode in EXACT_COLLECTIVES
-            or (ins.opcode == "custom-call" and kernel_estimate(ins) is not None))
+def counted_exactly(ins: Instr, prop: int = 1) -> bool:
+    """Whether XLA's total holds this op's FLOPs (``prop`` 0) or bytes (1) at exactly its
+    estimate here: a kernel with its own cost estimate (both), one of
+    ``EXACT_COLLECTIVES`` (bytes)."""
+    if ins.opcode == "custom-call":
+        return kernel_estimate(ins) is not None
+    return prop == 1 and ins.opcode in EXACT_COLLECTIVES
 
 
 def _add(into: Costs, other: Costs) -> None:
@@ -430,7 +434,8 @@ def computation_costs(module: Module, computation: str, default: str = "other") 
                 _add(out, computation_costs(module, c, inherited))
         else:
             cost = [op_flops(module, ins, types), op_bytes(module, ins, types)]
-            _add(out, {inherited: cost + (cost if counted_exactly(ins) else [0.0, 0.0])})
+            exact = [v if counted_exactly(ins, prop) else 0.0 for prop, v in enumerate(cost)]
+            _add(out, {inherited: cost + exact})
     return out
 
 

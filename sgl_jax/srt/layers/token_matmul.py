@@ -44,18 +44,20 @@ ROW_TILES = (512, 256, 128)  # token tiles tried, largest first
 
 
 def row_tile(tokens: int, k: int, n: int, itemsize: int, rotated: int = 0,
-             head_dim: int = 0) -> int | None:
+             head_dim: int = 0, out_cols: int | None = None) -> int | None:
     """The token tile of ``tokens`` rows (a device's share) times ``[k, n]`` of weights (the
     blocks of one call side by side, ``rotated`` of the ``n`` columns normed and rotated
-    after the product), or None where XLA's dot stays: fewer than ``MIN_TOKENS`` tokens, no
+    after the product; ``out_cols``: the output blocks' columns as laid out in VMEM, ``n``
+    unless padded), or None where XLA's dot stays: fewer than ``MIN_TOKENS`` tokens, no
     tile dividing them, or VMEM over ``vmem_rows.KERNEL_BUDGET``: the weight blocks
-    (single-buffered), the double-buffered token, result and rotation-table tiles, the
-    float32 products and the rotated columns' rounded copy."""
+    (single-buffered), the double-buffered token, output and rotation-table tiles, the
+    float32 products, the rotated columns' rounded copy and the expanded cos / sin."""
     if tokens < MIN_TOKENS:
         return None
+    out_cols = n if out_cols is None else out_cols
     for tm in ROW_TILES:
-        vmem = (k * n * itemsize + 2 * tm * (k + n) * itemsize + tm * n * 4
-                + tm * (rotated * itemsize + (2 * head_dim * 4 if rotated else 0)))
+        vmem = (k * n * itemsize + 2 * tm * (k + out_cols) * itemsize + tm * n * 4
+                + tm * (rotated * itemsize + (4 * head_dim * 4 if rotated else 0)))
         if tokens % tm == 0 and vmem <= vmem_rows.KERNEL_BUDGET:
             return tm
     return None
@@ -159,7 +161,8 @@ def column_parallel(x: jax.Array, ws: tuple[jax.Array, ...], interpret: bool,
     ``parts`` (one per w, None for a plain product): each such output's heads normed and
     rotated after the product, ``layers/norm_rope.py``'s arithmetic on the rounded product
     (the caller checks ``norm_rope.supported``): ``table`` the rotation table of the tokens
-    ``[T, D]``, ``eps`` the norms' (a part's ``heads_axis``: ``[T, heads, D]``)."""
+    ``[T, D]``, ``eps`` the norms' (a part's ``heads_axis``: ``[T, heads, D]``; its
+    ``column_block`` is not used: each output is its own w's)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or TENSOR_AXIS not in mesh.axis_names or TENSOR_AXIS in mesh.manual_axes:
         return None
@@ -171,8 +174,23 @@ def column_parallel(x: jax.Array, ws: tuple[jax.Array, ...], interpret: bool,
     if tokens % ranks or any(n % tp for n in widths):
         return None
     head_dim = 0 if table is None else table.shape[1]
+    sublanes = 32 // x.dtype.itemsize  # rows of a VMEM tile: 8 float32, 16 bfloat16
+    out_cols = 0
+    for n, part in zip(widths, parts, strict=True):
+        if part is None:
+            out_cols += n // tp
+            continue
+        if part.heads * head_dim != n or part.heads % tp:
+            raise ValueError(f"token_matmul: a rotated output of {n} columns must be its "
+                             f"heads ({part.heads}) x the table's {head_dim}, whole heads on "
+                             f"each of the {tp} tensor devices")
+        if part.weight is not None and eps is None:
+            raise ValueError("token_matmul: a normed output needs the norm's eps")
+        heads = part.heads // tp  # [tm, heads, D] blocks: the heads padded to whole tiles
+        out_cols += (-(-heads // sublanes) * sublanes if part.heads_axis else heads) * head_dim
     rotated = sum(n for n, part in zip(widths, parts, strict=True) if part is not None) // tp
-    tm = row_tile(tokens // ranks, k, sum(widths) // tp, x.dtype.itemsize, rotated, head_dim)
+    tm = row_tile(tokens // ranks, k, sum(widths) // tp, x.dtype.itemsize, rotated, head_dim,
+                  out_cols)
     if tm is None:
         return None
     rotations = tuple(None if p is None else (p.heads // tp, p.weight is not None, p.heads_axis)

@@ -107,44 +107,47 @@ class GqaAttention(nnx.Module):
         """q ``[T, heads, D]`` and k ``[T, kv_heads, D]`` normed and rotated, v ``[T,
         kv_heads * D]``. In order of preference:
 
-        1. On the Pallas path in a prefill-sized step, one call of the token matmul kernel
-           for all three, x read once (``layers/token_matmul.py``), which also norms and
-           rotates q and k where the norm/rotary kernel covers them and there is no bias (q
-           and k are then never written unrotated). Compile-only, it beats the fused XLA
-           matmul too: the 30B's prefill on v6e, 78.0 -> 76.0 GB per device.
-        2. Where x is wider in tokens than a device's fused columns, one XLA matmul
-           (:meth:`_fused_qkv`; on the Pallas path q and k normed and rotated by the
-           norm/rotary kernel reading their columns in place).
-        3. Three XLA dots (decode; the native backend, as in deterministic mode)."""
+        1. On the Pallas path in a prefill-sized step, without biases, where the norm/rotary
+           kernel covers q and k: one call of the token matmul kernel for all three, x read
+           once (``layers/token_matmul.py``), which also norms and rotates q and k (they are
+           never written unrotated). Compile-only it beats the fused XLA matmul: the 30B's
+           prefill on v6e, 78.0 -> 76.0 GB per device.
+        2. Where x is wider in tokens than a device's fused columns, one XLA matmul with the
+           biases added in it (:meth:`_fused_qkv`; on the Pallas path q and k normed and
+           rotated by the norm/rotary kernel reading their columns in place).
+        3. The token matmul kernel's three products alone (x read once), then the biases,
+           norms and rotation.
+        4. Three XLA dots (decode; the native backend, as in deterministic mode)."""
         names = ("q_proj", "k_proj", "v_proj")
         weights = tuple(getattr(self, name)[...] for name in names)
         q_norm, k_norm = (self.q_norm, self.k_norm) if self.has_qk_norm else (None, None)
+        interpret = getattr(backends.attention, "interpret", False)
+        pallas = backends.attention.name == "pallas"
         # (Every device holding whole KV heads, the norm/rotary kernel covers q if it covers k.)
         in_kernel = self._rotates_in_kernel(backends, self.num_kv_heads)
-        rotates = in_kernel and not self.has_bias
-        done = None
-        if backends.attention.name == "pallas":
+        if pallas and in_kernel and not self.has_bias:
             # q and k normed and rotated in the kernel, q with a heads axis (the attention's).
             parts = (norm_rope.Part(self.num_heads, None if q_norm is None else q_norm.weight[...],
                                     heads_axis=True),
                      norm_rope.Part(self.num_kv_heads,
                                     None if k_norm is None else k_norm.weight[...]),
-                     None) if rotates else None
+                     None)
             done = token_matmul.column_parallel(
-                x, weights, getattr(backends.attention, "interpret", False),
-                backends.dp_attention, parts,
-                rotation_table(positions, self.rope_theta, self.head_dim) if rotates else None,
+                x, weights, interpret, backends.dp_attention, parts,
+                rotation_table(positions, self.rope_theta, self.head_dim),
                 None if q_norm is None else q_norm.eps)  # k_norm's too: both rms_norm_eps
-        if done is not None and rotates:
-            q, k, v = done
-            return q, k.reshape(k.shape[0], self.num_kv_heads, self.head_dim), v
-        fused = None if done is not None else self._fused_qkv(x, backends)
+            if done is not None:
+                q, k, v = done
+                return q, k.reshape(k.shape[0], self.num_kv_heads, self.head_dim), v
+        fused = self._fused_qkv(x, backends)
         if fused is not None:  # (its bias added)
             if in_kernel:
                 return (*self._rotate_fused(fused, positions, backends),
                         self._qkv_part(fused, 2))
             q, k, v = (self._qkv_part(fused, part) for part in range(3))
         else:
+            done = (token_matmul.column_parallel(x, weights, interpret, backends.dp_attention)
+                    if pallas else None)
             q, k, v = done if done is not None else (x @ w for w in weights)
             if self.has_bias:
                 q, k, v = (y + getattr(self, f"{name}_bias")[...]
@@ -175,8 +178,9 @@ class GqaAttention(nnx.Module):
         blocks = [getattr(self, n)[...].reshape(x.shape[1], tp, -1) for n in names]
         fused = jax.lax.with_sharding_constraint(jnp.concatenate(blocks, axis=2),
                                                  P(None, TENSOR_AXIS, None))
-        # XLA's dot (the token matmul kernel on these weights counted 0.5 GB more on the
-        # 30B's prefill, compile-only v6e: docs/performance.md).
+        # XLA's dot (the token matmul kernel on these concatenated weights counted 0.5 GB
+        # more on the 30B's prefill, compile-only v6e; its three weights unconcatenated,
+        # rotating q and k, it is preferred where it applies: :meth:`_projections`).
         y = jnp.einsum("th,hsd->tsd", x, fused)
         if self.has_bias:
             y = y + jnp.concatenate([getattr(self, f"{n}_bias")[...].reshape(tp, -1)

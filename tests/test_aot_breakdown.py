@@ -109,6 +109,7 @@ ENTRY %main (x: bf16[16,64], w: bf16[64,32], e: bf16[8,64,32], p: pred[]) -> s32
   %copy.1 = bf16[8,64,32]{2,1,0} copy(%e)
   %ragged-dot-none = f32[16,32]{1,0} custom-call(%x, %copy.1), custom_call_target="tpu_custom_call", metadata={op_name="jit(f)/ragged_dot_general/ragged-dot-none"}, backend_config={"custom_call_config":{"cost_estimate":{"flops":"65536","transcendentals":"0","bytes_accessed":"34816"}}}
   %ar = f32[16,32]{1,0} all-reduce(%ragged-dot-none), replica_groups={{0,1}}, to_apply=%add
+  %rsf = bf16[8,32]{1,0} fusion(%proj), kind=kCustom, calls=%fused_dot, metadata={op_name="dot_general" stack_frame_id=3}, backend_config={"collective_algorithm_config":{"emitter":"SingleInputAllReduceScatterFusion"}}
   %tup = (f32[16,32]{1,0}) tuple(%ar)
   %ss = ((bf16[16,64]{1,0}), bf16[8,64]{1,0:S(1)}, s32[]) slice-start(%x), slice={[0:8], [0:64]}
   %sd = bf16[8,64]{1,0:S(1)} slice-done(%ss)
@@ -165,7 +166,10 @@ def test_classes_of_a_hand_written_module() -> None:
     scale = (1e6 - exact) / (est - exact)
     assert b.bytes_scale == pytest.approx(scale)
     assert b.bytes["attention"] == pytest.approx(512)  # the norm/rotary kernel alone
-    assert b.bytes["collectives"] == pytest.approx(all_reduce)
+    # XLA:TPU's collective fusion (a reduce-scatter's pieces) is a collective, scaled.
+    assert hb.classify(m, entry["rsf"]) == "collectives"
+    rsf = hb.op_bytes(m, entry["rsf"], types)
+    assert b.bytes["collectives"] == pytest.approx(all_reduce + rsf * scale)
     assert b.bytes["projections"] == pytest.approx(hb.op_bytes(m, entry["proj"], types) * scale)
     expert = sum(hb.op_bytes(m, entry[n], types) for n in ("ragged-dot-none", "gu"))
     assert costs["expert_matmuls"][3] == expert

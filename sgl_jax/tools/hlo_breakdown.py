@@ -59,7 +59,8 @@ projections), ``kv_cache_write`` (``write_kv``: the step's new K/V into the cach
 ``projections`` (every other dot: q/k/v/o, dense MLP, the LM head; the token matmul
 kernel, ``PROJECTION_KERNELS``), ``sampler``
 (``layers/sampler.py``, logprobs), ``sampler_full_sort`` (see above), ``collectives``
-(all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute), ``copies`` (copy,
+(all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute, and XLA:TPU's
+collective fusions: a reduce-scatter's pieces), ``copies`` (copy,
 copy-start, transpose and fusions of only those: layout changes and prefetches without a
 model source, e.g. a weight re-laid out for a kernel every step) and ``other``
 (norms, embedding lookup, the batch's metadata, elementwise glue).
@@ -313,8 +314,8 @@ def _frame_chain(module: Module, ins: Instr) -> list[tuple[str, str]]:
 
 def classify(module: Module, ins: Instr, default: str = "other") -> str:
     op = ins.opcode.removesuffix("-start")
-    if op in COLLECTIVES:
-        return "collectives"
+    if op in COLLECTIVES or (op == "fusion" and '"collective_algorithm_config"' in ins.attrs):
+        return "collectives"  # (XLA:TPU's collective fusions: a reduce-scatter's pieces)
     name = ins.op_name
     if "ragged_paged_attention" in name:
         return "attention"

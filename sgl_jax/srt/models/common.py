@@ -126,14 +126,8 @@ class GqaAttention(nnx.Module):
         # (Every device holding whole KV heads, the norm/rotary kernel covers q if it covers k.)
         in_kernel = self._rotates_in_kernel(backends, self.num_kv_heads)
         if pallas and in_kernel and not self.has_bias:
-            # q and k normed and rotated in the kernel, q with a heads axis (the attention's).
-            parts = (norm_rope.Part(self.num_heads, None if q_norm is None else q_norm.weight[...],
-                                    heads_axis=True),
-                     norm_rope.Part(self.num_kv_heads,
-                                    None if k_norm is None else k_norm.weight[...]),
-                     None)
             done = token_matmul.column_parallel(
-                x, weights, interpret, backends.dp_attention, parts,
+                x, weights, interpret, backends.dp_attention, (*self._qk_parts(), None),
                 rotation_table(positions, self.rope_theta, self.head_dim),
                 None if q_norm is None else q_norm.eps)  # k_norm's too: both rms_norm_eps
             if done is not None:
@@ -226,20 +220,25 @@ class GqaAttention(nnx.Module):
             y = norm(y)
         return apply_rotary(y, positions, self.rope_theta, self.rotary_dim)
 
+    def _qk_parts(self, k_column_block: int = 0) -> tuple[norm_rope.Part, norm_rope.Part]:
+        """q and k as the norm/rotary arithmetic takes them (their RMSNorm weights, if any):
+        q with a heads axis (the attention kernel's layout), k in column block
+        ``k_column_block`` of a fused array (:meth:`_rotate_fused`)."""
+        q_norm, k_norm = (self.q_norm, self.k_norm) if self.has_qk_norm else (None, None)
+        return (norm_rope.Part(self.num_heads, None if q_norm is None else q_norm.weight[...],
+                               0, heads_axis=True),
+                norm_rope.Part(self.num_kv_heads, None if k_norm is None else k_norm.weight[...],
+                               k_column_block))
+
     def _rotate_fused(self, fused: jax.Array, positions: jax.Array,
                       backends: ModelBackends) -> tuple[jax.Array, jax.Array]:
         """q ``[T, heads, D]`` and k ``[T, kv_heads, D]`` normed and rotated by one kernel
         reading their columns of :meth:`_fused_qkv`'s array in place (k's block follows q's:
         ``heads / kv_heads`` blocks of its width), the rotation table read once."""
-        q_norm, k_norm = (self.q_norm, self.k_norm) if self.has_qk_norm else (None, None)
-        parts = (
-            norm_rope.Part(self.num_heads, None if q_norm is None else q_norm.weight[...],
-                           0, heads_axis=True),
-            norm_rope.Part(self.num_kv_heads, None if k_norm is None else k_norm.weight[...],
-                           self.num_heads // self.num_kv_heads),
-        )
+        q_norm = self.q_norm if self.has_qk_norm else None
         q, k = norm_rope.norm_rope_parts(
-            fused, parts, positions, self.rope_theta, self.head_dim,
+            fused, self._qk_parts(self.num_heads // self.num_kv_heads), positions,
+            self.rope_theta, self.head_dim,
             None if q_norm is None else q_norm.eps,  # k_norm's too: both rms_norm_eps
             getattr(backends.attention, "interpret", False), tokens_split=backends.dp_attention)
         return q, k.reshape(k.shape[0], self.num_kv_heads, self.head_dim)

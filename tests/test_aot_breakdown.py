@@ -189,6 +189,26 @@ def test_parse_instruction_types_and_operands() -> None:
     assert hb.type_bytes("bf16[128,2048,192]{2,1,0:T(8,128)(2,1)}") == 128 * 2048 * 256 * 2
 
 
+def test_an_instruction_over_several_lines_is_one_instruction() -> None:
+    """XLA:TPU prints a Pallas call with side effects (a remote-DMA kernel) with a newline in
+    its ``kernel_metadata``: the rest of the instruction, with its cost estimate, is on the
+    next line, which starts with ``}`` and must neither end the computation nor be lost."""
+    text = """HloModule m
+
+ENTRY %main (x: bf16[64,128]) -> bf16[64,128] {
+  %x = bf16[64,128]{1,0} parameter(0)
+  %k = bf16[64,128]{1,0} custom-call(%x), custom_call_target="tpu_custom_call", custom_call_has_side_effect=true, frontend_attributes={kernel_metadata={
+}}, metadata={op_name="jit(f)/shard_map/pallas_call"}, backend_config={"custom_call_config":{"cost_estimate":{"flops":"0","transcendentals":"0","bytes_accessed":"4096"}}}
+  ROOT %n = bf16[64,128]{1,0} negate(%k)
+}
+"""
+    m = hb.parse_module(text)
+    entry = {i.name: i for i in m.computations[m.entry]}
+    assert list(entry) == ["x", "k", "n"]
+    assert hb.op_bytes(m, entry["k"], m.types(m.entry)) == 4096
+    assert hb.counted_exactly(entry["k"])
+
+
 # -- the engine's step compiled by XLA:CPU ----------------------------------------------------
 def compile_cpu_step(config_dir: Path, mode: str, tokens: int, rows: int) -> tuple[str, Any]:
     import jax

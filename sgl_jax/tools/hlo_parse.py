@@ -149,8 +149,26 @@ def parse_frames(lines: list[str]) -> dict[int, list[tuple[str, str]]]:
     return out
 
 
+def _instruction_lines(lines: list[str]) -> list[str]:
+    """The module's lines with each instruction on one: a kernel's ``kernel_metadata`` may
+    hold a newline (a Pallas call with side effects), the rest of the instruction (its
+    ``backend_config``, with the cost estimate) on the lines after it. An instruction's
+    braces balance; one whose do not yet goes on with the next line."""
+    joined: list[str] = []
+    open_braces = 0
+    for line in lines:
+        if open_braces > 0:
+            joined[-1] += line
+            open_braces += line.count("{") - line.count("}")
+            continue
+        joined.append(line)
+        if _HEAD.match(line):
+            open_braces = line.count("{") - line.count("}")
+    return joined
+
+
 def parse_module(text: str) -> Module:
-    lines = text.splitlines()
+    lines = _instruction_lines(text.splitlines())
     computations: dict[str, list[Instr]] = {}
     entry, current = "", None
     for line in lines:

@@ -189,6 +189,31 @@ def test_parse_instruction_types_and_operands() -> None:
     assert hb.type_bytes("bf16[128,2048,192]{2,1,0:T(8,128)(2,1)}") == 128 * 2048 * 256 * 2
 
 
+def test_a_gather_reads_a_whole_tile_per_row() -> None:
+    """XLA:TPU counts a gather at a whole tile of its operand for each row it takes: 8 rows
+    of a ``T(8,128)`` matrix, 1,024 elements of a 1-D ``T(1024)`` array (compile-only v5p:
+    20,480 int32 gathered from as many, 84 MB)."""
+    text = """HloModule m
+
+ENTRY %main (v: s32[20480], i: s32[20480,1], x: bf16[64,128], j: s32[16,1]) -> s32[20480] {
+  %v = s32[20480]{0:T(1024)} parameter(0)
+  %i = s32[20480,1]{1,0:T(8,128)} parameter(1)
+  %x = bf16[64,128]{1,0:T(8,128)(2,1)} parameter(2)
+  %j = s32[16,1]{1,0:T(8,128)} parameter(3)
+  %g = s32[20480]{0:T(1024)} gather(%v, %i), offset_dims={}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1}
+  %rows = bf16[16,128]{1,0:T(8,128)(2,1)} gather(%x, %j), offset_dims={1}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,128}
+  ROOT %n = s32[20480]{0:T(1024)} negate(%g)
+}
+"""
+    m = hb.parse_module(text)
+    entry = {i.name: i for i in m.computations[m.entry]}
+    types = m.types(m.entry)
+    indices = hb.type_bytes(types["i"])
+    assert hb.op_bytes(m, entry["g"], types) == (1 + 1024) * 20480 * 4 + indices
+    assert hb.op_bytes(m, entry["rows"], types) == (1 + 8) * 16 * 128 * 2 + hb.type_bytes(
+        types["j"])
+
+
 def test_an_instruction_over_several_lines_is_one_instruction() -> None:
     """XLA:TPU prints a Pallas call with side effects (a remote-DMA kernel) with a newline in
     its ``kernel_metadata``: the rest of the instruction, with its cost estimate, is on the

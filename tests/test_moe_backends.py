@@ -38,7 +38,7 @@ from sgl_jax.srt.layers.moe.experts import (
     get_moe_backend,
     resolve_moe_backend,
 )
-from sgl_jax.srt.layers.moe.ragged import group_assignments, ragged_experts
+from sgl_jax.srt.layers.moe.ragged import ragged_experts, sorted_assignments
 from sgl_jax.testing import fake_devices_flags
 
 REPO = Path(__file__).absolute().parents[1]
@@ -170,11 +170,15 @@ def test_sentinel_assignments_contribute_nothing_even_if_ragged_dot_writes_garba
     weights = [case[k][:local_rows] for k in ("w_gate", "w_up", "w_down")]
     args = (case["x"], local, case["topk_weights"], *weights)
 
-    order, sizes = jax.jit(group_assignments, static_argnums=1)(local, local_rows)
+    order, weight, inverse, sizes = jax.jit(sorted_assignments, static_argnums=2)(
+        local, case["topk_weights"], local_rows)
     counts = np.bincount(local.reshape(-1), minlength=local_rows + 1)
     np.testing.assert_array_equal(sizes, counts[:local_rows])  # the sentinel is in no group
-    np.testing.assert_array_equal(np.asarray(local).reshape(-1)[np.asarray(order)],
-                                  np.sort(local.reshape(-1), kind="stable"))
+    stable = np.argsort(local.reshape(-1), kind="stable")
+    np.testing.assert_array_equal(np.asarray(order), stable)
+    np.testing.assert_array_equal(np.asarray(weight),
+                                  np.asarray(case["topk_weights"], np.float32).reshape(-1)[stable])
+    np.testing.assert_array_equal(np.asarray(inverse)[stable], np.arange(stable.size))
 
     real_ragged_dot = jax.lax.ragged_dot
 

@@ -4,7 +4,7 @@ Same computation as ``ragged`` (``ragged.py``), with the grouped matmuls done by
 kernels on the tile schedule of JAX's Megablox ``gmm``
 (``jax.experimental.pallas.ops.tpu.megablox``) instead of ``jax.lax.ragged_dot``:
 
-1. the ``M = T * k`` assignments are sorted by expert row (``ragged.group_assignments``: the
+1. the ``M = T * k`` assignments are sorted by expert row (``ragged.sorted_assignments``: the
    sentinel row ``E_l`` of experts held elsewhere sorts last and is counted in no group),
    their token indices padded to ``M_pad``, a multiple of the row tile ``tm`` (the kernels
    tile rows in whole ``tm`` blocks); padded rows are past ``sum(group_sizes)``, like the
@@ -89,7 +89,7 @@ from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
 
 from sgl_jax.srt.layers.moe import gmm_combine, gmm_gate_up, vmem_rows
 from sgl_jax.srt.layers.moe.manual_axes import mark_varying
-from sgl_jax.srt.layers.moe.ragged import group_assignments
+from sgl_jax.srt.layers.moe.ragged import sorted_assignments
 
 # VMEM the kernel's blocks may use: double-buffered lhs [tm, tk] and rhs [tk, tn] input
 # blocks, the double-buffered float32 output block [tm, tn] and the float32 accumulator. Below
@@ -314,19 +314,18 @@ def gmm_experts(
     interpret = interpret_on(platform)
     num_tokens, top_k = local_ids.shape
     num_rows = w_gate.shape[0]
-    order, group_sizes = group_assignments(local_ids, num_rows)
+    order, sorted_weight, inverse, group_sizes = sorted_assignments(local_ids, topk_weights,
+                                                                    num_rows)
     m = order.shape[0]
     rows = pass_rows(m, shards, capacity_factor)
     rows_pad = pad_rows(rows, row_tile(rows, w_gate, w_down))
-    inverse = jnp.zeros_like(order).at[order].set(
-        jnp.arange(m, dtype=order.dtype), unique_indices=True
-    ).reshape(num_tokens, top_k)  # [T, k]: sorted position of each assignment
+    inverse = inverse.reshape(num_tokens, top_k)  # [T, k]: sorted position of each assignment
     held = local_ids < num_rows
     # Sorted assignments, padded so that any window [start, start + rows_pad) with start < m
     # is in bounds (a dynamic slice past the end would be clamped: a shifted window).
     tail = rows_pad if rows < m else rows_pad - m
     token = jnp.pad(order // top_k, (0, tail))
-    weight = jnp.pad(jnp.take(topk_weights.reshape(-1).astype(jnp.float32), order), (0, tail))
+    weight = jnp.pad(sorted_weight, (0, tail))
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
     # Rows fetched by DMA (prefill): x packed for the DMAs once, not once per pass.

@@ -42,7 +42,7 @@ from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm  # noqa
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 from sgl_jax.srt.layers.moe import gmm, gmm_combine, gmm_gate_up, vmem_rows  # noqa: E402
-from sgl_jax.srt.layers.moe.ragged import group_assignments, ragged_experts  # noqa: E402
+from sgl_jax.srt.layers.moe.ragged import ragged_experts, sorted_assignments  # noqa: E402
 
 # name -> (hidden H, intermediate per device I, experts per device E_l, top k)
 MODELS = {
@@ -118,7 +118,7 @@ def fused_gate_up(x: jax.Array, local_ids: jax.Array, topk_weights: jax.Array,
     (the weights are stored apart): the variant gmm.py does not use, measured here."""
     num_tokens, top_k = local_ids.shape
     groups, _, inter = w_gate.shape
-    order, sizes = group_assignments(local_ids, groups)
+    order, weight, inverse, sizes = sorted_assignments(local_ids, topk_weights, groups)
     m = order.shape[0]
     tm = max(gmm.gmm_tiling(m, w_gate.shape[1], 2 * inter, groups)[0],
              gmm.gmm_tiling(m, inter, w_down.shape[2], groups)[0])
@@ -127,9 +127,7 @@ def fused_gate_up(x: jax.Array, local_ids: jax.Array, topk_weights: jax.Array,
     both = gmm.grouped_matmul(xs, jnp.concatenate([w_gate, w_up], axis=2), sizes, m, False)
     act = (jax.nn.silu(both[:, :inter]) * both[:, inter:]).astype(x.dtype)
     down = gmm.grouped_matmul(act, w_down, sizes, m, False)[:m]
-    weight = jnp.take(topk_weights.reshape(-1).astype(jnp.float32), order)
     rows = jnp.where((jnp.arange(m) < jnp.sum(sizes))[:, None], down * weight[:, None], 0.0)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(m, dtype=order.dtype))
     return gmm.take_rows(rows, inverse).reshape(num_tokens, top_k, -1).sum(axis=1)
 
 
@@ -138,7 +136,7 @@ def ragged_take_rows(x: jax.Array, local_ids: jax.Array, topk_weights: jax.Array
     """``ragged`` with its two row gathers done by ``gmm.take_rows``: separates what the
     gathers and what the grouped matmuls contribute to the difference."""
     num_tokens, top_k = local_ids.shape
-    order, sizes = group_assignments(local_ids, w_gate.shape[0])
+    order, weight, inverse, sizes = sorted_assignments(local_ids, topk_weights, w_gate.shape[0])
     m = order.shape[0]
     xs = gmm.take_rows(x, order // top_k)
 
@@ -147,9 +145,7 @@ def ragged_take_rows(x: jax.Array, local_ids: jax.Array, topk_weights: jax.Array
 
     act = (jax.nn.silu(grouped(xs, w_gate)) * grouped(xs, w_up)).astype(x.dtype)
     down = grouped(act, w_down)
-    weight = jnp.take(topk_weights.reshape(-1).astype(jnp.float32), order)
     rows = jnp.where((jnp.arange(m) < jnp.sum(sizes))[:, None], down * weight[:, None], 0.0)
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(m, dtype=order.dtype))
     return gmm.take_rows(rows, inverse).reshape(num_tokens, top_k, -1).sum(axis=1)
 
 

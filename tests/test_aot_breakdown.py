@@ -205,6 +205,10 @@ ENTRY %main (v: s32[20480], i: s32[20480,1], x: bf16[64,128], j: s32[16,1]) -> s
   ROOT %n = s32[20480]{0:T(1024)} negate(%g)
 }
 """
+    assert [hb.tile_rows(t) for t in (
+        "s32[20480]{0:T(1024)}", "f32[65536]{0:T(1024)S(1)}", "s32[71]{0:T(128)}",
+        "bf16[64,128]{1,0:T(8,128)(2,1)}", "s32[2,3]{1,0:T(2,128)}", "f32[16]")] == [
+        1024, 1024, 128, 8, 2, 1]
     m = hb.parse_module(text)
     entry = {i.name: i for i in m.computations[m.entry]}
     types = m.types(m.entry)
@@ -222,6 +226,7 @@ def test_an_instruction_over_several_lines_is_one_instruction() -> None:
 
 ENTRY %main (x: bf16[64,128]) -> bf16[64,128] {
   %x = bf16[64,128]{1,0} parameter(0)
+  %q = bf16[64,128]{1,0} negate(%x), metadata={op_name="jit(f)/odd{name"}
   %k = bf16[64,128]{1,0} custom-call(%x), custom_call_target="tpu_custom_call", custom_call_has_side_effect=true, frontend_attributes={kernel_metadata={
 }}, metadata={op_name="jit(f)/shard_map/pallas_call"}, backend_config={"custom_call_config":{"cost_estimate":{"flops":"0","transcendentals":"0","bytes_accessed":"4096"}}}
   ROOT %n = bf16[64,128]{1,0} negate(%k)
@@ -229,7 +234,7 @@ ENTRY %main (x: bf16[64,128]) -> bf16[64,128] {
 """
     m = hb.parse_module(text)
     entry = {i.name: i for i in m.computations[m.entry]}
-    assert list(entry) == ["x", "k", "n"]
+    assert list(entry) == ["x", "q", "k", "n"]  # a brace in a string opens nothing
     assert hb.op_bytes(m, entry["k"], m.types(m.entry)) == 4096
     assert hb.counted_exactly(entry["k"])
 

@@ -149,22 +149,36 @@ def parse_frames(lines: list[str]) -> dict[int, list[tuple[str, str]]]:
     return out
 
 
+_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def _open_braces(line: str) -> int:
+    """``{`` minus ``}`` outside double-quoted strings (JSON in ``backend_config``,
+    ``op_name`` metadata) of one line."""
+    bare = _QUOTED.sub("", line)
+    return bare.count("{") - bare.count("}")
+
+
 def _instruction_lines(lines: list[str]) -> list[str]:
     """The module's lines with each instruction on one: a kernel's ``kernel_metadata`` may
     hold a newline (a Pallas call with side effects), the rest of the instruction (its
-    ``backend_config``, with the cost estimate) on the lines after it. An instruction's
-    braces balance; one whose do not yet goes on with the next line."""
+    ``backend_config``, with the cost estimate) on the lines after it. An instruction whose
+    braces do not balance yet goes on with the next line, unless that line is blank or
+    starts an instruction or a computation of its own."""
     joined: list[str] = []
     open_braces = 0
     for line in lines:
-        if open_braces > 0:
+        if open_braces > 0 and line.strip() and not (_HEAD.match(line)
+                                                     or _COMPUTATION.match(line)):
             joined[-1] += line
-            open_braces += line.count("{") - line.count("}")
+            open_braces += _open_braces(line)
             continue
         joined.append(line)
-        if _HEAD.match(line):
-            open_braces = line.count("{") - line.count("}")
+        open_braces = _open_braces(line) if _HEAD.match(line) else 0
     return joined
+
+
+_COMPUTATION = re.compile(r"^(ENTRY )?%([^\s(]+)\s*\(.*\{\s*$")
 
 
 def parse_module(text: str) -> Module:
@@ -172,7 +186,7 @@ def parse_module(text: str) -> Module:
     computations: dict[str, list[Instr]] = {}
     entry, current = "", None
     for line in lines:
-        head = re.match(r"^(ENTRY )?%([^\s(]+)\s*\(.*\{\s*$", line)
+        head = _COMPUTATION.match(line)
         if head:
             current = head.group(2)
             computations[current] = []
@@ -219,16 +233,15 @@ def type_elements(type_: str) -> float:
 
 
 def tile_rows(type_: str) -> int:
-    """The rows (elements of a 1-D array) of the first tile of an array's TPU layout: what a
+    """The rows (elements, of a 1-D array) of the first tile of an array's TPU layout: what a
     gather reads for each row it takes, as XLA:TPU counts it (``{1,0:T(8,128)(2,1)}``: 8;
-    a 1-D ``{0:T(1024)}``: 1,024; compile-only v5p, a gather of 20,480 int32 from as many
-    is counted at 84 MB), else 1."""
-    m = re.search(r":T\((\d+)([,)])", type_)
-    if m is None:
-        return 1
-    if m.group(2) == ")" and re.search(r"\[\d+\]\{0:T", type_) is None:
-        return 1  # a 1-element tile dimension of an array of more dimensions
-    return int(m.group(1))
+    a 1-D ``{0:T(1024)}``: 1,024; compile-only v5p, 20,480 or 65,536 int32 or float32
+    gathered from as many: 4 KB each), else 1."""
+    one_d = re.search(r"\[\d+\]\{0:T\((\d+)\)", type_)
+    if one_d is not None:
+        return int(one_d.group(1))
+    m = re.search(r":T\((\d+),", type_)
+    return int(m.group(1)) if m else 1
 
 
 def _dims(attr: str | None) -> list[int]:

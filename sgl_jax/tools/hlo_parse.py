@@ -83,6 +83,7 @@ def _matching(text: str, start: int) -> int:
 
 
 _HEAD = re.compile(r"^\s*(ROOT\s+)?%([^\s=]+)\s*=\s*")
+_COMPUTATION = re.compile(r"^(ENTRY )?%([^\s(]+)\s*\(.*\{\s*$")  # a computation's header
 
 
 def parse_instruction(line: str) -> Instr | None:
@@ -176,9 +177,6 @@ def _instruction_lines(lines: list[str]) -> list[str]:
         joined.append(line)
         open_braces = _open_braces(line) if _HEAD.match(line) else 0
     return joined
-
-
-_COMPUTATION = re.compile(r"^(ENTRY )?%([^\s(]+)\s*\(.*\{\s*$")
 
 
 def parse_module(text: str) -> Module:

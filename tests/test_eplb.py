@@ -162,3 +162,30 @@ def test_one_placement_type_for_static_and_eplb():
         eplb.device_of(0)
     with pytest.raises(ValueError, match="multiple of ep_size=3"):
         ExpertPlacement.redundant(16, 20, 3)
+
+
+@pytest.mark.parametrize("one_hot", [False, True])
+@pytest.mark.parametrize("num_experts,redundant", [(8, 4), (300, 40)])
+def test_jitted_placement_lookups_match_numpy(num_experts, redundant, one_hot):
+    """The forward's logical -> physical translation, by gathers (CPU) or one-hot matmuls
+    (compiled for TPU), equals the numpy twin, also with physical rows past 255 (the one-hot
+    lookup's high byte)."""
+    import jax
+    import jax.numpy as jnp
+
+    from sgl_jax.srt.layers.moe.ep_moe import physical_ids, static_physical_ids
+
+    rng = np.random.default_rng(num_experts)
+    p2l = np.concatenate([np.arange(num_experts),
+                          rng.integers(0, num_experts, redundant)])
+    rng.shuffle(p2l)
+    max_replicas = int(np.bincount(p2l).max())
+    ids = rng.integers(0, num_experts, (37, 8)).astype(np.int32)
+    replicas, num = replica_tables(p2l, num_experts, max_replicas)
+    got = jax.jit(physical_ids, static_argnums=3)(
+        jnp.asarray(ids), jnp.asarray(replicas), jnp.asarray(num), one_hot)
+    np.testing.assert_array_equal(np.asarray(got), physical_ids_np(ids, p2l, max_replicas))
+
+    order = rng.permutation(num_experts)
+    got = jax.jit(lambda i: static_physical_ids(i, tuple(order), one_hot))(jnp.asarray(ids))
+    np.testing.assert_array_equal(np.asarray(got), np.argsort(order)[ids])

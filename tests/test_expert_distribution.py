@@ -225,6 +225,32 @@ def test_stat_without_routed_experts_on_a_family_with_dense_layers(deepseek_path
     assert load["num_tokens"] == len(rows)
 
 
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_pass_counts_scatter_and_one_hot_equal_numpy(deepseek_path, one_hot):
+    """A pass's [moe_layers, E] counts, by the scatter-add (CPU) and by one-hot compares
+    (compiled for TPU), equal numpy's count of the real tokens' ids; the dense layers' -1
+    ids and the padding tokens are not counted."""
+    import jax
+
+    from sgl_jax.srt.layers.moe.expert_distribution import ExpertDistributionRecorder
+
+    cfg = ModelConfig.from_hf(deepseek_path)
+    recorder = ExpertDistributionRecorder("per_pass", cfg, one_hot_counts=one_hot)
+    rng = np.random.default_rng(7)
+    tokens, k = 29, cfg.num_experts_per_tok
+    ids = rng.integers(0, cfg.num_experts, (tokens, cfg.num_hidden_layers, k)).astype(np.int32)
+    moe = list(cfg.moe_layer_ids)
+    dense = [i for i in range(cfg.num_hidden_layers) if i not in moe]
+    assert dense  # the family with dense layers first
+    ids[:, dense] = -1
+    real = np.arange(tokens) < 23
+    _, counts = jax.jit(recorder.record_step)(None, ids, real)
+    want = np.zeros((len(moe), cfg.num_experts), np.int64)
+    for j, layer in enumerate(moe):
+        np.add.at(want[j], ids[real][:, layer].reshape(-1), 1)
+    np.testing.assert_array_equal(np.asarray(counts), want)
+
+
 def test_recorder_off_refuses():
     with Engine(**engine_args()) as eng:
         for call in (eng.start_expert_distribution_record, eng.stop_expert_distribution_record,

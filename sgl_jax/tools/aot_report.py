@@ -948,6 +948,9 @@ def build_runner(args: argparse.Namespace, model_dir: str, cfg: Any, devices: li
         page_size=args.page_size,
         enable_return_routed_experts=args.enable_return_routed_experts,
         disable_precompile=True,
+        **({"enable_eplb": True, "ep_num_redundant_experts": args.ep_num_redundant_experts}
+           if args.ep_num_redundant_experts else {}),
+        **({"ep_expert_mapping": args.ep_expert_mapping} if args.ep_expert_mapping else {}),
         **({} if args.sequence_parallel_min_tokens is None
            else {"sequence_parallel_min_tokens": args.sequence_parallel_min_tokens}),
         # Speculative decoding: the runner's verify buckets are bs x K tokens. NGRAM: its
@@ -1510,6 +1513,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--moe-dispatch", default="all_gather",
                    choices=("all_gather", "ragged_all_to_all"),
                    help="the engine's --moe-dispatch (with --dp-size > 1)")
+    p.add_argument("--ep-num-redundant-experts", type=int, default=0, metavar="R",
+                   help="compile the step with EPLB (the engine's --enable-eplb): R redundant "
+                   "physical experts per MoE layer, the placement as device data (0: off)")
+    p.add_argument("--ep-expert-mapping", default=None, metavar="JSON",
+                   help="the engine's --ep-expert-mapping (a static placement other than "
+                   "contiguous blocks)")
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="compile the step with routed-experts capture")
     p.add_argument("--sampler-breakdown", action="store_true",

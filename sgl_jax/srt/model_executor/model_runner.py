@@ -359,7 +359,8 @@ class ModelRunner:
             weights=server_args.enable_return_routed_expert_weights,
         )
         # --expert-distribution-recorder-mode: the second consumer of the step's routing.
-        self.expert_recorder = create_recorder(server_args, model_config, replicated, abstract)
+        self.expert_recorder = create_recorder(server_args, model_config, replicated, abstract,
+                                               self.platform)
         if self.eplb is not None and not abstract:
             self.expert_recorder.start()  # EPLB rebalances from these counts
         routing = self.capturer.routing_spec
@@ -370,6 +371,7 @@ class ModelRunner:
                                       dp_attention=self.dp_size > 1,
                                       sequence_parallel_tokens=(
                                           server_args.sequence_parallel_min_tokens),
+                                      one_hot_lookups=self.platform == "tpu",
                                       moe_all_to_all=(
                                           ragged_collective(self.platform)
                                           if server_args.moe_dispatch == "ragged_all_to_all"

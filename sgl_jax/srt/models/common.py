@@ -330,7 +330,7 @@ class SparseMoeBlock(nnx.Module):
             self.expert_order, backend=backends.moe,
             location=(self.replicas[...], self.num_replicas[...]) if self.eplb else None,
             tokens_split=backends.dp_attention, all_to_all=backends.moe_all_to_all,
-            sequence_split=sequence_split,
+            sequence_split=sequence_split, one_hot_lookups=backends.one_hot_lookups,
         )
         if self.shared_name is not None:
             if sequence_split:

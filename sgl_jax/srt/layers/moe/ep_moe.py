@@ -67,25 +67,55 @@ def apply_placement(model: nnx.Module, placement: ExpertPlacement) -> None:
             setattr(module, EXPERT_ORDER, tuple(int(e) for e in order))
 
 
-def static_physical_ids(topk_ids: jax.Array, expert_order: Sequence[int]) -> jax.Array:
+def static_physical_ids(topk_ids: jax.Array, expert_order: Sequence[int],
+                        one_hot: bool = False) -> jax.Array:
     """Static placement: LOGICAL ids ``[T, k]`` -> rows of the stacked weights, through the
-    inverse of the compile-time order (the identity order, the default: the ids themselves)."""
+    inverse of the compile-time order (the identity order, the default: the ids themselves).
+    ``one_hot``: looked up by :func:`lookup_rows` (compiled for TPU), else by a gather."""
     order = np.asarray(expert_order, dtype=np.int32)
     if np.array_equal(order, np.arange(order.size)):
         return topk_ids
-    return jnp.asarray(np.argsort(order).astype(np.int32))[topk_ids]
+    inverse = jnp.asarray(np.argsort(order).astype(np.int32))
+    return lookup_rows(inverse[:, None], topk_ids)[..., 0] if one_hot else inverse[topk_ids]
 
 
-def physical_ids(topk_ids: jax.Array, replicas: jax.Array, num_replicas: jax.Array) -> jax.Array:
+def physical_ids(topk_ids: jax.Array, replicas: jax.Array, num_replicas: jax.Array,
+                 one_hot: bool = False) -> jax.Array:
     """EPLB: LOGICAL ids ``[T, k]`` -> physical rows ``[T, k]``. Assignment (t, j) of expert e
     takes replica ``(t + j) % num_replicas[e]`` (token index in the padded batch: an expert's
     tokens split evenly and deterministically over its replicas; ``eplb.replica_choice`` is
-    the numpy twin)."""
+    the numpy twin). ``one_hot``: both lookups by :func:`lookup_rows` (compiled for TPU),
+    else by gathers."""
     num_tokens, top_k = topk_ids.shape
     index = (jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
              + jnp.arange(top_k, dtype=jnp.int32)[None, :])
-    choice = index % jnp.take(num_replicas, topk_ids)
-    return replicas[topk_ids, choice]
+    if not one_hot:
+        return replicas[topk_ids, index % jnp.take(num_replicas, topk_ids)]
+    looked = lookup_rows(jnp.concatenate([num_replicas[:, None], replicas], axis=1), topk_ids)
+    choice = index % jnp.maximum(looked[..., 0], 1)  # every expert has a replica
+    picked = choice[..., None] == jnp.arange(replicas.shape[1], dtype=jnp.int32)
+    return jnp.sum(jnp.where(picked, looked[..., 1:], 0), axis=-1, dtype=jnp.int32)
+
+
+def lookup_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """``table[ids]`` for a small int32 ``table [N, C]`` of values in ``[0, 65536)`` (replica
+    counts, physical rows): ``ids [...]`` -> ``[..., C]``, by a one-hot matmul.
+
+    For programs compiled for TPU, where XLA counts each element of a gather from such a
+    table at a whole tile of it. Every MoE layer looks up its ``T * k`` assignments: at
+    ``T * k = 65,536``, compiled alone for v5p, a 128-entry static order's gather is 4.3 GB
+    and EPLB's two are 8.7 GB; these lookups 2.1 and 37.5 MB (docs/performance.md). On CPU
+    the gather is the cheaper (0.3 against 7.7 ms for EPLB's at that size). The ids' one-hot
+    rows (bfloat16) multiply the table split into its low and high bytes (integers below
+    256, exact in bfloat16); each output is one product of 1 and a byte, summed in float32
+    with zeros: exact."""
+    size, columns = table.shape
+    table = table.astype(jnp.int32)
+    halves = jnp.concatenate([table % 256, table // 256], axis=1).astype(jnp.bfloat16)
+    one_hot = (ids[..., None] == jnp.arange(size, dtype=ids.dtype)).astype(jnp.bfloat16)
+    got = jnp.einsum("...n,nc->...c", one_hot, halves,
+                     preferred_element_type=jnp.float32).astype(jnp.int32)
+    return got[..., :columns] + 256 * got[..., columns:]
 
 
 def _local_rows(rows: jax.Array, rows_here: int) -> jax.Array:
@@ -128,6 +158,7 @@ def ep_moe_forward(
     tokens_split: bool = False,
     all_to_all: RaggedAllToAll | None = None,
     sequence_split: bool = False,
+    one_hot_lookups: bool = False,
 ) -> jax.Array:
     """x [T, H] (replicated; split by token under ``sequence_split``); topk_ids /
     topk_weights [T, k] LOGICAL ids and their weights; stacked weights ``[P, ...]`` in
@@ -137,6 +168,7 @@ def ep_moe_forward(
     The placement says which physical row serves each assignment: ``location`` (a dynamic
     placement: ``(replicas [E, R + 1], num_replicas [E])`` device arrays, ``expert_order``
     unused) or, without it, the static ``expert_order`` [E] (a compile-time constant).
+    ``one_hot_lookups`` (compiled for TPU): their lookups by one-hot matmuls, not gathers.
 
     Traced under ``jax.set_mesh(mesh)`` (the model runner's step), this is an explicit
     ``shard_map`` over the mesh; without a mesh in context (a model called directly) the same
@@ -161,9 +193,9 @@ def ep_moe_forward(
         raise ValueError("ep_moe_forward: the all-to-all dispatch takes each rank's tokens "
                          "whole (sequence_split=False)")
     if location is None:
-        rows = static_physical_ids(topk_ids, expert_order)
+        rows = static_physical_ids(topk_ids, expert_order, one_hot_lookups)
     else:
-        rows = physical_ids(topk_ids, *location)
+        rows = physical_ids(topk_ids, *location, one_hot=one_hot_lookups)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not {EXPERT_AXIS, TENSOR_AXIS} <= set(mesh.axis_names):
         return backend(x, rows, topk_weights, w_gate, w_up, w_down).astype(x.dtype)

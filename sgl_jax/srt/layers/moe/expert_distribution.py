@@ -51,7 +51,8 @@ class ExpertDistributionRecorder:
     """One runner's recorder: the traced hooks and the host-side window of records."""
 
     def __init__(self, mode: str, model_config: ModelConfig, buffer_size: int = DEFAULT_BUFFER_SIZE,
-                 dump_dir: str | None = None, sharding: Any = None, abstract: bool = False) -> None:
+                 dump_dir: str | None = None, sharding: Any = None, abstract: bool = False,
+                 one_hot_counts: bool = False) -> None:
         if mode not in MODES:
             raise ValueError(f"expert distribution recorder mode {mode!r}; use one of {MODES}")
         self.mode = mode
@@ -64,6 +65,8 @@ class ExpertDistributionRecorder:
         self.dump_dir = dump_dir or "/tmp"
         self.sharding = sharding
         self.abstract = abstract
+        # Compiled for TPU: the counts by one-hot compares, not a scatter-add (_pass_counts).
+        self.one_hot_counts = one_hot_counts
         self.recording = False
         self.started = False  # a window was started at least once (something to dump)
         self._zeros = None
@@ -110,14 +113,23 @@ class ExpertDistributionRecorder:
         return new, None
 
     def _pass_counts(self, ids: jax.Array, real: jax.Array) -> jax.Array:
-        """[moe_layers, E] int32: how many real tokens picked each expert in each layer."""
+        """[moe_layers, E] int32: how many real tokens picked each expert in each layer.
+
+        Compiled for TPU (``one_hot_counts``) by summing the one-hot compares of every
+        assignment (XLA fuses them into one reduction reading the ids once): XLA:TPU counts
+        each element of the scatter-add at a whole tile, 567 MB a MoE layer at 8,192 tokens
+        (compiled alone for v5p; the compares 0.3 MB). On CPU the scatter is the cheaper
+        (2.8 against 220 ms at 2,048 tokens of 48 layers)."""
         num_moe = len(self.moe_layer_ids)
-        counts = jnp.zeros((num_moe, self.num_experts), jnp.int32)
         layers = self.moe_layer_ids
         if layers == list(range(layers[0], layers[-1] + 1)):  # contiguous (dense ones first)
             moe_ids = ids[:, layers[0] : layers[-1] + 1]  # [T, Lm, k]
         else:
             moe_ids = jnp.take(ids, np.asarray(layers), axis=1)
+        if self.one_hot_counts:
+            hit = moe_ids[..., None] == jnp.arange(self.num_experts, dtype=moe_ids.dtype)
+            return jnp.sum(hit & real[:, None, None, None], axis=(0, 2), dtype=jnp.int32)
+        counts = jnp.zeros((num_moe, self.num_experts), jnp.int32)
         weight = jnp.broadcast_to(real.astype(jnp.int32)[:, None, None], moe_ids.shape)
         rows = jnp.broadcast_to(jnp.arange(num_moe, dtype=jnp.int32)[None, :, None], moe_ids.shape)
         return counts.at[rows.reshape(-1), moe_ids.reshape(-1)].add(weight.reshape(-1))
@@ -277,10 +289,14 @@ def _caller_rid(key: str) -> str:
 
 
 def create_recorder(server_args: Any, model_config: ModelConfig, sharding: Any = None,
-                    abstract: bool = False) -> ExpertDistributionRecorder | None:
+                    abstract: bool = False, platform: str = "cpu"
+                    ) -> ExpertDistributionRecorder | None:
+    """The recorder of ``--expert-distribution-recorder-mode`` (None: off), for steps compiled
+    for ``platform``."""
     mode = server_args.expert_distribution_recorder_mode
     if mode is None:
         return None
     return ExpertDistributionRecorder(
         mode, model_config, server_args.expert_distribution_recorder_buffer_size,
-        server_args.expert_distribution_recorder_dir, sharding, abstract)
+        server_args.expert_distribution_recorder_dir, sharding, abstract,
+        one_hot_counts=platform == "tpu")

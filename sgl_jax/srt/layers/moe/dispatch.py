@@ -87,13 +87,7 @@ def all_to_all_experts(
     rows_here = w_gate.shape[0]
     flat_rows = rows.reshape(-1)
     dest = flat_rows // rows_here  # [A] the "expert" index owning each assignment's row
-    # Sorted by destination, the rows at their destination (rows are contiguous per device:
-    # a subtraction) and the weights riding the sort as payloads: taking them in the sorted
-    # order by a 1-D gather would cost a whole tile per element on TPU (ragged.py).
-    _, order, local_rows, weights = jax.lax.sort(
-        (dest, jnp.arange(dest.shape[0], dtype=jnp.int32),
-         (flat_rows - dest * rows_here).astype(jnp.int32),
-         topk_weights.reshape(-1)), num_keys=1, is_stable=True)
+    order = jnp.argsort(dest, stable=True)
     send_sizes = jnp.sum(dest[:, None] == jnp.arange(ranks)[None, :], axis=0,
                          dtype=jnp.int32)  # [ranks]
     input_offsets = (jnp.cumsum(send_sizes) - send_sizes).astype(jnp.int32)
@@ -112,8 +106,10 @@ def all_to_all_experts(
 
     token_of = order // top_k
     got_x = send(jnp.take(x, token_of, axis=0), 0)
+    # Rows at their destination: rows are contiguous per device, so a subtraction.
+    local_rows = jnp.take(flat_rows - dest * rows_here, order).astype(jnp.int32)
     got_rows = send(local_rows, rows_here)  # unused buffer rows: the sentinel
-    got_weights = send(weights, 0)
+    got_weights = send(jnp.take(topk_weights.reshape(-1), order), 0)
     # One assignment per row: the backend weights and returns it (float32 partial).
     partial = backend(got_x, got_rows[:, None], got_weights[:, None], w_gate, w_up, w_down)
     # Back to the senders, at their sorted positions: the roles of the offsets swap.

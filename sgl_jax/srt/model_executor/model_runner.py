@@ -515,14 +515,22 @@ class ModelRunner:
             logits, kv_caches, routing = model(batch, meta, kv_caches, self.backends)
         real_tokens = token_to_req < batch.batch_size
         order = batch.dp_order
-        if order is not None:  # DP attention: the consumers see the scheduler's token order
-            routing, real_tokens = jax.tree.map(lambda x: x[order.tokens], (routing, real_tokens))
+
+        def scheduler_order(tree: Any) -> Any:
+            """DP attention: the consumers see the scheduler's token order (a row gather)."""
+            return tree if order is None else jax.tree.map(lambda x: x[order.tokens], tree)
+
         # The routing's consumers (None when nothing asked for it: no op in the step).
-        routed_rows = self.capturer.step_rows(routing)
+        routed_rows = self.capturer.step_rows(scheduler_order(routing))
         expert_pass = None
         if self.expert_recorder is not None:  # real tokens only: padded ones have no batch row
-            expert_state, expert_pass = self.expert_recorder.record_step(
-                expert_state, routing.ids, real_tokens)
+            # Counts are the same in any token order: only per-token records are reordered
+            # (the gather of [T, layers, k] rows costs XLA:TPU about 40 MB per layer at 8,192
+            # tokens).
+            ids = (routing.ids, real_tokens)
+            if self.expert_recorder.mode == "per_token":
+                ids = scheduler_order(ids)
+            expert_state, expert_pass = self.expert_recorder.record_step(expert_state, *ids)
         rows = batch.sampled_rows
         sampled_logits = logits[:rows]  # then, with logprobs, the input-logprob rows
         next_ids = sample(sampled_logits, batch.sampling,

@@ -191,6 +191,20 @@ def test_tokens_rows_and_logprobs_equal_the_reference(multi):
     check_output_logprobs(multi["outs"])
 
 
+def test_mixed_batch_rows_of_the_askers_only(multi):
+    """Two requests of four (one per rank) ask for routed experts: theirs equal the
+    reference, the others carry none (the rows are put in the scheduler's order on the
+    host, and only the askers' are copied)."""
+    asked = [True, False, False, True]
+    outs = multi["mixed"]
+    check_against_reference([p for p, a in zip(PROMPTS, asked, strict=True) if a],
+                            [n for n, a in zip(MAX_NEW, asked, strict=True) if a],
+                            [o for o, a in zip(outs, asked, strict=True) if a])
+    for out, a in zip(outs, asked, strict=True):
+        if not a:
+            assert extract_routed_experts_from_meta_info(out) is None
+
+
 def ref_logprobs(ids: list[int], path: str = TEST_MODEL_PATH) -> np.ndarray:
     """[len(ids), V] float64: row p is the distribution of the token after position p."""
     logits = reference(path).forward(ids).logits

@@ -70,7 +70,8 @@ class DpOrder:
     i-th row (real rows first, then padding) is row ``rows[i]`` of the rank-by-rank layout,
     its j-th token is token ``tokens[j]``. The step computes in the rank layout and returns
     its outputs in the scheduler's order (``outputs[rows]``), so nothing after the step
-    knows about ranks."""
+    knows about ranks, except the routed-experts rows: the capturer puts those in the
+    scheduler's order on the host (``RoutedExpertsCapturer.select_rows``)."""
 
     rows: jax.Array  # [B] int32, a permutation
     tokens: jax.Array  # [T] int32, a permutation

@@ -105,8 +105,8 @@ class StepOutput:
     logits: jax.Array  # [B_pad, vocab] float32
     # The capturer's rows (a ``Routing``: ids [T_pad, layers, k] in the host table's dtype,
     # no router = its maximum, with routing weights when captured), when enabled; in a batch
-    # where only some requests asked, the askers' rows as a ``GatheredRows`` (what is copied
-    # to the host).
+    # where only some requests asked, or under DP attention (rows in the rank-by-rank token
+    # order), a ``GatheredRows`` (what is copied to the host, and where each token's row is).
     routed_rows: Any
     logprobs: LogprobOutput | None = None  # when some request asked
     # --expert-distribution-recorder-mode per_pass / per_token: this pass's counts or ids.
@@ -520,13 +520,14 @@ class ModelRunner:
             """DP attention: the consumers see the scheduler's token order (a row gather)."""
             return tree if order is None else jax.tree.map(lambda x: x[order.tokens], tree)
 
-        # The routing's consumers (None when nothing asked for it: no op in the step).
-        routed_rows = self.capturer.step_rows(scheduler_order(routing))
+        # The routing's consumers (None when nothing asked for it: no op in the step). The
+        # routed-experts rows stay in the step's token order: under DP attention the host puts
+        # them in the scheduler's (``select_rows``); XLA:TPU counts the row gather of
+        # [T, layers, k] at about 80 MB per MoE layer of the 235B at 8,192 tokens.
+        routed_rows = self.capturer.step_rows(routing)
         expert_pass = None
         if self.expert_recorder is not None:  # real tokens only: padded ones have no batch row
-            # Counts are the same in any token order: only per-token records are reordered
-            # (the gather of [T, layers, k] rows costs XLA:TPU about 40 MB per layer at 8,192
-            # tokens).
+            # Counts are the same in any token order: only per-token records are reordered.
             ids = (routing.ids, real_tokens)
             if self.expert_recorder.mode == "per_token":
                 ids = scheduler_order(ids)
@@ -709,9 +710,13 @@ class ModelRunner:
             out.known_rows = known
         self.last_step_copy_bytes = 0
         if mwb.return_routed_experts:
-            if routed is not None:
+            # DP attention: the step's rows are in its rank-by-rank token order.
+            places = None if batch.dp_order is None else np.asarray(batch.dp_order.tokens)
+            if routed is not None or places is not None:
+                tokens = np.arange(mwb.num_tokens) if routed is None else routed
                 with jax.set_mesh(self.mesh):
-                    out.routed_rows = self.capturer.select_rows(out.routed_rows, routed)
+                    out.routed_rows = self.capturer.select_rows(out.routed_rows, tokens,
+                                                                places)
             if self.keeps_results:  # overlaps the step and the next one
                 self.last_step_copy_bytes = self.capturer.start_copy(out.routed_rows)
         if self.expert_recorder is not None and self.keeps_results:

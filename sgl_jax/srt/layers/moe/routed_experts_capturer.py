@@ -17,7 +17,9 @@ Flow (the routed-experts contract, docs/routed_experts.md):
    with the rest of the step and the next one; ``on_forward_end`` scatters the real (unpadded)
    rows into the ``RoutedExpertsHostCache`` at the tokens' KV slots. In a batch where only
    some requests asked, only their tokens' rows are copied: ``select_rows`` gathers them on
-   the device first (``GatheredRows``), and only their slots are marked valid.
+   the device first (``GatheredRows``), and only their slots are marked valid. With DP
+   attention the step's rows come in its rank-by-rank token order and are put in the
+   scheduler's on the host (a row gather in the step would cost more than the rows).
 3. When a request ends, the scheduler's memory (``ReqMemory.routed_rows_of``) gathers its
    rows from the host table through ``req_to_token``, before its KV is freed.
 
@@ -68,17 +70,20 @@ def index_bucket(n: int) -> int:
 
 @dataclass(frozen=True)
 class GatheredRows:
-    """A mixed batch's rows on their way to the host: those of the requests that asked.
+    """Rows on their way to the host: the batch tokens ``tokens`` (the scheduler's order)
+    hold rows ``at`` of ``rows`` (device, a ``Routing``).
 
-    ``rows`` (device, a ``Routing``) holds in row i the row of batch token ``tokens[i]``
-    (rows past ``len(tokens)`` are the gather's padding), or, when ``gathered`` is False (the
-    gather would not be smaller than the step's rows), the step's own rows, of which only
-    ``tokens`` are written.
+    A mixed batch (only some requests asked): the askers' rows gathered on the device,
+    ``at = arange(len(tokens))`` (rows past it are the gather's padding), or, when the gather
+    would not be smaller than the step's rows, the step's own rows, of which only the askers'
+    are written. With DP attention the step's rows are in its rank-by-rank token order
+    (``at``: each token's place there, from the batch's ``DpOrder``): reordered on the host,
+    not by a gather in the step.
     """
 
     rows: Routing
     tokens: np.ndarray
-    gathered: bool = True
+    at: np.ndarray
 
 
 class RoutedExpertsCapturer(ABC):
@@ -129,8 +134,10 @@ class RoutedExpertsCapturer(ABC):
         """Records whether the rows of the KV slots a launched step writes will be known
         (``copy``: for the whole batch, or a bool per token)."""
 
-    def select_rows(self, rows: Routing | None, tokens: np.ndarray) -> Any:
-        """The rows to copy when only the batch tokens ``tokens`` asked (see GatheredRows)."""
+    def select_rows(self, rows: Routing | None, tokens: np.ndarray,
+                    places: np.ndarray | None = None) -> Any:
+        """The rows to copy of the batch tokens ``tokens`` (the askers of a mixed batch), the
+        step's row of token j being ``places[j]`` (DP attention) or j (see GatheredRows)."""
         return rows
 
     def start_copy(self, rows: Any) -> int:
@@ -185,16 +192,18 @@ class _RoutedExpertsCapturerReal(RoutedExpertsCapturer):
         ids = routing.ids.astype(self.host_cache.dtype)
         return Routing(ids, routing.weights if self.capture_weights else None)
 
-    def select_rows(self, rows: Routing | None, tokens: np.ndarray) -> Any:
+    def select_rows(self, rows: Routing | None, tokens: np.ndarray,
+                    places: np.ndarray | None = None) -> Any:
         if rows is None:
             return None
+        at = tokens if places is None else np.asarray(places)[tokens]
         step_tokens = rows.ids.shape[0]
         bucket = index_bucket(len(tokens))
         if bucket >= step_tokens:  # no smaller than the step's rows: copy those
-            return GatheredRows(rows, tokens, gathered=False)
-        index = np.zeros(bucket, np.int32)  # padding gathers token 0's row again (unused)
-        index[: len(tokens)] = tokens
-        return GatheredRows(_gather_rows(rows, index), tokens)
+            return GatheredRows(rows, tokens, at)
+        index = np.zeros(bucket, np.int32)  # padding gathers the first row again (unused)
+        index[: len(tokens)] = at
+        return GatheredRows(_gather_rows(rows, index), tokens, np.arange(len(tokens)))
 
     def start_copy(self, rows: Any) -> int:
         if isinstance(rows, GatheredRows):
@@ -215,10 +224,7 @@ class _RoutedExpertsCapturerReal(RoutedExpertsCapturer):
             return
         take: Any = slice(0, num_real_tokens)  # which host rows are written, to which slots
         if isinstance(rows, GatheredRows):
-            tokens = rows.tokens
-            loc = loc[tokens]
-            take = slice(0, len(tokens)) if rows.gathered else tokens
-            rows = rows.rows
+            loc, take, rows = loc[rows.tokens], rows.at, rows.rows
         # np.asarray waits for the copy started at dispatch; the rows are a fresh output of the
         # forward (or of its gather), never donated, so reading them cannot race with a later
         # step.

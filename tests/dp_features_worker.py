@@ -128,7 +128,9 @@ def multi_run(second: str) -> dict[str, Any]:
         # rank, with top-3 alternatives.
         out["input_lp"] = generate(eng, INPUT_LP_PROMPTS, [2, 3], return_logprob=True,
                                    logprob_start_len=0, top_logprobs_num=3)
-        # A mixed batch: two of the four requests (one per rank) ask for routed experts.
+        # A mixed batch: two of the four requests (one per rank) ask for routed experts; the
+        # cache flushed first, so every prompt is prefilled again (one in two chunks).
+        eng.flush_cache()
         out["mixed"] = eng.generate(input_ids=PROMPTS, sampling_params=params(MAX_NEW),
                                     return_routed_experts=[True, False, False, True])
         out["det"] = {name: determinism_runs(eng, sampling)

@@ -147,6 +147,28 @@ def test_verify_with_an_eagle_draft_costs_more_than_without(small_config: Path,
     assert eagle["compiled_flops"] > ngram["compiled_flops"]
 
 
+@needs_libtpu
+def test_placement_and_routing_add_no_gather_or_scatter(small_config: Path,
+                                                         tmp_path: Path) -> None:
+    """Compiled for TPU with DP attention, EPLB (its replica choice and the recorder's
+    counts) and routed-experts capture add no gather or scatter to the step: XLA:TPU runs
+    each element of one from a small table at a whole tile. Their lookups are one-hot
+    compares there, and the host puts the routed rows in the scheduler's order."""
+    common = ["--model-config", str(small_config), "--topology", "v5e:2x2", "--tp-size", "2",
+              "--ep-size", "2", "--dp-size", "2", "--decode-bs", "8", "--prefill-tokens", "64",
+              "--prefill-requests", "2", "--context-len", "512", "--json"]
+    counts = {}
+    for name, extra in (("plain", []), ("features", ["--ep-num-redundant-experts", "2",
+                                                     "--enable-return-routed-experts"])):
+        proc = run_tool(*common, *extra, "--dump-hlo", str(tmp_path / name))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        counts[name] = {
+            path.name: [path.read_text().count(f" {op}(") for op in ("gather", "scatter")]
+            for path in sorted((tmp_path / name).glob("*.hlo"))}
+    assert set(counts["plain"]) == {"decode-8x8-2moe2.hlo", "prefill-64x8-2moe2.hlo"}
+    assert counts["features"] == counts["plain"]
+
+
 def test_verify_buckets_and_flags() -> None:
     # No compile: the buckets --verify-tokens adds, and the flags it refuses.
     rows = aot_report.dp_buckets([64, 256], 2048, 8, 4096, 1, lambda t: min(t, 256), 4)

@@ -87,7 +87,9 @@ def test_mixed_batch_copies_only_the_askers_rows(sched):
     # The prefill: 25 tokens, 16 of them the askers' (5 + 11, a power of two).
     mode, tokens, copied, rows = sched.step_copies()
     assert mode == ForwardMode.EXTEND and tokens == 25
-    assert isinstance(rows, GatheredRows) and rows.gathered
+    assert isinstance(rows, GatheredRows)  # gathered on the device: row i is token i's
+    np.testing.assert_array_equal(rows.at, np.arange(16))
+    assert rows.rows.ids.shape[0] == index_bucket(16)
     assert copied == 16 * sched.row_bytes()
     slots = sched.scheduler.pending[0].out_cache_loc
     valid = sched.runner.capturer.host_cache.valid[slots]
@@ -131,7 +133,9 @@ def test_askers_not_fewer_than_the_step_copy_the_step_rows(sched):
     assert copied == index_bucket(18) * sched.row_bytes()
     mode, _, copied, rows = sched.step_copies()
     assert mode == ForwardMode.DECODE
-    assert isinstance(rows, GatheredRows) and not rows.gathered
+    assert isinstance(rows, GatheredRows)  # the step's own rows, the askers' written
+    np.testing.assert_array_equal(rows.at, rows.tokens)
+    assert rows.rows.ids.shape[0] == 4
     assert copied == 4 * sched.row_bytes()
     outs = sched.run_to_end([f"most{i}" for i in range(4)])
     for i, (ids, a) in enumerate(zip(prompts, asks, strict=True)):

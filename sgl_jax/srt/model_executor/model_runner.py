@@ -8,7 +8,8 @@ routing (every token's top-k experts in every layer) is an output of the step wh
 needs it (``layers/moe/routing.py``), read by two consumers: the routed-experts capturer (rows
 in the host table's dtype, a fresh output of each step, their host copy started at dispatch when
 the batch asks for them: all of them when every request asked, else only the askers' rows,
-gathered on the device) and, with ``--expert-distribution-recorder-mode``, the recorder (its
+gathered on the device; under DP attention put in the scheduler's token order on the host)
+and, with ``--expert-distribution-recorder-mode``, the recorder (its
 device state, ``stat`` counts, is donated too, and the step also outputs the pass's counts or
 ids for ``per_pass`` / ``per_token``; docs/expert_load.md); no shape depends on whether
 recording is on. Every trace of the step is counted in ``num_compiles``: after precompilation,
@@ -714,9 +715,9 @@ class ModelRunner:
             places = None if batch.dp_order is None else np.asarray(batch.dp_order.tokens)
             if routed is not None or places is not None:
                 tokens = np.arange(mwb.num_tokens) if routed is None else routed
-                with jax.set_mesh(self.mesh):
-                    out.routed_rows = self.capturer.select_rows(out.routed_rows, tokens,
-                                                                places)
+                with jax.set_mesh(self.mesh):  # every token asked: no gather, as without DP
+                    out.routed_rows = self.capturer.select_rows(
+                        out.routed_rows, tokens, places, gather=routed is not None)
             if self.keeps_results:  # overlaps the step and the next one
                 self.last_step_copy_bytes = self.capturer.start_copy(out.routed_rows)
         if self.expert_recorder is not None and self.keeps_results:

@@ -32,7 +32,8 @@ class ModelBackends:
     # between the layers' projections; 0: never (models/sequence_parallel.py).
     sequence_parallel_tokens: int = 0
     # Compiled for TPU: lookups of the step's T * k assignments in small tables (a static
-    # expert order, EPLB's replicas, the expert distribution recorder's counts) by one-hot
-    # compares and matmuls; XLA:TPU runs a gather or scatter of such a table at a whole tile
-    # per element (layers/moe/ep_moe.lookup_rows). Off TPU: gathers, the cheaper there.
+    # expert order, EPLB's replicas) by one-hot matmuls; XLA:TPU runs a gather from such a
+    # table at a whole tile per element (layers/moe/ep_moe.lookup_rows). Off TPU: gathers,
+    # the cheaper there. (The expert distribution recorder's counts switch the same way, by
+    # the platform create_recorder is given.)
     one_hot_lookups: bool = False

@@ -108,7 +108,8 @@ def lookup_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     the gather is the cheaper (0.3 against 7.7 ms for EPLB's at that size). The ids' one-hot
     rows (bfloat16) multiply the table split into its low and high bytes (integers below
     256, exact in bfloat16); each output is one product of 1 and a byte, summed in float32
-    with zeros: exact."""
+    with zeros: exact. An id outside ``[0, N)`` gives 0 (a gather would clamp it): the ids
+    are the router's."""
     size, columns = table.shape
     table = table.astype(jnp.int32)
     halves = jnp.concatenate([table % 256, table // 256], axis=1).astype(jnp.bfloat16)

@@ -59,7 +59,8 @@ def _take_rows(rows: Any, index: jax.Array) -> Any:
 # whatever the batch asks (an index input inside it would multiply the step's compiles by the
 # index buckets, and every all-asking batch would pay for a gather it does not need). This
 # compiles once per (step bucket, power-of-two index count): a bounded, small set of tiny
-# programs, dispatched after the step only when a batch mixes askers and non-askers.
+# programs, dispatched after the step only when a batch mixes askers and non-askers (and the
+# askers' rows are fewer than the step's).
 _gather_rows = jax.jit(_take_rows)
 
 
@@ -135,9 +136,11 @@ class RoutedExpertsCapturer(ABC):
         (``copy``: for the whole batch, or a bool per token)."""
 
     def select_rows(self, rows: Routing | None, tokens: np.ndarray,
-                    places: np.ndarray | None = None) -> Any:
-        """The rows to copy of the batch tokens ``tokens`` (the askers of a mixed batch), the
-        step's row of token j being ``places[j]`` (DP attention) or j (see GatheredRows)."""
+                    places: np.ndarray | None = None, gather: bool = True) -> Any:
+        """The rows to copy of the batch tokens ``tokens`` (the askers of a mixed batch, or
+        every token), the step's row of token j being ``places[j]`` (DP attention) or j (see
+        GatheredRows). ``gather``: gathered on the device when that copies fewer rows (a
+        mixed batch), else the step's own rows are copied and picked on the host."""
         return rows
 
     def start_copy(self, rows: Any) -> int:
@@ -193,13 +196,13 @@ class _RoutedExpertsCapturerReal(RoutedExpertsCapturer):
         return Routing(ids, routing.weights if self.capture_weights else None)
 
     def select_rows(self, rows: Routing | None, tokens: np.ndarray,
-                    places: np.ndarray | None = None) -> Any:
+                    places: np.ndarray | None = None, gather: bool = True) -> Any:
         if rows is None:
             return None
         at = tokens if places is None else np.asarray(places)[tokens]
         step_tokens = rows.ids.shape[0]
         bucket = index_bucket(len(tokens))
-        if bucket >= step_tokens:  # no smaller than the step's rows: copy those
+        if not gather or bucket >= step_tokens:  # copy the step's rows, pick on the host
             return GatheredRows(rows, tokens, at)
         index = np.zeros(bucket, np.int32)  # padding gathers the first row again (unused)
         index[: len(tokens)] = at
@@ -218,7 +221,7 @@ class _RoutedExpertsCapturerReal(RoutedExpertsCapturer):
         self, rows: Any, out_cache_loc: np.ndarray, num_real_tokens: int, copy: bool,
     ) -> None:
         """``rows`` as the step returned them (``StepOutput.routed_rows``): the step's own rows
-        of every token, or a mixed batch's ``GatheredRows``."""
+        of every token, or a ``GatheredRows`` (a mixed batch's, or under DP attention)."""
         loc = out_cache_loc[:num_real_tokens]
         if not copy or rows is None:
             return

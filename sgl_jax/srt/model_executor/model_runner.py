@@ -516,11 +516,6 @@ class ModelRunner:
             logits, kv_caches, routing = model(batch, meta, kv_caches, self.backends)
         real_tokens = token_to_req < batch.batch_size
         order = batch.dp_order
-
-        def scheduler_order(tree: Any) -> Any:
-            """DP attention: the consumers see the scheduler's token order (a row gather)."""
-            return tree if order is None else jax.tree.map(lambda x: x[order.tokens], tree)
-
         # The routing's consumers (None when nothing asked for it: no op in the step). The
         # routed-experts rows stay in the step's token order: under DP attention the host puts
         # them in the scheduler's (``select_rows``); XLA:TPU counts the row gather of
@@ -528,10 +523,11 @@ class ModelRunner:
         routed_rows = self.capturer.step_rows(routing)
         expert_pass = None
         if self.expert_recorder is not None:  # real tokens only: padded ones have no batch row
-            # Counts are the same in any token order: only per-token records are reordered.
+            # Counts are the same in any token order: only per-token records are put in the
+            # scheduler's (DP attention: a row gather).
             ids = (routing.ids, real_tokens)
-            if self.expert_recorder.mode == "per_token":
-                ids = scheduler_order(ids)
+            if order is not None and self.expert_recorder.mode == "per_token":
+                ids = jax.tree.map(lambda x: x[order.tokens], ids)
             expert_state, expert_pass = self.expert_recorder.record_step(expert_state, *ids)
         rows = batch.sampled_rows
         sampled_logits = logits[:rows]  # then, with logprobs, the input-logprob rows

@@ -360,8 +360,11 @@ class ModelRunner:
             weights=server_args.enable_return_routed_expert_weights,
         )
         # --expert-distribution-recorder-mode: the second consumer of the step's routing.
+        # Compiled for TPU: small-table lookups and counts by one-hot compares, not gathers or
+        # scatters (ModelBackends.one_hot_lookups).
+        one_hot_lookups = self.platform == "tpu"
         self.expert_recorder = create_recorder(server_args, model_config, replicated, abstract,
-                                               self.platform)
+                                               one_hot_lookups)
         if self.eplb is not None and not abstract:
             self.expert_recorder.start()  # EPLB rebalances from these counts
         routing = self.capturer.routing_spec
@@ -372,7 +375,7 @@ class ModelRunner:
                                       dp_attention=self.dp_size > 1,
                                       sequence_parallel_tokens=(
                                           server_args.sequence_parallel_min_tokens),
-                                      one_hot_lookups=self.platform == "tpu",
+                                      one_hot_lookups=one_hot_lookups,
                                       moe_all_to_all=(
                                           ragged_collective(self.platform)
                                           if server_args.moe_dispatch == "ragged_all_to_all"

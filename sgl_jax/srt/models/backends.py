@@ -34,6 +34,6 @@ class ModelBackends:
     # Compiled for TPU: lookups of the step's T * k assignments in small tables (a static
     # expert order, EPLB's replicas) by one-hot matmuls; XLA:TPU runs a gather from such a
     # table at a whole tile per element (layers/moe/ep_moe.lookup_rows). Off TPU: gathers,
-    # the cheaper there. (The expert distribution recorder's counts switch the same way, by
-    # the platform create_recorder is given.)
+    # the cheaper there. The runner gives the expert distribution recorder the same choice
+    # for its counts (one-hot compares, not a scatter-add).
     one_hot_lookups: bool = False

@@ -289,14 +289,14 @@ def _caller_rid(key: str) -> str:
 
 
 def create_recorder(server_args: Any, model_config: ModelConfig, sharding: Any = None,
-                    abstract: bool = False, platform: str = "cpu"
+                    abstract: bool = False, one_hot_counts: bool = False
                     ) -> ExpertDistributionRecorder | None:
-    """The recorder of ``--expert-distribution-recorder-mode`` (None: off), for steps compiled
-    for ``platform``."""
+    """The recorder of ``--expert-distribution-recorder-mode`` (None: off); ``one_hot_counts``
+    for steps compiled for TPU (``ModelBackends.one_hot_lookups``)."""
     mode = server_args.expert_distribution_recorder_mode
     if mode is None:
         return None
     return ExpertDistributionRecorder(
         mode, model_config, server_args.expert_distribution_recorder_buffer_size,
         server_args.expert_distribution_recorder_dir, sharding, abstract,
-        one_hot_counts=platform == "tpu")
+        one_hot_counts=one_hot_counts)

@@ -169,6 +169,24 @@ def test_placement_and_routing_add_no_gather_or_scatter(small_config: Path,
     assert counts["features"] == counts["plain"]
 
 
+@needs_libtpu
+def test_all_heads_on_one_device_compile(tmp_path: Path) -> None:
+    """The 235B's attention (64 query heads of 4 KV heads) whole on each device (tp 1, DP
+    attention over 4 v5p chips): the Pallas kernel's tuned blocks hold all 64 heads, whose
+    scores outgrow XLA's default scoped VMEM (16 MiB on v5p), and XLA:TPU refused to
+    compile the prefill. The backend asks for the chip's limit (48 MiB on v5p)."""
+    config = json.loads((CONFIGS / "qwen3-235b-a22b" / "config.json").read_text())
+    config.update(num_hidden_layers=1, max_window_layers=1, vocab_size=2048, hidden_size=1024,
+                  moe_intermediate_size=256, num_experts=16)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    proc = run_tool("--model-config", str(tmp_path), "--topology", "v5p:2x2x1",
+                    "--tp-size", "1", "--ep-size", "4", "--dp-size", "4", "--decode-bs", "8",
+                    "--prefill-tokens", "2048", "--prefill-requests", "4",
+                    "--context-len", "1024", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["mode"] for r in json.loads(proc.stdout)] == ["decode", "prefill"]
+
+
 def test_verify_buckets_and_flags() -> None:
     # No compile: the buckets --verify-tokens adds, and the flags it refuses.
     rows = aot_report.dp_buckets([64, 256], 2048, 8, 4096, 1, lambda t: min(t, 256), 4)

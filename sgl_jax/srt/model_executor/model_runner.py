@@ -236,7 +236,7 @@ class ModelRunner:
         attention = create_attention_backend(
             server_args.attention_backend, self.platform, model_config.head_dim,
             server_args.attention_block_size, latent=model_config.attention == "mla",
-            batch_invariant=self.deterministic,
+            batch_invariant=self.deterministic, device_kind=devices[0].device_kind,
         )
         moe_backend = create_moe_backend(server_args.moe_backend, self.platform,
                                          batch_invariant=self.deterministic,

@@ -18,6 +18,7 @@ from sgl_jax.srt.layers.attention.base import (
 )
 from sgl_jax.srt.layers.attention.native import NativeAttention
 from sgl_jax.srt.layers.attention.pallas import PallasAttention, check_pallas_shapes
+from sgl_jax.srt.layers.moe.vmem_rows import chip_vmem_limit
 
 ATTENTION_BACKENDS = ("native", "pallas")
 
@@ -37,13 +38,15 @@ __all__ = [
 
 def create_attention_backend(
     name: str, platform: str, head_dim: int, kv_block: int, *, latent: bool = False,
-    batch_invariant: bool = False,
+    batch_invariant: bool = False, device_kind: str | None = None,
 ) -> AttentionBackend:
     """The backend for ``--attention-backend`` on a device platform ("cpu", "tpu", "gpu").
 
     ``latent``: the model uses multi-head latent attention (DeepSeek-V3), which only
     ``native`` reads. ``batch_invariant`` (``--enable-deterministic-inference``, native only:
-    ``ServerArgs`` refuses the others): no shortcut chosen by the batch-mates' positions."""
+    ``ServerArgs`` refuses the others): no shortcut chosen by the batch-mates' positions.
+    ``device_kind`` (``jax.Device.device_kind``): the TPU whose VMEM sizes pallas' scoped
+    limit (``vmem_rows.chip_vmem_limit``, as for the gmm kernels)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; use one of {ATTENTION_BACKENDS}")
     if latent and name != "native":
@@ -58,4 +61,6 @@ def create_attention_backend(
         raise ValueError(
             f"--attention-backend pallas runs JAX's TPU kernel; on {platform} use native"
         )
-    return PallasAttention(interpret=platform == "cpu")
+    if platform == "cpu":
+        return PallasAttention(interpret=True)
+    return PallasAttention(vmem_limit=chip_vmem_limit(device_kind))

@@ -36,8 +36,14 @@ def check_pallas_shapes(head_dim: int) -> None:
 class PallasAttention(AttentionBackend):
     name = "pallas"
 
-    def __init__(self, interpret: bool = False) -> None:
+    def __init__(self, interpret: bool = False, vmem_limit: int | None = None) -> None:
+        """``vmem_limit``: the scoped VMEM (bytes) the kernel may use on a TPU (None: XLA's
+        default, 16 MiB on v5p). The kernel's tuned blocks hold all the query heads of a
+        group of KV heads: with many heads per device (the 235B at tp 1: 64 q heads of 4 KV
+        heads in one block) their scores outgrow the default and XLA:TPU refuses to compile
+        the prefill (``aot_report``, docs/parallelism.md)."""
         self.interpret = interpret
+        self.vmem_limit = vmem_limit
         if interpret:
             from sgl_jax.srt.layers.attention.pallas_interpret import enable_tpu_interpret_mode
 
@@ -75,10 +81,11 @@ class PallasAttention(AttentionBackend):
         return kernel(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
 
     def _block_sizes(self, meta: AttentionMetadata) -> dict[str, int]:
-        """On a TPU the kernel picks tuned block sizes for its chip; the interpreter has no
-        chip, so it gets fixed ones (128 positions of KV per block, 16 queries)."""
+        """On a TPU the kernel picks tuned block sizes for its chip (and gets the chip's
+        scoped VMEM limit); the interpreter has no chip, so it gets fixed ones (128 positions
+        of KV per block, 16 queries)."""
         if not self.interpret:
-            return {}
+            return {} if self.vmem_limit is None else {"vmem_limit_bytes": self.vmem_limit}
         pages_per_seq = meta.page_indices.shape[1]
         return {
             "num_kv_pages_per_block": max(1, min(pages_per_seq, 128 // meta.page_size)),

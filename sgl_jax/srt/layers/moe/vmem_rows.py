@@ -64,16 +64,23 @@ def vmem_limit(device_kind: str | None) -> int:
     ``device_kind`` (``jax.Device.device_kind``, e.g. "TPU v6 lite"): the limit of the
     first of ``VMEM_TIERS`` whose VMEM per TensorCore the chip has, else ``VMEM_LIMIT``
     (also for a kind JAX's table does not know, or no TPU)."""
+    return chip_vmem_limit(device_kind) or VMEM_LIMIT
+
+
+def chip_vmem_limit(device_kind: str | None) -> int | None:
+    """The limit of the first of ``VMEM_TIERS`` whose VMEM per TensorCore a chip of
+    ``device_kind`` has; None for a smaller chip, a kind JAX's table does not know, or no
+    TPU (a kernel then keeps XLA's default)."""
     if not device_kind:
-        return VMEM_LIMIT
+        return None
     try:
         from jax._src.pallas.mosaic import tpu_info  # the kind's chip: not a public API yet
 
         version = tpu_info.chip_version_from_device_kind(device_kind)
         capacity = pltpu.get_tpu_info_for_chip(version, 1).vmem_capacity_bytes
-    except Exception:  # noqa: BLE001 - an unknown or non-TPU kind: the default limit
-        return VMEM_LIMIT
-    return next((limit for vmem, limit in VMEM_TIERS if capacity >= vmem), VMEM_LIMIT)
+    except Exception:  # noqa: BLE001 - an unknown or non-TPU kind
+        return None
+    return next((limit for vmem, limit in VMEM_TIERS if capacity >= vmem), None)
 
 
 def budgets(limit: int = VMEM_LIMIT) -> tuple[int, int]:

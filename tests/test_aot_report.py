@@ -174,7 +174,7 @@ def test_all_heads_on_one_device_compile(tmp_path: Path) -> None:
     """The 235B's attention (64 query heads of 4 KV heads) whole on each device (tp 1, DP
     attention over 4 v5p chips): the Pallas kernel's tuned blocks hold all 64 heads, whose
     scores outgrow XLA's default scoped VMEM (16 MiB on v5p), and XLA:TPU refused to
-    compile the prefill. Such blocks ask for the chip's limit (48 MiB on v5p)."""
+    compile the prefill. The kernel asks for the chip's limit (48 MiB on v5p)."""
     config = json.loads((CONFIGS / "qwen3-235b-a22b" / "config.json").read_text())
     config.update(num_hidden_layers=1, max_window_layers=1, vocab_size=2048, hidden_size=1024,
                   moe_intermediate_size=256, num_experts=16)

@@ -12,6 +12,8 @@ On CPU it runs in Pallas' TPU interpret mode (slow; for tests only).
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -20,14 +22,6 @@ from sgl_jax.srt.layers.attention.base import AttentionBackend, AttentionMetadat
 
 TENSOR_AXIS = "tensor"
 HEAD_DIM_MULTIPLE = 128
-# The most query heads a block of the kernel may hold for XLA:TPU's default scoped VMEM
-# (16 MiB on v5p) to fit it. The kernel's blocks take the query heads of a whole group of KV
-# heads; their scores grow with them. 16 compile on every chip measured (the 235B at tp 4
-# on v5p); 32 (its tp 2) and 64 (tp 1) do not on v5p, so such blocks ask for the chip's
-# limit (``vmem_rows.chip_vmem_limit``). Not every block asks: a larger scoped limit moves
-# XLA's own use of VMEM around the kernel (the 30B's prefill at tp 4 on v6e counted 2.8 GB
-# more with 100 MiB asked for; docs/performance.md).
-DEFAULT_VMEM_HEADS = 16
 
 
 def check_pallas_shapes(head_dim: int) -> None:
@@ -43,9 +37,13 @@ class PallasAttention(AttentionBackend):
     name = "pallas"
 
     def __init__(self, interpret: bool = False, vmem_limit: int | None = None) -> None:
-        """``vmem_limit``: the scoped VMEM (bytes) the kernel asks for on a TPU when its
-        blocks hold more than ``DEFAULT_VMEM_HEADS`` query heads (None: XLA's default
-        always)."""
+        """``vmem_limit``: the scoped VMEM (bytes) the kernel may use on a TPU (None: XLA's
+        default, 16 MiB on v5e and v5p). The scores of one block grow with the query heads
+        of the KV-head group it holds and with its KV positions; at the default XLA:TPU
+        refused to compile the 235B's prefill at tp 1 and 2 on v5p (64 and 32 heads a
+        block) and the 30B's decode over a 32k context in pages of 64 on v5e (8 heads, 8,192
+        positions a block). The chip's limit (``vmem_rows.chip_vmem_limit``) is asked for
+        always: a rule by heads missed the last case (docs/performance.md)."""
         self.interpret = interpret
         self.vmem_limit = vmem_limit
         if interpret:
@@ -67,11 +65,7 @@ class PallasAttention(AttentionBackend):
         # Padded rows (no new tokens) come last: they are not sequences for the kernel.
         num_seqs = jnp.sum(meta.extend_lens > 0).astype(jnp.int32).reshape(1)
         page_indices = meta.page_indices.astype(jnp.int32)
-
-        def kernel(q: jax.Array, kv_cache: jax.Array, *meta_arrays: jax.Array) -> jax.Array:
-            # Under shard_map the shapes are the device's: its heads size the blocks.
-            return ragged_paged_attention(q, kv_cache, *meta_arrays, sm_scale=scale,
-                                          **self._block_sizes(meta, q, kv_cache))
+        kernel = partial(ragged_paged_attention, sm_scale=scale, **self._block_sizes(meta))
 
         mesh = jax.sharding.get_abstract_mesh()
         # Inside DP attention's per-rank shard_map the axes are already manual: the kernel
@@ -88,22 +82,12 @@ class PallasAttention(AttentionBackend):
             )
         return kernel(q, kv_cache, kv_lens, page_indices, cu_q_lens, num_seqs)
 
-    def _block_sizes(self, meta: AttentionMetadata, q: jax.Array,
-                     kv_cache: jax.Array) -> dict[str, int]:
-        """On a TPU the kernel picks tuned block sizes for its chip, and gets the chip's
-        scoped VMEM limit when its blocks hold many heads; the interpreter has no chip, so it
-        gets fixed ones (128 positions of KV per block, 16 queries)."""
+    def _block_sizes(self, meta: AttentionMetadata) -> dict[str, int]:
+        """On a TPU the kernel picks tuned block sizes for its chip (and gets the chip's
+        scoped VMEM limit); the interpreter has no chip, so it gets fixed ones (128 positions
+        of KV per block, 16 queries)."""
         if not self.interpret:
-            # The kernel's own rule for the heads one block holds.
-            from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import (
-                get_min_heads_per_blk,
-            )
-
-            heads, _ = get_min_heads_per_blk(q.shape[1], kv_cache.shape[2], q.dtype,
-                                             kv_cache.dtype)
-            if self.vmem_limit is None or heads <= DEFAULT_VMEM_HEADS:
-                return {}
-            return {"vmem_limit_bytes": self.vmem_limit}
+            return {} if self.vmem_limit is None else {"vmem_limit_bytes": self.vmem_limit}
         pages_per_seq = meta.page_indices.shape[1]
         return {
             "num_kv_pages_per_block": max(1, min(pages_per_seq, 128 // meta.page_size)),

@@ -187,6 +187,19 @@ def test_all_heads_on_one_device_compile(tmp_path: Path) -> None:
     assert [r["mode"] for r in json.loads(proc.stdout)] == ["decode", "prefill"]
 
 
+@needs_libtpu
+def test_long_context_pages_compile(small_config: Path) -> None:
+    """The 30B's decode of 64 requests over a 32k context in pages of 64 on v5e: 8 heads a
+    block of the Pallas kernel, but 128 pages of 64 positions, outgrow XLA's default scoped
+    VMEM (16 MiB) as well (8 requests fit: fewer queries a block). A rule asking for the
+    chip's limit by heads alone missed this one."""
+    proc = run_tool("--model-config", str(small_config), "--topology", "v5e:2x2",
+                    "--tp-size", "4", "--page-size", "64", "--context-len", "32768",
+                    "--decode-bs", "64", "--prefill-tokens", "0", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["mode"] for r in json.loads(proc.stdout)] == ["decode"]
+
+
 def test_verify_buckets_and_flags() -> None:
     # No compile: the buckets --verify-tokens adds, and the flags it refuses.
     rows = aot_report.dp_buckets([64, 256], 2048, 8, 4096, 1, lambda t: min(t, 256), 4)

@@ -40,7 +40,7 @@ RUNS: list[tuple[str, str, dict, str, str]] = [
      "--tp-size 4 --page-size 64 --context-len 32768"),
     ("30B v5e:2x2 tp4 page 128", "qwen3-30b-a3b", {}, "v5e:2x2",
      "--tp-size 4 --page-size 128"),
-    ("30B v5e:2x2 tp4 verify 4 tokens", "qwen3-30b-a3b", {}, "v5e:2x2",
+    ("30B v5e:2x2 tp4 verify 4 tokens (NGRAM)", "qwen3-30b-a3b", {}, "v5e:2x2",
      "--tp-size 4 --verify-tokens 4"),
     ("30B v5e:2x2 tp2 ep2 EPLB + routed experts", "qwen3-30b-a3b", {}, "v5e:2x2",
      "--tp-size 2 --ep-size 2 --ep-num-redundant-experts 4 --enable-return-routed-experts"),
@@ -69,7 +69,8 @@ RUNS: list[tuple[str, str, dict, str, str]] = [
     ("DeepSeek-V3 v5p:2x2x4 tp4 ep4 dp4", "deepseek-v3", {"first_k_dense_replace": 1},
      "v5p:2x2x4", "--tp-size 4 --ep-size 4 --dp-size 4"),
     ("DeepSeek-V3 v5p:2x2x4 tp4 ep4 NEXTN verify", "deepseek-v3",
-     {"first_k_dense_replace": 1}, "v5p:2x2x4", "--tp-size 4 --ep-size 4 --verify-tokens 2"),
+     {"first_k_dense_replace": 1}, "v5p:2x2x4",
+     "--tp-size 4 --ep-size 4 --verify-tokens 2 --speculative-algorithm NEXTN"),
 ]
 
 

@@ -55,16 +55,17 @@ class Driver:
 
         self.sched.launch_batch = observed_launch
         self.retracted: list[tuple[str, int, bool]] = []  # (rid, rank, a part-way prompt)
-        retract = self.sched.retract_one
+        policy = self.sched.policy
+        retract = policy.retract_one
 
         def observed_retract(rank: int = 0) -> None:
-            chunked = self.sched.chunked.get(rank)
-            holders = [*self.sched.running, *self.sched.chunked.values()]
+            chunked = policy.chunked.get(rank)
+            holders = [*policy.running, *policy.chunked.values()]
             newest = max((r for r in holders if r.dp_rank == rank), key=lambda r: r.arrival_time)
             self.retracted.append((newest.rid, rank, newest is chunked))
             retract(rank)
 
-        self.sched.retract_one = observed_retract
+        policy.retract_one = observed_retract
 
     def _rank_range(self, rank: int) -> tuple[int, int]:
         alloc = self.sched.memory[rank].allocator
@@ -93,7 +94,7 @@ class Driver:
 
     def submit(self, rid: str, ids: list[int], max_new_tokens: int) -> int:
         self.s.submit(rid, ids, max_new_tokens)
-        req = next((r for r in self.sched.waiting if r.rid == rid), None)
+        req = next((r for r in self.sched.policy.waiting if r.rid == rid), None)
         return -1 if req is None else req.dp_rank  # -1: refused at once
 
     def read_outputs(self) -> None:
@@ -179,11 +180,11 @@ def scenarios(d: Driver) -> dict[str, Any]:
 
     # 6. Retraction: two requests per rank that cannot all grow to 42 tokens in 48 per rank.
     mark("retract")
-    before = d.sched.num_retractions
+    before = d.sched.policy.num_retractions
     for i in range(4):
         submit(f"r{i}", prompt_ids(600 + i, 12), 30)
     d.run([f"r{i}" for i in range(4)])
-    out["retractions"] = d.sched.num_retractions - before
+    out["retractions"] = d.sched.policy.num_retractions - before
 
     # 7. A request that cannot fit its rank even alone is aborted; the other rank serves on.
     mark("unfittable")

@@ -97,7 +97,9 @@ class SteppedScheduler:
     def assert_idle_and_leak_free(self) -> None:
         s = self.scheduler
         s.drain()
-        assert not (s.waiting or s.running or s.chunked)
+        assert not s.policy.has_work()
+        states = s.memory.states  # per-request state slots go back with the request
+        assert states.available() == states.num_slots
         stats = s.memory.stats()
         assert stats["locked_kv_slots"] == 0
         assert stats["available_kv_slots"] + stats["evictable_kv_slots"] == stats["total_kv_slots"]
@@ -195,10 +197,10 @@ def test_abort_of_a_retracted_request_returns_the_rows_it_had():
         s.submit("newer", b, max_new_tokens=30)
         for _ in range(40):
             s.step()
-            if s.scheduler.num_retractions:
+            if s.scheduler.policy.num_retractions:
                 break
-        assert s.scheduler.num_retractions == 1
-        retracted = s.scheduler.waiting[0]
+        assert s.scheduler.policy.num_retractions == 1
+        retracted = s.scheduler.policy.waiting[0]
         assert retracted.rid == "newer" and retracted.req_pool_idx is None
         so_far = list(retracted.output_ids)
         s.send(AbortReq(rid="newer"))
@@ -206,7 +208,7 @@ def test_abort_of_a_retracted_request_returns_the_rows_it_had():
         out = s.finished("newer")
         assert out["finished_reason"]["type"] == "abort" and out["output_ids"] == so_far
         np.testing.assert_array_equal(out["routed_experts"], expected_rows(b, so_far))
-        while s.scheduler.running or s.scheduler.waiting or s.scheduler.pending:
+        while s.scheduler.policy.running or s.scheduler.policy.waiting or s.scheduler.pending:
             s.step()
         done = s.finished("older")
         assert done["finished_reason"]["type"] == "length"

@@ -21,7 +21,7 @@ def main() -> None:
     server_args, port_args = pickle.load(sys.stdin.buffer)
     status = Connection(status_fd, readable=False)
     if role == "scheduler":
-        from sgl_jax.srt.managers.scheduler import run_scheduler_process as run
+        from sgl_jax.srt.managers.scheduler_process import run_scheduler_process as run
     elif role == "detokenizer":
         from sgl_jax.srt.managers.detokenizer_manager import run_detokenizer_process as run
     else:

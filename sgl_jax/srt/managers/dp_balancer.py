@@ -16,9 +16,12 @@ Ties of the two load-based methods go to the lowest rank. Pure host logic: no JA
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
+from sgl_jax.srt.managers.req_memory import RankedMemory
 from sgl_jax.srt.managers.schedule_batch import Req
 from sgl_jax.srt.server_args import LOAD_BALANCE_METHODS
 
@@ -56,6 +59,20 @@ class RankCounts:
                 for r in range(len(self.running))]
 
 
+def dp_ranks_of(reqs: Sequence[Req], dp_size: int) -> np.ndarray | None:
+    """The rank of each request of a step (int32 [B]); None without DP attention."""
+    if dp_size == 1:
+        return None
+    return np.fromiter((r.dp_rank for r in reqs), dtype=np.int32, count=len(reqs))
+
+
+def rank_info(counts: RankCounts, memory: RankedMemory) -> list[dict[str, int]]:
+    """Per DP attention rank: its requests and its KV slots (``/get_server_info``)."""
+    return [{"dp_rank": r, "num_running_reqs": counts.running[r],
+             "num_waiting_reqs": counts.waiting[r], **memory.rank_stats(r)}
+            for r in range(len(memory))]
+
+
 class DPBalancer:
     def __init__(self, method: str, dp_size: int) -> None:
         if method not in LOAD_BALANCE_METHODS:
@@ -70,6 +87,17 @@ class DPBalancer:
     def needs_loads(self) -> bool:
         """Whether ``choose`` reads the loads (round robin does not: skip computing them)."""
         return self.method != "round_robin"
+
+    def assign(self, req: Req, memory: RankedMemory, counts: Callable[[], RankCounts]) -> int:
+        """The rank of new request ``req``: where its prompt's prefix is cached, else by the
+        method (``counts()``: the requests of each rank now, read only if the method needs
+        loads)."""
+        usable = req.origin_input_ids[:-1]  # admission computes the last token at least
+        cached = [m.tree.cached_prefix_len(usable) for m in memory.ranks]
+        loads = None
+        if self.needs_loads:
+            loads = counts().loads([m.held_kv() for m in memory.ranks])
+        return self.choose(cached, loads)
 
     def choose(self, cached: Sequence[int], loads: Sequence[RankLoad] | None = None) -> int:
         """The rank for a new request; ``cached[r]``: tokens of its prompt cached on rank r."""

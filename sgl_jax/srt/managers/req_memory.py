@@ -28,6 +28,7 @@ import numpy as np
 from sgl_jax.srt.managers.schedule_batch import Req
 from sgl_jax.srt.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from sgl_jax.srt.mem_cache.radix_cache import RadixCache
+from sgl_jax.srt.mem_cache.request_state import RequestStateTable
 from sgl_jax.srt.mem_cache.routed_experts_host_cache import RoutedExpertsHostCache
 
 
@@ -38,11 +39,15 @@ class ReqMemory:
         allocator: TokenToKVPoolAllocator,
         tree: RadixCache,
         routed_rows: RoutedExpertsHostCache | None = None,
+        states: RequestStateTable | None = None,
     ) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.tree = tree
         self.routed_rows = routed_rows
+        # Per-request auxiliary state (mem_cache/request_state.py), shared by the DP ranks
+        # like the request slots; None when no kind of it is in use.
+        self.states = states
         self.page_size = allocator.page_size
 
     # -- admission ------------------------------------------------------------------------------
@@ -59,10 +64,16 @@ class ReqMemory:
         return self.allocator.tokens_needed(kv_len, n)
 
     def admit(self, req: Req) -> bool:
-        """Gives ``req`` a request slot and its longest usable cached prefix (locked)."""
+        """Gives ``req`` a request slot, a state slot (when states are kept) and its longest
+        usable cached prefix (locked)."""
         idx = self.req_to_token_pool.alloc()
         if idx is None:
             return False
+        if self.states is not None:
+            req.state_slot = self.states.alloc()
+            if req.state_slot is None:
+                self.req_to_token_pool.free(idx)
+                return False
         req.req_pool_idx = idx
         # At least one token must be computed: its logits sample the next token.
         usable = req.fill_ids[: req.seq_len - 1]
@@ -208,6 +219,9 @@ class ReqMemory:
             self.tree.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
+        if req.state_slot is not None:
+            self.states.free(req.state_slot)
+            req.state_slot = None
         req.last_node = None
         req.kv_len = req.prefix_len = 0
 
@@ -252,6 +266,7 @@ class RankedMemory:
         self.ranks = tuple(ranks)
         self.req_to_token_pool = ranks[0].req_to_token_pool
         self.routed_rows = ranks[0].routed_rows
+        self.states = ranks[0].states
 
     def __len__(self) -> int:
         return len(self.ranks)

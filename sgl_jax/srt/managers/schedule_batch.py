@@ -16,6 +16,7 @@ from sgl_jax.srt.managers.logprob_record import LogprobRecord
 from sgl_jax.srt.managers.request_options import RequestOptions
 from sgl_jax.srt.mem_cache.radix_cache import TreeNode
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
+from sgl_jax.srt.speculative.verify_schedule import VerifyPlan
 
 
 def finish_length(length: int) -> dict[str, Any]:
@@ -65,7 +66,9 @@ class Req:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None  # time.monotonic() when its first output was taken
     spec_verify_ct: int = 0  # speculative decoding: the verify steps it took part in
-    spec_drafts: list[int] = field(default_factory=list)  # EAGLE: its next draft tokens
+    # Its slot of per-request auxiliary state (mem_cache/request_state.py) while it holds
+    # memory: EAGLE / NEXTN's next draft tokens live there.
+    state_slot: int | None = None
     logprobs: LogprobRecord | None = None  # when it asked (return_logprob)
 
     def __post_init__(self) -> None:
@@ -101,7 +104,7 @@ class ScheduleBatch:
     forward_mode: ForwardMode
     reqs: list[Req]
     extend_lens: list[int]
-    out_cache_loc: np.ndarray
+    out_cache_loc: np.ndarray | None  # None: a device-input verify step's, known later
     # Extend steps: whether each request's sampled token is a real output (its prompt is
     # complete after this step) or a chunk boundary to be discarded.
     samples_output: list[bool] = field(default_factory=list)
@@ -123,6 +126,13 @@ class ScheduleBatch:
     # ``out_cache_loc`` is known once the step before it is processed.
     verify_first: np.ndarray | None = None
     verify_slots: np.ndarray | None = None
+
+    @classmethod
+    def for_verify(cls, reqs: list[Req], plan: VerifyPlan) -> ScheduleBatch:
+        """The verify step of speculative decoding laid out by ``plan``."""
+        return cls(ForwardMode.TARGET_VERIFY, reqs, plan.lens, plan.out_cache_loc,
+                   [True] * len(reqs), drafts=plan.drafts, draft_scratch=plan.draft_scratch,
+                   verify_first=plan.verify_first, verify_slots=plan.verify_slots)
 
     def to_model_worker_batch(self) -> ModelWorkerBatch:
         reqs = self.reqs
@@ -175,6 +185,21 @@ class ScheduleBatch:
                 if r.kv_len + n < r.seq_len:
                     out[i] = r.fill_ids[r.kv_len + n]
         return out
+
+    def record_logprobs(self, logprobs: Any, next_ids: np.ndarray) -> None:
+        """Adds the step's logprobs (the step output's ``logprobs``) to its requests' records
+        (before their tokens: a request that finishes on this token sends them with it)."""
+        lp = {k: np.asarray(v) for k, v in vars(logprobs).items()}
+        padded_rows = len(next_ids)
+        for req, row, prompt_token in self.logprob_rows:
+            if req.finished:  # ended (aborted) while the step ran; nothing more is recorded
+                continue
+            if row < 0:
+                row = padded_rows - 1 - row
+            side, token = ("output", next_ids[row]) if prompt_token is None else \
+                ("input", prompt_token)
+            req.logprobs.add(side, lp["target"][row], token, lp["top_values"][row],
+                             lp["top_ids"][row], lp["token_ids"][row])
 
     def _plan_logprobs(self) -> LogprobRequest | None:
         """The logprob work of this step, and ``logprob_rows`` to record it by."""

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 
-from sgl_jax.srt.managers.schedule_batch import Req
 from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.speculative.ngram import NgramProposer
+from sgl_jax.srt.speculative.requests import SpecRequest
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class SpeculativeDecoding:
         and the next verify step reads them on the device (speculative/device_inputs.py)."""
         return self.proposer is None
 
-    def room(self, req: Req, context_len: int, in_flight: int = 1) -> int:
+    def room(self, req: SpecRequest, context_len: int, in_flight: int = 1) -> int:
         """Draft tokens ``req``'s next verify step may feed: never more than it may still
         generate after the target's own token, nor past the context. ``in_flight``: the most
         tokens its step in flight (if any, ``req.inflight``) may still add."""
@@ -57,7 +57,7 @@ class SpeculativeDecoding:
                        req.sampling_params.max_new_tokens - len(req.output_ids) - ahead - 1,
                        context_len - req.seq_len - ahead - 1), 0)
 
-    def drafts(self, req: Req, context_len: int) -> list[int]:
+    def drafts(self, req: SpecRequest, context_len: int) -> list[int]:
         """NGRAM's draft tokens for ``req``'s next verify step (up to ``room``)."""
         assert self.proposer is not None, "EAGLE / NEXTN drafts stay on the device"
         room = self.room(req, context_len)

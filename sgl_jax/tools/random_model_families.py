@@ -452,12 +452,13 @@ def _gpt_oss_experts(wr: _Writer, config: dict[str, Any], p: str) -> None:
     x = p + "mlp.experts."
     for name, rows, cols in (("gate_up_proj", h, 2 * inter), ("down_proj", inter, h)):
         if is_mxfp4(config):
-            # Codes uniform over the 16 E2M1 values (|v| <= 6, mean |v| ~2.1) and exponents
-            # 2^-k with k around log2(2.1 sqrt(fan_in)): weights of std ~1/sqrt(fan_in).
+            # Codes uniform over the 16 E2M1 values (rms 2.93) and block exponents 2^(j - k),
+            # j in {0, 1} (rms 1.58), k = log2(4.6 sqrt(fan_in)): weights of rms
+            # ~1/sqrt(fan_in), so activations keep their scale through the layers.
             g = rng(wr.seed, x + name)
             wr.w[x + name + "_blocks"] = g.integers(0, 256, (e, cols, rows // 32, 16),
                                                     dtype=np.uint8)
-            k = int(round(np.log2(2.1 * np.sqrt(rows))))
+            k = int(round(np.log2(4.6 * np.sqrt(rows))))
             wr.w[x + name + "_scales"] = (127 - k + g.integers(0, 2, (e, cols, rows // 32))
                                           ).astype(np.uint8)
         else:

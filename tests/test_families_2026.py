@@ -213,9 +213,9 @@ def test_engine_serves_family(checkpoints, name):
     engine = Engine(**engine_args(model_path=path, enable_return_routed_experts=True,
                                   chunked_prefill_size=16, precompile_token_paddings=[16, 64],
                                   page_size=4))
-    # Input logprobs from 0, but for the prefix hit (the cache serves only prompt positions
-    # before logprob_start_len): from its first uncached token.
-    starts = [0, 0, 0, 48]
+    # Input logprobs from 0, but for the prefix hit from position 52: the cache serves only
+    # positions whose logits no input logprob needs (before logprob_start_len - 1).
+    starts = [0, 0, 0, 52]
     try:
         outs = [engine.generate(input_ids=ids, sampling_params=GREEDY,
                                 return_routed_experts=True, return_logprob=True,

@@ -211,12 +211,12 @@ def test_reference_and_engine_match_transformers(checkpoint):
     start = time.perf_counter()
     engine = Engine(model_path=str(path), **ENGINE)
     try:
-        # Input logprobs from 0 (the hit: from its first uncached token, as the cache serves
-        # only prompt positions before logprob_start_len).
+        # Input logprobs from 0 (the hit: from position 36, as the cache serves only positions
+        # whose logits no input logprob needs, before logprob_start_len - 1).
         outs = [engine.generate(input_ids=ids, sampling_params={
                     "temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
                     return_routed_experts=True, return_logprob=True, logprob_start_len=start)
-                for ids, start in ((PROMPT, 0), (PREFIX_HIT, 32))]
+                for ids, start in ((PROMPT, 0), (PREFIX_HIT, 36))]
     finally:
         engine.shutdown()
     engine_seconds = time.perf_counter() - start
@@ -224,7 +224,7 @@ def test_reference_and_engine_match_transformers(checkpoint):
     layers, k = ref.num_layers, ref.top_k
     rows_total = rows_equal = 0
     worst_lp = worst_logit = 0.0
-    for ids, start, out in zip((PROMPT, PREFIX_HIT), (0, 32), outs, strict=True):
+    for ids, start, out in zip((PROMPT, PREFIX_HIT), (0, 36), outs, strict=True):
         hf_tokens, hf_logits, hf_rows = _hf_run(model, ids)
         seq = ids + hf_tokens
         # Greedy tokens: transformers = reference = engine.

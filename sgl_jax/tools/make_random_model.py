@@ -4,7 +4,9 @@
         [--seed N] [--no-check-routing]
 
 Presets (``PRESETS``): ``tiny`` (the bundled Qwen3-MoE), ``tiny-qwen2-moe``, ``tiny-mixtral``,
-``tiny-deepseek-v3``, ``tiny-glm4-moe`` (4 layers, hidden 64: fast CPU tests of each family)
+``tiny-deepseek-v3``, ``tiny-glm4-moe``, ``tiny-minimax-m2``, ``tiny-gpt-oss`` (4 layers,
+hidden 64: fast CPU tests of each family; ``--set
+'quantization_config={"quant_method":"mxfp4"}'`` writes gpt-oss's experts as MXFP4)
 and routing-shaped ones with a released model's layer / expert / top-k / group / shared-expert
 counts but tiny widths (``qwen3-30b-a3b-routing``, ``deepseek-v3-routing``,
 ``mixtral-8x7b-routing``, ``qwen2-57b-a14b-routing``, ``glm-4.5-air-routing``). The families and
@@ -274,7 +276,8 @@ def _cast(tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
         np_dtype: Any = ml_dtypes.bfloat16
     else:
         np_dtype = np.float16
-    return {k: t.astype(np_dtype) for k, t in tensors.items()}
+    # (MXFP4 codes and exponents stay uint8.)
+    return {k: t.astype(np_dtype) if t.dtype.kind == "f" else t for k, t in tensors.items()}
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
@@ -478,7 +481,7 @@ def main(argv: list[str] | None = None) -> None:
     moe = sum(is_moe_layer(cfg, i) for i in range(cfg["num_hidden_layers"]))
     groups = (
         f", {cfg['n_group']} groups (keep {cfg['topk_group']})"
-        if family.router_rule == "sigmoid_grouped"
+        if family.router_rule == "sigmoid_grouped" and "n_group" in cfg
         else ""
     )
     print(

@@ -13,6 +13,17 @@ weights are scaled and seeded). Tensor names and shapes are exactly Hugging Face
   ``first_k_dense_replace`` layers (and those off ``moe_layer_freq``) dense.
 - glm4_moe (Glm4MoeForCausalLM): GQA with optional q/k/v biases and q/k norms, partial rotary,
   the DeepSeek-V3 router and shared experts; the first ``first_k_dense_replace`` layers dense.
+- minimax_m2 (MiniMaxM2ForCausalLM): GQA with per-layer q/k norms (``q_norm`` [heads * D],
+  ``k_norm`` [kv_heads * D]), partial rotary (``rotary_dim``), ``block_sparse_moe.gate`` and
+  ``block_sparse_moe.e_score_correction_bias`` [E] (on the block), experts ``w1/w3/w2`` as
+  Mixtral; every layer MoE.
+- gpt_oss (GptOssForCausalLM): GQA with q/k/v/o biases and ``sinks`` [heads], sliding-window
+  layers by ``layer_types``; ``mlp.router`` (weight and bias); fused experts
+  ``mlp.experts.gate_up_proj`` [E, H, 2I] (gate even columns, up odd), ``gate_up_proj_bias``
+  [E, 2I], ``down_proj`` [E, I, H], ``down_proj_bias`` [E, H]; every layer MoE. With
+  ``quantization_config`` ``{"quant_method": "mxfp4"}`` the two expert weights are written as
+  MXFP4 (``*_blocks`` [E, out, in / 32, 16] uint8, ``*_scales`` [E, out, in / 32] uint8):
+  random E2M1 codes and per-block exponents, whose values are the model's weights.
 
 DeepSeek-V3 and GLM-4.5 also ship ``num_nextn_predict_layers`` multi-token-prediction (MTP)
 layers after the decoder layers (``mtp_weights``; default 1, ``--set num_nextn_predict_layers=0``
@@ -178,6 +189,52 @@ GLM4_MOE_BASE: dict[str, Any] = {
 }
 
 
+# MiniMax-M2's released values (without its fp8 quantization_config and MTP modules).
+MINIMAX_M2_BASE: dict[str, Any] = {
+    "architectures": ["MiniMaxM2ForCausalLM"],
+    "model_type": "minimax_m2",
+    "attention_dropout": 0.0,
+    "attn_type_list": None,  # set per preset: every layer full attention (1)
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "output_router_logits": False,
+    "qk_norm_type": "per_layer",
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 5000000.0,
+    "router_aux_loss_coef": 0.001,
+    "router_jitter_noise": 0.0,
+    "scoring_func": "sigmoid",
+    "shared_intermediate_size": 0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "use_cache": True,
+    "use_qk_norm": True,
+    "use_routing_bias": True,
+}
+
+# gpt-oss-120b's values (unquantised: no quantization_config unless a preset asks for MXFP4).
+GPT_OSS_BASE: dict[str, Any] = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-5,
+    "rope_scaling": {
+        "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 4096,
+    },
+    "rope_theta": 150000.0,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "use_cache": True,
+}
+
 # --------------------------------------------------------------------------------------------
 # Per-family rules
 # --------------------------------------------------------------------------------------------
@@ -215,12 +272,15 @@ class Family:
     router_rule: str  # softmax_topk | topk_softmax | sigmoid_grouped (spec's router rules)
     is_moe_layer: Callable[[dict[str, Any], int], bool]
     mlp_prefix: str = "mlp"  # module of a MoE layer's router and experts
+    router_module: str = "gate"  # the router's module in it (gpt-oss: "router")
+    # Where a sigmoid router's e_score_correction_bias lives under the MoE block.
+    score_bias: str = "gate.e_score_correction_bias"
 
     def num_experts(self, config: dict[str, Any]) -> int:
         return int(config[self.experts_key])
 
     def router_name(self, layer: int) -> str:
-        return f"model.layers.{layer}.{self.mlp_prefix}.gate.weight"
+        return f"model.layers.{layer}.{self.mlp_prefix}.{self.router_module}.weight"
 
 
 FAMILIES: dict[str, Family] = {
@@ -244,6 +304,11 @@ FAMILIES: dict[str, Family] = {
             _deepseek_moe_layer,
         ),
         Family("glm4_moe", GLM4_MOE_BASE, "n_routed_experts", "sigmoid_grouped", _glm_moe_layer),
+        Family("minimax_m2", MINIMAX_M2_BASE, "num_local_experts", "sigmoid_grouped",
+               lambda c, i: c["num_local_experts"] > 0, mlp_prefix="block_sparse_moe",
+               score_bias="e_score_correction_bias"),
+        Family("gpt_oss", GPT_OSS_BASE, "num_local_experts", "topk_softmax",
+               lambda c, i: c["num_local_experts"] > 0, router_module="router"),
     )
 }
 
@@ -266,6 +331,8 @@ def rotary_dim(config: dict[str, Any]) -> int:
         return int(config["qk_rope_head_dim"])
     if config["model_type"] == "glm4_moe":
         return int(head_dim(config) * config.get("partial_rotary_factor", 0.5))
+    if config["model_type"] == "minimax_m2":
+        return int(config.get("rotary_dim") or head_dim(config))
     return head_dim(config)
 
 
@@ -312,6 +379,16 @@ def check_config(config: dict[str, Any], vocab_min: int, dtypes: tuple[str, ...]
         num_mtp_layers(config) and fam.model_type not in ("deepseek_v3", "glm4_moe")
     ):
         raise ValueError("num_nextn_predict_layers: >= 0, and only DeepSeek-V3 / GLM-4.5 have any")
+    if fam.model_type == "gpt_oss":
+        types = config.get("layer_types") or []
+        if len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
+            raise ValueError("layer_types must give each layer 'sliding_attention' or "
+                             "'full_attention'")
+        if is_mxfp4(config) and (config["hidden_size"] % 32 or config["intermediate_size"] % 32):
+            raise ValueError("MXFP4 packs blocks of 32: hidden_size and intermediate_size "
+                             "must be multiples of 32")
+    if fam.model_type == "minimax_m2" and rotary_dim(config) > head_dim(config):
+        raise ValueError("rotary_dim must be <= head_dim")
     if rotary_dim(config) % 2 or rotary_dim(config) < 2:
         raise ValueError("the rotary dims of a head must be even (RoPE rotates pairs)")
 
@@ -339,7 +416,13 @@ class _Writer:
         self.w[name] = norm_weight(self.seed, name, size)
 
 
-def _gqa_attention(wr: _Writer, config: dict[str, Any], p: str, bias: bool, qk_norm: bool) -> None:
+def is_mxfp4(config: dict[str, Any]) -> bool:
+    quant = config.get("quantization_config") or {}
+    return quant.get("quant_method") == "mxfp4"
+
+
+def _gqa_attention(wr: _Writer, config: dict[str, Any], p: str, bias: bool, qk_norm: bool,
+                   layer_qk_norm: bool = False, o_bias: bool = False, sinks: bool = False) -> None:
     h, hd = config["hidden_size"], head_dim(config)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     a = p + "self_attn."
@@ -354,6 +437,34 @@ def _gqa_attention(wr: _Writer, config: dict[str, Any], p: str, bias: bool, qk_n
     if qk_norm:
         wr.norm(a + "q_norm.weight", hd)
         wr.norm(a + "k_norm.weight", hd)
+    if layer_qk_norm:  # MiniMax-M2: one norm over all heads
+        wr.norm(a + "q_norm.weight", heads * hd)
+        wr.norm(a + "k_norm.weight", kv_heads * hd)
+    if o_bias:
+        wr.normal(a + "o_proj.bias", (h,), BIAS_STD)
+    if sinks:  # logits of the order of the attention scores
+        wr.normal(a + "sinks", (heads,), 1.0)
+
+
+def _gpt_oss_experts(wr: _Writer, config: dict[str, Any], p: str) -> None:
+    """Fused float experts, or MXFP4 blocks and scales of the same [E, out, in] matrices."""
+    h, inter, e = config["hidden_size"], config["intermediate_size"], config["num_local_experts"]
+    x = p + "mlp.experts."
+    for name, rows, cols in (("gate_up_proj", h, 2 * inter), ("down_proj", inter, h)):
+        if is_mxfp4(config):
+            # Codes uniform over the 16 E2M1 values (rms 2.93) and block exponents 2^(j - k),
+            # j in {0, 1} (rms 1.58), k = log2(4.6 sqrt(fan_in)): weights of rms
+            # ~1/sqrt(fan_in), so activations keep their scale through the layers.
+            g = rng(wr.seed, x + name)
+            wr.w[x + name + "_blocks"] = g.integers(0, 256, (e, cols, rows // 32, 16),
+                                                    dtype=np.uint8)
+            k = int(round(np.log2(4.6 * np.sqrt(rows))))
+            wr.w[x + name + "_scales"] = (127 - k + g.integers(0, 2, (e, cols, rows // 32))
+                                          ).astype(np.uint8)
+        else:
+            wr.normal(x + name, (e, rows, cols), 1 / np.sqrt(rows))
+    wr.normal(x + "gate_up_proj_bias", (e, 2 * inter), BIAS_STD)
+    wr.normal(x + "down_proj_bias", (e, h), BIAS_STD)
 
 
 def _mla_attention(wr: _Writer, config: dict[str, Any], p: str) -> None:
@@ -401,12 +512,20 @@ def _decoder_layer(wr: _Writer, config: dict[str, Any], i: int, moe: bool) -> No
         _mla_attention(wr, config, p)
     elif fam.model_type == "glm4_moe":
         _gqa_attention(wr, config, p, config["attention_bias"], config["use_qk_norm"])
+    elif fam.model_type == "minimax_m2":
+        _gqa_attention(wr, config, p, False, False, layer_qk_norm=True)
+    elif fam.model_type == "gpt_oss":
+        bias = config["attention_bias"]
+        _gqa_attention(wr, config, p, bias, False, o_bias=bias, sinks=True)
     else:
         _gqa_attention(wr, config, p, fam.model_type == "qwen2_moe", fam.model_type == "qwen3_moe")
     if not moe:
         _swiglu(wr, p + "mlp.", h, config["intermediate_size"])
         return
-    if fam.model_type == "mixtral":
+    if fam.model_type == "gpt_oss":
+        _gpt_oss_experts(wr, config, p)
+        return
+    if fam.model_type in ("mixtral", "minimax_m2"):
         inter = config["intermediate_size"]
         for e in range(fam.num_experts(config)):
             q = f"{p}block_sparse_moe.experts.{e}."
@@ -496,7 +615,11 @@ def router_weights(
         w = rng(seed, name, attempt).standard_normal((experts, hidden))
         out[name] = (w * gen["router_std"] / np.sqrt(hidden)).astype(np.float32)
         if fam.router_rule == "sigmoid_grouped":
-            bias_name = f"model.layers.{i}.mlp.gate.e_score_correction_bias"
+            bias_name = f"model.layers.{i}.{fam.mlp_prefix}.{fam.score_bias}"
             b = rng(seed, bias_name, attempt).standard_normal(experts)
             out[bias_name] = (b * gen["score_bias_std"]).astype(np.float32)
+        if fam.model_type == "gpt_oss":  # the router's own bias, of the logits' scale
+            bias_name = f"model.layers.{i}.mlp.router.bias"
+            b = rng(seed, bias_name, attempt).standard_normal(experts)
+            out[bias_name] = (b * gen["router_std"] * 0.3).astype(np.float32)
     return out

@@ -121,6 +121,34 @@ PRESETS: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 32,
         "intermediate_size": 128,
     },
+    "tiny-minimax-m2": {
+        "model_type": "minimax_m2",
+        **_SMALL_GQA,
+        "num_hidden_layers": 4,
+        "attn_type_list": [1, 1, 1, 1],
+        "num_local_experts": 16,
+        "num_experts_per_tok": 4,
+        "intermediate_size": 32,  # each expert's width
+        "rotary_dim": 8,  # half of head_dim 16 (the release: 64 of 128)
+    },
+    # gpt-oss at small widths: the release's alternating layers and YaRN (factor 4 over 1024
+    # positions, not truncated), a window of 16 (prompts of the tests are longer), and a
+    # swiglu_limit of 2.5 rather than 7 so the clamps act on these ~N(0, 1) activations.
+    "tiny-gpt-oss": {
+        "model_type": "gpt_oss",
+        **_SMALL_GQA,
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "sliding_window": 16,
+        "num_local_experts": 16,
+        "num_experts_per_tok": 4,
+        "intermediate_size": 32,
+        "swiglu_limit": 2.5,
+        "rope_scaling": {
+            "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 1024,
+        },
+    },
     # ---- released models' routing shapes at small widths --------------------------------
     "deepseek-v3-routing": {
         "model_type": "deepseek_v3",
@@ -203,6 +231,8 @@ GEN_DEFAULTS: dict[str, dict[str, Any]] = {
     "tiny-mixtral": {**_SOFTMAX, "min_router_gap": 2e-3, "max_router_attempts": 64},
     "tiny-deepseek-v3": {**_SIGMOID, "min_router_gap": 4e-5, "max_router_attempts": 64},
     "tiny-glm4-moe": {**_SIGMOID, "min_router_gap": 4e-5, "max_router_attempts": 64},
+    "tiny-minimax-m2": {**_SIGMOID, "min_router_gap": 4e-5, "max_router_attempts": 64},
+    "tiny-gpt-oss": {**_SOFTMAX, "min_router_gap": 1e-3, "max_router_attempts": 64},
     "deepseek-v3-routing": {**_SIGMOID, **_SEARCH_OFF},
     "mixtral-8x7b-routing": {**_SOFTMAX, **_SEARCH_OFF},
     "qwen2-57b-a14b-routing": {**_SOFTMAX, **_SEARCH_OFF},

@@ -23,6 +23,7 @@ _RAW_DTYPES: dict[str, np.dtype] = {
     "BF16": np.dtype("<u2"),  # widened to float32 by shifting into the high half
     "I64": np.dtype("<i8"),
     "I32": np.dtype("<i4"),
+    "U8": np.dtype("u1"),  # MXFP4 codes and exponents (gpt-oss)
 }
 
 

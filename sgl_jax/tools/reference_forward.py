@@ -13,7 +13,17 @@ Qwen2MoeForCausalLM           qwen2_moe    softmax_topk     GQA, q/k/v bias; gat
 MixtralForCausalLM            mixtral      topk_softmax     GQA; every layer MoE
 DeepseekV3ForCausalLM         deepseek_v3  sigmoid_grouped  MLA (YaRN, rope_interleave); shared
 Glm4MoeForCausalLM            glm4_moe     sigmoid_grouped  GQA, partial rotary, opt. bias/qk norm
+MiniMaxM2ForCausalLM          minimax_m2   sigmoid_grouped  GQA, per-layer q/k norm, partial rotary
+GptOssForCausalLM             gpt_oss      topk_softmax     GQA, q/k/v/o bias, sinks, sliding
+                                                            window, YaRN; router bias; experts
+                                                            with biases, clamped SwiGLU
 ============================  ===========  ===============  ===================================
+
+MiniMax-M2's router is ``sigmoid_grouped`` with one group, renormalised, unscaled, its
+correction bias held by the block (``block_sparse_moe.e_score_correction_bias``); gpt-oss's
+is ``topk_softmax`` over logits that add the router's bias. gpt-oss experts are read from the
+fused tensors (``gate_up_proj`` [E, H, 2I], gate in even columns, up in odd) or from MXFP4
+blocks and scales, dequantised here from the format's definition.
 
     h = embed_tokens[ids]
     per layer:  h += o_proj(attn(...))         on RMSNorm(h)
@@ -54,7 +64,9 @@ from sgl_jax.tools.reference_checkpoint import load_safetensors_f64
 from sgl_jax.tools.reference_layers import (
     apply_rope,
     causal_attention,
+    clamped_swiglu,
     default_inv_freq,
+    dequantize_mxfp4,
     rms_norm,
     swiglu,
     yarn_get_mscale,
@@ -84,6 +96,8 @@ FAMILIES: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 
@@ -123,6 +137,8 @@ class _Moe:
     down: np.ndarray  # [E, H, I]
     shared: _Mlp | None
     shared_gate: np.ndarray | None  # [1, H] (qwen2_moe)
+    router_bias: np.ndarray | None = None  # [E] (gpt_oss)
+    expert_biases: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # gate/up [E, I], down [E, H]
 
 
 @dataclass
@@ -188,14 +204,26 @@ class ReferenceModel:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
 
         experts_key = {"mixtral": "num_local_experts", "deepseek_v3": "n_routed_experts"}
-        experts_key["glm4_moe"] = "n_routed_experts"
+        experts_key.update(glm4_moe="n_routed_experts", minimax_m2="num_local_experts",
+                           gpt_oss="num_local_experts")
         self.num_experts: int = int(cfg.get(experts_key.get(fam, "num_experts")) or 0)
         self.top_k: int = int(cfg.get("num_experts_per_tok") or 0)
         grouped = fam in ("deepseek_v3", "glm4_moe")
         self.router_rule: str = (
-            "sigmoid_grouped" if grouped else "topk_softmax" if fam == "mixtral" else "softmax_topk"
+            "sigmoid_grouped" if grouped or fam == "minimax_m2"
+            else "topk_softmax" if fam in ("mixtral", "gpt_oss") else "softmax_topk"
         )
         self.norm_topk_prob: bool = bool(cfg.get("norm_topk_prob", grouped))
+        if fam == "minimax_m2":
+            self.norm_topk_prob = True  # transformers' MiniMax-M2 always renormalises
+        # gpt-oss: which layers attend over a sliding window, and the clamped SwiGLU.
+        self.layer_types: list[str] = list(cfg.get("layer_types") or [])
+        if fam == "gpt_oss" and not self.layer_types:
+            self.layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                for i in range(int(cfg["num_hidden_layers"]))]
+        self.sliding_window: int | None = cfg.get("sliding_window")
+        self.swiglu_limit = float(cfg.get("swiglu_limit", 7.0))
+        self.swiglu_alpha = float(cfg.get("swiglu_alpha", 1.702))
         self.n_group: int = int(cfg.get("n_group") or 1) if grouped else 1
         self.topk_group: int = int(cfg.get("topk_group") or 1) if grouped else 1
         self.routed_scaling_factor: float = (
@@ -204,7 +232,7 @@ class ReferenceModel:
 
         # RoPE.
         rope = _rope_params(cfg)
-        default_theta = 1e6 if fam == "mixtral" else 1e4
+        default_theta = {"mixtral": 1e6, "minimax_m2": 5e6, "gpt_oss": 1.5e5}.get(fam, 1e4)
         self.rope_theta: float = float(
             cfg.get("rope_theta") or rope.get("rope_theta") or default_theta
         )
@@ -223,7 +251,11 @@ class ReferenceModel:
             if fam == "glm4_moe":
                 factor = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor")
                 factor = 0.5 if factor is None else float(factor)
+            if fam == "minimax_m2":
+                factor = float(rope.get("partial_rotary_factor") or 1.0)
             self.rotary_dim = int(self.head_dim * factor)
+            if fam == "minimax_m2" and cfg.get("rotary_dim"):
+                self.rotary_dim = int(cfg["rotary_dim"])
             self.attn_scale = self.head_dim**-0.5
         if self._rope_type(cfg) == "yarn":
             max_pos = int(cfg.get("max_position_embeddings") or 0)
@@ -270,14 +302,15 @@ class ReferenceModel:
     @classmethod
     def _check_supported(cls, cfg: dict, fam: str) -> None:
         # Better to refuse than to silently produce a wrong reference.
-        if cfg.get("quantization_config"):
+        quant = cfg.get("quantization_config")
+        if quant and not (fam == "gpt_oss" and quant.get("quant_method") == "mxfp4"):
             method = cfg["quantization_config"].get("quant_method", "?")
             raise NotImplementedError(
                 f"reference forward does not implement quantized checkpoints (quant_method="
                 f"{method!r}); use unquantized {_SUPPORTED_DTYPES}"
             )
         rope_type = cls._rope_type(cfg)
-        allowed = ("default", "yarn") if fam == "deepseek_v3" else ("default",)
+        allowed = ("default", "yarn") if fam in ("deepseek_v3", "gpt_oss") else ("default",)
         if rope_type not in allowed:
             raise NotImplementedError(
                 f"reference supports RoPE types {allowed} for {fam}, got {rope_type!r}"
@@ -286,8 +319,10 @@ class ReferenceModel:
             fam == "mixtral" and cfg.get("sliding_window") is not None
         ):
             raise NotImplementedError("reference does not implement sliding-window attention")
-        if "sliding_attention" in (cfg.get("layer_types") or []):
+        if fam != "gpt_oss" and "sliding_attention" in (cfg.get("layer_types") or []):
             raise NotImplementedError("reference does not implement sliding-window attention")
+        if fam == "minimax_m2" and cfg.get("qk_norm_type", "per_layer") != "per_layer":
+            raise NotImplementedError("MiniMax-M2 reference implements qk_norm_type per_layer")
         if cfg.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"reference implements silu only, got {cfg['hidden_act']!r}")
         if fam == "deepseek_v3":
@@ -301,7 +336,7 @@ class ReferenceModel:
         cfg, fam = self.config, self.family
         if self.num_experts <= 0:
             return False
-        if fam == "mixtral":
+        if fam in ("mixtral", "minimax_m2", "gpt_oss"):
             return True
         if fam in ("deepseek_v3", "glm4_moe"):
             first_dense = int(cfg.get("first_k_dense_replace") or 0)
@@ -315,6 +350,8 @@ class ReferenceModel:
         """Stacked expert weights (gate [E, I, H], up [E, I, H], down [E, H, I]) under prefix p
         ("...mlp." or "...block_sparse_moe.")."""
         ne = self.num_experts
+        if self.family == "gpt_oss":
+            return self._gpt_oss_experts(w, p)
         if p + "experts.gate_up_proj" in w:
             # Fused layout (transformers >= 5 in-memory naming): gate_up [E, 2I, H] with the
             # gate rows first, down [E, H, I].
@@ -323,10 +360,26 @@ class ReferenceModel:
             return gate_up[:, :inter], gate_up[:, inter:], w[p + "experts.down_proj"]
         names = (
             ("w1", "w3", "w2")
-            if self.family == "mixtral"
+            if self.family in ("mixtral", "minimax_m2")
             else ("gate_proj", "up_proj", "down_proj")
         )
         return tuple(np.stack([w[f"{p}experts.{e}.{n}.weight"] for e in range(ne)]) for n in names)
+
+    @staticmethod
+    def _gpt_oss_experts(w: dict[str, np.ndarray], p: str) -> tuple[np.ndarray, ...]:
+        """gpt-oss's fused experts in HF orientation (gate/up [E, I, H], down [E, H, I]):
+        ``gate_up_proj`` [E, H, 2I] holds gate in its even columns and up in its odd ones;
+        MXFP4 checkpoints hold ``*_blocks`` / ``*_scales`` of the [E, out, in] matrices."""
+        def weight(name: str) -> np.ndarray:  # [E, in, out] as transformers multiplies
+            if p + f"experts.{name}_blocks" in w:
+                out_in = dequantize_mxfp4(w[p + f"experts.{name}_blocks"],
+                                          w[p + f"experts.{name}_scales"])
+                return out_in.transpose(0, 2, 1)
+            return w[p + f"experts.{name}"]
+
+        gate_up, down = weight("gate_up_proj"), weight("down_proj")
+        return (gate_up[:, :, 0::2].transpose(0, 2, 1), gate_up[:, :, 1::2].transpose(0, 2, 1),
+                down.transpose(0, 2, 1))
 
     def load_layer(self, w: dict[str, np.ndarray], i: int, moe: bool | None = None) -> _Layer:
         """Decoder layer i from HF tensors ``w`` (``model.layers.{i}.*``, float64), a MoE layer
@@ -359,10 +412,11 @@ class ReferenceModel:
         mlp = moe = None
         if self.is_moe_layer(i) if moe_layer is None else moe_layer:
             mp = p + "mlp."
-            if self.family == "mixtral" and p + "block_sparse_moe.gate.weight" in w:
+            if self.family in ("mixtral", "minimax_m2") and p + "block_sparse_moe.gate.weight" in w:
                 mp = p + "block_sparse_moe."
             gate, up, down = self._experts(w, mp)
-            router = w[mp + "gate.weight"]
+            router_name = mp + ("router." if self.family == "gpt_oss" else "gate.")
+            router = w[router_name + "weight"]
             if router.shape[0] != self.num_experts or gate.shape[0] != self.num_experts:
                 raise ValueError(f"layer {i}: expert count does not match the config")
             shared = shared_gate = None
@@ -378,7 +432,13 @@ class ReferenceModel:
                     w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"]
                 )
             bias = w.get(mp + "gate.e_score_correction_bias")
+            if self.family == "minimax_m2":
+                bias = w[mp + "e_score_correction_bias"]  # on the block, not the gate
             moe = _Moe(router, bias, gate, up, down, shared, shared_gate)
+            if self.family == "gpt_oss":
+                gub = w[mp + "experts.gate_up_proj_bias"]
+                moe.router_bias = w[router_name + "bias"]
+                moe.expert_biases = (gub[:, 0::2], gub[:, 1::2], w[mp + "experts.down_proj_bias"])
         else:
             mp = p + "mlp."
             mlp = _Mlp(
@@ -404,8 +464,12 @@ class ReferenceModel:
                 need += ["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"]
         else:
             need = ["q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"]
-            if fam == "qwen3_moe" or (fam == "glm4_moe" and cfg.get("use_qk_norm")):
+            if fam in ("qwen3_moe", "minimax_m2") or (fam == "glm4_moe" and cfg.get("use_qk_norm")):
                 need += ["q_norm.weight", "k_norm.weight"]
+            if fam == "gpt_oss":
+                need += ["sinks"]
+                if cfg.get("attention_bias", True):
+                    need += [f"{n}_proj.bias" for n in "qkvo"]
             if (fam == "qwen2_moe" and cfg.get("qkv_bias", True)) or (
                 fam == "glm4_moe" and cfg.get("attention_bias")
             ):
@@ -440,10 +504,14 @@ class ReferenceModel:
     def _qkv_gqa(self, attn: dict[str, np.ndarray], x: np.ndarray, positions: np.ndarray):
         """GQA q [n, H, d], k and v [n, Hkv, d]: projections (+bias), q/k norm, partial RoPE."""
         n, hd = x.shape[0], self.head_dim
-        q = self._linear(x, attn, "q_proj").reshape(n, self.num_heads, hd)
-        k = self._linear(x, attn, "k_proj").reshape(n, self.num_kv_heads, hd)
+        q, k = self._linear(x, attn, "q_proj"), self._linear(x, attn, "k_proj")
+        if self.family == "minimax_m2":  # per_layer: one norm over all heads, then split
+            q = rms_norm(q, attn["q_norm.weight"], self.eps)
+            k = rms_norm(k, attn["k_norm.weight"], self.eps)
+        q = q.reshape(n, self.num_heads, hd)
+        k = k.reshape(n, self.num_kv_heads, hd)
         v = self._linear(x, attn, "v_proj").reshape(n, self.num_kv_heads, hd)
-        if self._use_qk_norm:
+        if self._use_qk_norm and self.family != "minimax_m2":
             q = rms_norm(q, attn["q_norm.weight"], self.eps)
             k = rms_norm(k, attn["k_norm.weight"], self.eps)
         return self._rope(q, positions), self._rope(k, positions), v
@@ -491,7 +559,11 @@ class ReferenceModel:
         else:
             cache.k.append(k)
             cache.v.append(v)
-        out = causal_attention(q, cache.k[li], cache.v[li], positions, self.attn_scale)
+        window = None
+        if self.layer_types and self.layer_types[li] == "sliding_attention":
+            window = self.sliding_window
+        out = causal_attention(q, cache.k[li], cache.v[li], positions, self.attn_scale,
+                               sliding_window=window, sinks=layer.attn.get("sinks"))
         return self._linear(out.reshape(n, -1), layer.attn, "o_proj")
 
     def route(self, router_logits: np.ndarray, correction_bias: np.ndarray | None) -> RouterResult:
@@ -512,12 +584,19 @@ class ReferenceModel:
 
     def _moe(self, moe: _Moe, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, RouterResult]:
         router_logits = x @ moe.router.T  # [n, E]
+        if moe.router_bias is not None:
+            router_logits = router_logits + moe.router_bias
         r = self.route(router_logits, moe.correction_bias)
         out = np.zeros_like(x)
         for e in np.unique(r.ids):
             # An expert appears at most once in a token's top-k, so rows are distinct.
             rows, slots = np.nonzero(r.ids == e)
-            y = swiglu(x[rows], moe.gate[e], moe.up[e], moe.down[e])
+            if moe.expert_biases is not None:
+                gb, ub, db = (b[e] for b in moe.expert_biases)
+                y = clamped_swiglu(x[rows], moe.gate[e], moe.up[e], moe.down[e], gb, ub, db,
+                                   self.swiglu_limit, self.swiglu_alpha)
+            else:
+                y = swiglu(x[rows], moe.gate[e], moe.up[e], moe.down[e])
             out[rows] += r.weights[rows, slots][:, None] * y
         if moe.shared is not None:
             s = swiglu(x, moe.shared.gate, moe.shared.up, moe.shared.down)

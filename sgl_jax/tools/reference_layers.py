@@ -12,6 +12,8 @@ import numpy as np
 __all__ = [
     "apply_rope",
     "causal_attention",
+    "clamped_swiglu",
+    "dequantize_mxfp4",
     "default_inv_freq",
     "rms_norm",
     "silu",
@@ -39,6 +41,30 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 def swiglu(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
     """down(silu(gate(x)) * up(x)), weights in HF orientation [out, in]."""
     return (silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
+def clamped_swiglu(
+    x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray, gate_bias: np.ndarray,
+    up_bias: np.ndarray, down_bias: np.ndarray, limit: float, alpha: float,
+) -> np.ndarray:
+    """gpt-oss's expert: g = min(x gate^T + gb, limit), u = clip(x up^T + ub, -limit, limit),
+    ((u + 1) * g * sigmoid(alpha * g)) down^T + db; weights [out, in]."""
+    g = np.minimum(x @ gate.T + gate_bias, limit)
+    u = np.clip(x @ up.T + up_bias, -limit, limit)
+    return ((u + 1.0) * g / (1.0 + np.exp(-alpha * g))) @ down.T + down_bias
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 (OCP microscaling: E2M1 elements, one E8M0 exponent per 32): blocks [..., N, G,
+    16] bytes of two 4-bit codes (low nibble first), scales [..., N, G] biased exponents ->
+    [..., N, G * 32] float64. An E2M1 code is sign (bit 3), exponent (bits 2-1, bias 1) and
+    one mantissa bit: subnormal 0.5 * m when the exponent field is 0."""
+    codes = np.stack([blocks.astype(np.int64) & 15, blocks.astype(np.int64) >> 4], axis=-1)
+    sign = np.where(codes >> 3, -1.0, 1.0)
+    exp, mant = (codes >> 1) & 3, codes & 1
+    magnitude = np.where(exp == 0, 0.5 * mant, (1.0 + 0.5 * mant) * 2.0 ** (exp - 1.0))
+    values = sign * magnitude * 2.0 ** (scales.astype(np.int64) - 127.0)[..., None, None]
+    return values.reshape(*values.shape[:-3], -1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,15 +166,25 @@ def apply_rope(
 
 
 def causal_attention(
-    q: np.ndarray, keys: np.ndarray, values: np.ndarray, q_positions: np.ndarray, scale: float
+    q: np.ndarray, keys: np.ndarray, values: np.ndarray, q_positions: np.ndarray, scale: float,
+    sliding_window: int | None = None, sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """softmax(q.k * scale) v with a causal mask; q [n, H, d], keys [S, Hkv, d], values
     [S, Hkv, dv] (key j sits at position j). Query head h reads kv head h // (H / Hkv).
+    ``sliding_window`` w: a query at p sees keys p - w < j <= p only. ``sinks`` [H]: a logit
+    per head appended to each row's scores before the softmax, its probability dropped.
     Returns [n, H, dv]."""
     group = q.shape[1] // keys.shape[1]
     keys = np.repeat(keys, group, axis=1)
     values = np.repeat(values, group, axis=1)
     scores = np.einsum("qhd,shd->hqs", q, keys) * scale
     key_pos = np.arange(keys.shape[0])
-    scores = np.where(key_pos[None, None, :] > q_positions[None, :, None], -np.inf, scores)
-    return np.einsum("hqs,shd->qhd", softmax(scores, axis=-1), values)
+    hidden = key_pos[None, None, :] > q_positions[None, :, None]
+    if sliding_window:
+        hidden |= key_pos[None, None, :] <= q_positions[None, :, None] - sliding_window
+    scores = np.where(hidden, -np.inf, scores)
+    if sinks is None:
+        return np.einsum("hqs,shd->qhd", softmax(scores, axis=-1), values)
+    sink = np.broadcast_to(sinks[:, None, None], scores.shape[:2] + (1,))
+    probs = softmax(np.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    return np.einsum("hqs,shd->qhd", probs, values)

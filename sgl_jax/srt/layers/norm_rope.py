@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
-from sgl_jax.srt.configs.model_config import RopeScaling
+from sgl_jax.srt.configs.rope_scaling import RopeScaling
 from sgl_jax.srt.layers.attention.data_parallel import DATA_AXIS, TENSOR_AXIS
 from sgl_jax.srt.layers.rotary import rotation_table
 

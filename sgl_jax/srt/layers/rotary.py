@@ -4,7 +4,8 @@
 passes unchanged). Pairs are dims ``(i, i + rotary_dim/2)`` ("rotate half", Qwen / Llama /
 Mixtral / GLM-4.5) or ``(2i, 2i+1)`` (``interleaved``: DeepSeek-V3's ``rope_interleave``); pair
 ``i`` turns by ``position * inv_freq[i]``. YaRN (DeepSeek-V3's ``rope_scaling``) changes the
-frequencies and scales cos and sin. Angles and rotation are computed in float32.
+frequencies and scales cos and sin (gpt-oss's too, with ``truncate`` false). Angles and rotation
+are computed in float32.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sgl_jax.srt.configs.model_config import RopeScaling
+from sgl_jax.srt.configs.rope_scaling import RopeScaling
 
 
 def inv_frequencies(rotary_dim: int, theta: float, yarn: RopeScaling | None = None) -> np.ndarray:
@@ -31,8 +32,10 @@ def inv_frequencies(rotary_dim: int, theta: float, yarn: RopeScaling | None = No
         return (rotary_dim * math.log(yarn.original_max_position_embeddings
                                       / (rotations * 2 * math.pi))) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(yarn.beta_slow)), rotary_dim - 1)
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:  # whole dims (transformers' default; gpt-oss keeps the fractions)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001  # no division by zero
     ramp = np.clip((np.arange(rotary_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)

@@ -14,6 +14,7 @@ import functools
 import glob
 import logging
 import os
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -29,6 +30,8 @@ from sgl_jax.srt.bounded_text import bound_message, name_list, short_repr
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.layers.moe.ep_moe import ExpertLocation, apply_placement, layer_of
 from sgl_jax.srt.layers.moe.placement import ExpertPlacement, replica_tables
+from sgl_jax.srt.model_loader import fused_experts
+from sgl_jax.srt.model_loader.fused_experts import FUSED
 from sgl_jax.srt.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -40,6 +43,19 @@ _STACKED_EXPERTS = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_pr
 def is_stacked_experts(path: Path) -> bool:
     """Whether the parameter at ``path`` stacks one Hugging Face tensor per expert."""
     return path[-1] in _STACKED_EXPERTS
+
+
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
+def _per_expert(names: Sequence[str]) -> bool:
+    """Whether ``names`` are one tensor per expert (``...experts.<e>.<proj>.weight``), the
+    stacked layout; not fused ones (``experts.gate_up_proj``) nor ``experts.down_proj_bias``."""
+    return bool(_PER_EXPERT.search(names[0]))
+
+
+def _fused(var: nnx.Variable) -> tuple[str, str] | None:
+    return var.get_metadata().get(FUSED)
 
 
 class CheckpointError(ValueError):
@@ -95,7 +111,8 @@ class SafetensorsCheckpoint:
 
 
 def hf_sources(
-    path: Path, var: nnx.Variable, num_experts: int, expert_order: Sequence[int] | None = None
+    path: Path, var: nnx.Variable, num_experts: int, expert_order: Sequence[int] | None = None,
+    present: set[str] | None = None,
 ) -> tuple[list[str], bool]:
     """The HF tensor names a parameter is made of, and whether they are transposed.
 
@@ -105,11 +122,20 @@ def hf_sources(
     (``models/common.param``). Stacked experts (``w_gate``/``w_up``/``w_down``, whose ``hf`` names
     the projection) are read in ``expert_order`` (the layer's physical order under the
     device-expert mapping, default 0..E-1), so each expert-axis device's shard holds its experts.
+    An ``hf`` name starting with ``../`` is relative to the parent's parent (MiniMax-M2's
+    correction bias, held by the MoE block, read by its router). A parameter built from
+    fused expert tensors (gpt-oss: ``fused`` metadata) names those (``fused_experts``;
+    ``present``: the source's names, which say whether they are MXFP4).
     """
     name = ".".join(str(p) for p in path)
     prefix = ".".join(str(p) for p in path[:-1])
     leaf = path[-1]
     hf = var.get_metadata().get("hf")
+    fused = _fused(var)
+    if fused is not None:
+        return fused_experts.fused_sources(prefix, fused, present or set()), False
+    if hf and hf[0].startswith("../"):
+        prefix, hf = prefix.rpartition(".")[0], (hf[0][3:], hf[1])
     if leaf in _STACKED_EXPERTS:
         proj = hf[0] if hf else _STACKED_EXPERTS[str(leaf)]
         order = range(num_experts) if expert_order is None else expert_order
@@ -259,7 +285,7 @@ def plan_params(
             continue
         stacked = is_stacked_experts(path)
         order = placement.physical_order(layer_of(path)) if stacked else None
-        names, transpose = hf_sources(path, var, config.num_experts, order)
+        names, transpose = hf_sources(path, var, config.num_experts, order, present)
         expected.update(names)
         given = [n for n in names if n in present]
         if partial and not given:
@@ -268,8 +294,8 @@ def plan_params(
             missing = sorted(set(names) - present)
             raise CheckpointError(
                 f"{source.where}: {len(missing)} tensor(s) of a stacked parameter missing: "
-                f"{name_list(missing, 3)}; give all {len(names)} experts of a layer's "
-                "projection together"
+                f"{name_list(missing, 3)}; give all {len(names)} tensors of a layer's "
+                "projection together (every expert's; gpt-oss: a fused weight with its bias)"
             )
         plan.append((path, var, names, transpose))
     missing = sorted(expected - present)
@@ -310,8 +336,12 @@ def read_params(
     finite = FiniteCheck(where)
     for path, var, names, transpose in tqdm(plan, desc="Loading weights", unit="tensor",
                                             disable=len(plan) < 2):
-        pure[path] = _place(var, mesh, names, source, transpose, config.architecture)
-        finite.add(names, pure[path])  # checked on the devices while the next one is read
+        if _fused(var) is not None:
+            order = placement.physical_order(layer_of(path))
+            pure[path] = _place_fused(var, mesh, names, source, order, config)
+        else:
+            pure[path] = _place(var, mesh, names, source, transpose, config.architecture)
+        finite.add(names, pure[path], stacked=is_stacked_experts(path))  # checked on the devices while the next one is read
     finite.finish()
     logger.info("Read %d tensors from %s", sum(len(p[2]) for p in plan), where)
     return pure
@@ -333,9 +363,10 @@ class FiniteCheck:
         self.where = where
         self.pending: list[tuple[list[str], int, jax.Array]] = []
 
-    def add(self, names: list[str], value: jax.Array) -> None:
+    def add(self, names: list[str], value: jax.Array, stacked: bool | None = None) -> None:
+        """``stacked``: one flag per expert row (default: ``names`` are per expert)."""
         self.finish()
-        stacked = ".experts." in names[0]  # as _place: one flag per expert row
+        stacked = _per_expert(names) if stacked is None else stacked
         for shard in value.addressable_shards:
             if shard.replica_id == 0:
                 first_row = (shard.index[0].start or 0) if stacked else 0
@@ -346,7 +377,9 @@ class FiniteCheck:
         for names, first_row, flags in sorted(pending, key=lambda p: p[1]):  # row order
             ok = np.asarray(flags)
             if not ok.all():
-                bad = names[first_row + int(np.argmin(ok))] if len(names) > 1 else names[0]
+                row = first_row + int(np.argmin(ok))
+                # Per-expert tensors name the expert; fused ones (gpt-oss) hold all experts.
+                bad = names[row] if _per_expert(names) else names[0]
                 raise CheckpointError(
                     f"{self.where}: tensor {short_repr(bad, 200)} has non-finite values (NaN "
                     "or infinity, after conversion to the served dtype); weights must be finite")
@@ -374,9 +407,23 @@ def check_tensors(var: nnx.Variable, names: list[str],
                   source: SafetensorsCheckpoint | ArraySource, transpose: bool,
                   architecture: str) -> None:
     """CheckpointError unless each of a parameter's tensors is floating point and of the shape
-    the parameter needs (one expert's, for a stacked parameter; [out, in] if ``transpose``)."""
+    the parameter needs (one expert's, for a stacked parameter; [out, in] if ``transpose``).
+    A parameter built from fused expert tensors (gpt-oss) is refused: its tensors are not a
+    cast, transpose or stack of it (the on-device update path converts only those); the host
+    path (``read_params``) checks them itself."""
+    if _fused(var) is not None:
+        raise CheckpointError(
+            f"{source.where}: {short_repr(names[0], 200)} is one of {architecture}'s fused "
+            "expert tensors, which are converted on the host (interleaved gate/up columns, "
+            "biases, MXFP4): update them from disk or as host (numpy) arrays")
+    _check_tensors(var, names, source, transpose, architecture)
+
+
+def _check_tensors(var: nnx.Variable, names: list[str],
+                   source: SafetensorsCheckpoint | ArraySource, transpose: bool,
+                   architecture: str) -> None:
     target = var.get_value()
-    want = tuple(target.shape[1:] if ".experts." in names[0] else target.shape)
+    want = tuple(target.shape[1:] if _per_expert(names) else target.shape)
     if transpose:
         want = want[::-1]
     for name in names:
@@ -404,8 +451,8 @@ def _place(var: nnx.Variable, mesh: Mesh, names: list[str],
     only the experts and slices its devices hold. JAX arrays (a weight update from arrays) are
     converted on their devices instead (no host copy)."""
     target = var.get_value()
-    stacked = ".experts." in names[0]
-    check_tensors(var, names, source, transpose, architecture)
+    stacked = _per_expert(names)
+    _check_tensors(var, names, source, transpose, architecture)
     sharding = _param_sharding(var, mesh)
     if isinstance(source, ArraySource) and any(
             isinstance(source.get(n), jax.Array) for n in names):
@@ -435,3 +482,42 @@ def _place(var: nnx.Variable, mesh: Mesh, names: list[str],
         return blocks[key]
 
     return jax.make_array_from_callback(target.shape, sharding, block)
+
+
+def _place_fused(var: nnx.Variable, mesh: Mesh, names: list[str],
+                 source: SafetensorsCheckpoint | ArraySource, order: Sequence[int],
+                 config: ModelConfig) -> jax.Array:
+    """A stacked expert parameter built from fused tensors (``fused_experts``), its rows in
+    the layer's physical ``order``; each device's block read and converted on its own."""
+    target = var.get_value()
+    part = _fused(var)[1]
+    shapes = fused_experts.expected_shapes(part, names, config.num_experts, config.hidden_size,
+                                           config.moe_intermediate_size)
+    for name, want in shapes.items():
+        is_float, dtype = source.is_float(name)
+        quantised = not name.endswith("_bias") and fused_experts.is_mxfp4(names)
+        if quantised != (not is_float) or (quantised and dtype not in ("U8", "uint8")):
+            kind = "uint8 (MXFP4)" if quantised else "floating point"
+            raise CheckpointError(f"{source.where}: tensor {short_repr(name, 200)} has dtype "
+                                  f"{dtype}; it must be {kind}")
+        if source.shape(name) != want:
+            raise CheckpointError(
+                f"{source.where}: tensor {short_repr(name, 200)} has shape "
+                f"{short_repr(source.shape(name))}; {config.architecture} with this "
+                f"config.json expects {want}")
+
+    def read(name: str, index: tuple[slice, ...]) -> np.ndarray:
+        return np.asarray(source.read(name, index))
+
+    blocks: dict[tuple, np.ndarray] = {}
+
+    def block(index: tuple[slice, ...]) -> np.ndarray:
+        key = tuple((s.start, s.stop) for s in index)
+        if key not in blocks:
+            rows = range(*index[0].indices(len(order)))
+            value = np.stack([fused_experts.expert_block(read, names, part, order[r])[index[1:]]
+                              for r in rows])
+            blocks[key] = value.astype(target.dtype)
+        return blocks[key]
+
+    return jax.make_array_from_callback(target.shape, _param_sharding(var, mesh), block)

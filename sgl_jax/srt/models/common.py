@@ -39,6 +39,7 @@ from sgl_jax.srt.layers.moe.ep_moe import (
     ExpertLocation,
     ep_moe_forward,
 )
+from sgl_jax.srt.layers.moe.experts import MoEBackend
 from sgl_jax.srt.layers.moe.router import create_router
 from sgl_jax.srt.layers.moe.routing import LayerRouting, stack_routing
 from sgl_jax.srt.layers.norm import RMSNorm
@@ -51,12 +52,13 @@ KVCache = list[jax.Array]  # per layer: [pages, page_size, kv_cache_heads, kv_ca
 
 def param(
     shape: tuple[int, ...], dtype: jnp.dtype, sharding: tuple[str | None, ...],
-    hf: tuple[str, bool] | None = None,
+    hf: tuple[str, bool] | None = None, **metadata: object,
 ) -> nnx.Param:
     """A parameter (placeholder values: the model is built under ``nnx.eval_shape`` and the
     loader fills it). ``hf``: its Hugging Face name relative to the parent module and whether
-    it is stored transposed, when the path alone does not say (``model_loader.hf_sources``)."""
-    extra = {} if hf is None else {"hf": hf}
+    it is stored transposed, when the path alone does not say (``model_loader.hf_sources``);
+    ``metadata``: more for the loader (gpt-oss's fused experts: ``fused``)."""
+    extra = dict(metadata) if hf is None else {"hf": hf, **metadata}
     return nnx.Param(jnp.zeros(shape, dtype=dtype), out_sharding=sharding, eager_sharding=False,
                      **extra)
 
@@ -76,16 +78,21 @@ class DenseMLP(nnx.Module):
 
 class GqaAttention(nnx.Module):
     """Grouped-query attention over the paged KV cache, with the families' options: biases on
-    q/k/v (Qwen2-MoE, GLM-4.5), RMSNorm of each q/k head (Qwen3-MoE, GLM-4.5 with use_qk_norm)
-    and partial rotary (GLM-4.5)."""
+    q/k/v (Qwen2-MoE, GLM-4.5; gpt-oss on o_proj too), RMSNorm of each q/k head (Qwen3-MoE,
+    GLM-4.5 with use_qk_norm) or of all heads' q and k at once (MiniMax-M2's per-layer
+    qk-norm), partial rotary (GLM-4.5, MiniMax-M2), YaRN (gpt-oss), attention sinks and
+    sliding windows on some layers (gpt-oss)."""
 
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, layer_id: int = 0) -> None:
         hidden, heads, kv_heads, head_dim = (
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
             config.head_dim,
         )
         self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.rope_theta, self.rotary_dim = config.rope_theta, config.rope_dim
+        self.yarn = config.rope_scaling
+        self.family = config.family
+        self.window = config.layer_window(layer_id)
         self.q_proj = param((hidden, heads * head_dim), dtype, (None, "tensor"))
         self.k_proj = param((hidden, kv_heads * head_dim), dtype, (None, "tensor"))
         self.v_proj = param((hidden, kv_heads * head_dim), dtype, (None, "tensor"))
@@ -95,12 +102,24 @@ class GqaAttention(nnx.Module):
             self.q_proj_bias = param((heads * head_dim,), dtype, ("tensor",), ("q_proj.bias", False))
             self.k_proj_bias = param((kv_heads * head_dim,), dtype, ("tensor",), ("k_proj.bias", False))
             self.v_proj_bias = param((kv_heads * head_dim,), dtype, ("tensor",), ("v_proj.bias", False))
+        self.has_o_bias = config.o_proj_bias
+        if self.has_o_bias:
+            self.o_proj_bias = param((hidden,), dtype, (None,), ("o_proj.bias", False))
+        self.has_sinks = config.attention_sinks
+        if self.has_sinks:  # one logit per query head, split with the heads
+            self.sinks = param((heads,), dtype, ("tensor",), ("sinks", False))
         # DP attention: a rank's query heads split over "tensor" only with its KV heads.
         self.kv_heads_split = config.kv_cache_sharded
-        self.has_qk_norm = config.qk_norm
+        self.has_qk_norm = config.qk_norm and not config.qk_norm_per_layer
         if self.has_qk_norm:
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype)
+        # MiniMax-M2: one RMSNorm over all heads' q (k) before they are split into heads
+        # (under tensor parallelism its mean is a sum over the devices' heads: GSPMD's).
+        self.layer_qk_norm = config.qk_norm and config.qk_norm_per_layer
+        if self.layer_qk_norm:
+            self.q_norm = RMSNorm(heads * head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(kv_heads * head_dim, config.rms_norm_eps, dtype)
 
     def _projections(self, x: jax.Array, positions: jax.Array, backends: ModelBackends
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -125,7 +144,7 @@ class GqaAttention(nnx.Module):
         pallas = backends.attention.name == "pallas"
         # (Every device holding whole KV heads, the norm/rotary kernel covers q if it covers k.)
         in_kernel = self._rotates_in_kernel(backends, self.num_kv_heads)
-        if pallas and in_kernel and not self.has_bias:
+        if pallas and in_kernel and not self.has_bias:  # (never with a layer qk-norm)
             done = token_matmul.column_parallel(
                 x, weights, interpret, backends.dp_attention, (*self._qk_parts(), None),
                 rotation_table(positions, self.rope_theta, self.head_dim),
@@ -146,6 +165,8 @@ class GqaAttention(nnx.Module):
             if self.has_bias:
                 q, k, v = (y + getattr(self, f"{name}_bias")[...]
                            for y, name in zip((q, k, v), names, strict=True))
+        if self.layer_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = self._norm_and_rotate(q, q_norm, self.num_heads, positions, backends, query=True)
         k = self._norm_and_rotate(k, k_norm, self.num_kv_heads, positions, backends)
         return q, k, v
@@ -194,6 +215,8 @@ class GqaAttention(nnx.Module):
     def _rotates_in_kernel(self, backends: ModelBackends, heads: int) -> bool:
         """Whether ``heads`` heads are normed and rotated by ``layers/norm_rope.py``'s kernel
         (the Pallas attention backend, a layout the kernel covers)."""
+        if self.layer_qk_norm or self.yarn is not None:  # the kernel norms heads, no YaRN
+            return False
         mesh = jax.sharding.get_abstract_mesh()
         tp = 1 if mesh.empty else mesh.shape.get(TENSOR_AXIS, 1)
         return backends.attention.name == "pallas" and norm_rope.supported(
@@ -218,7 +241,7 @@ class GqaAttention(nnx.Module):
         y = y.reshape(y.shape[0], heads, self.head_dim)
         if norm is not None:
             y = norm(y)
-        return apply_rotary(y, positions, self.rope_theta, self.rotary_dim)
+        return apply_rotary(y, positions, self.rope_theta, self.rotary_dim, yarn=self.yarn)
 
     def _qk_parts(self, k_column_block: int = 0) -> tuple[norm_rope.Part, norm_rope.Part]:
         """q and k as the norm/rotary arithmetic takes them (their RMSNorm weights, if any):
@@ -247,25 +270,41 @@ class GqaAttention(nnx.Module):
         self, x: jax.Array, batch: ForwardBatch, meta: AttentionMetadata, kv: jax.Array,
         backends: ModelBackends,
     ) -> tuple[jax.Array, jax.Array]:
+        if self.has_sinks and backends.attention.name != "native":
+            raise ValueError(f"{self.family}: attention sinks run on --attention-backend "
+                             f"native only ({backends.attention.name} has none)")
         q, k, v = self._projections(x, meta.positions, backends)
         v = v.reshape(x.shape[0], self.num_kv_heads, self.head_dim)
         scale = self.head_dim**-0.5
+        window = self.window
 
-        def write_and_attend(q: jax.Array, new: tuple[jax.Array, jax.Array], kv: jax.Array,
+        def write_and_attend(q: jax.Array | tuple[jax.Array, jax.Array],
+                             new: tuple[jax.Array, jax.Array], kv: jax.Array,
                              slots: jax.Array, meta: AttentionMetadata
                              ) -> tuple[jax.Array, jax.Array]:
             # Write first, then read everything (prefix and new tokens) from the written
             # cache: the reads depend on the scatter, so XLA updates the donated cache in place.
             kv = write_kv(kv, *new, slots)
-            return backends.attention.attend(q, kv, meta, scale), kv
+            sinks = None
+            if isinstance(q, tuple):  # the sinks ride with the queries: (q, [T, heads])
+                q, sinks = q[0], q[1][0]
+            return backends.attention.attend(q, kv, meta, scale, sinks, window), kv
 
+        query: jax.Array | tuple[jax.Array, jax.Array] = q
+        if self.has_sinks:
+            # Broadcast over the tokens, they split like q (by head over "tensor", by token
+            # over DP attention's ranks), so a rank's heads get their own sinks.
+            query = (q, jnp.broadcast_to(self.sinks[...], q.shape[:2]))
         if backends.dp_attention:
             out, kv = rank_local_attention(
-                write_and_attend, q, (k, v), kv, batch.out_cache_loc, meta,
+                write_and_attend, query, (k, v), kv, batch.out_cache_loc, meta,
                 heads_split=self.kv_heads_split, cache_heads_split=self.kv_heads_split)
         else:
-            out, kv = write_and_attend(q, (k, v), kv, batch.out_cache_loc, meta)
-        return out.reshape(x.shape[0], -1) @ self.o_proj[...], kv
+            out, kv = write_and_attend(query, (k, v), kv, batch.out_cache_loc, meta)
+        out = out.reshape(x.shape[0], -1) @ self.o_proj[...]
+        if self.has_o_bias:
+            out = out + self.o_proj_bias[...]
+        return out, kv
 
 
 class SparseMoeBlock(nnx.Module):
@@ -281,12 +320,14 @@ class SparseMoeBlock(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, layer_id: int, dtype: jnp.dtype,
-                 expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+                 expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 router_name: str = "gate") -> None:
         hidden, experts, inter = (
             config.hidden_size, config.num_physical_experts, config.moe_intermediate_size,
         )
         self.layer_id = layer_id
-        self.gate = create_router(config)
+        self.router_name = router_name  # HF attribute of the router (gpt-oss: "router")
+        setattr(self, router_name, create_router(config))
         gate_name, up_name, down_name = expert_names
         self.w_gate = param((experts, hidden, inter), dtype, W_GATE_UP_SPEC, (gate_name, True))
         self.w_up = param((experts, hidden, inter), dtype, W_GATE_UP_SPEC, (up_name, True))
@@ -320,18 +361,19 @@ class SparseMoeBlock(nnx.Module):
         mapping is applied, and their weights). ``sequence_split``: x is split by token over
         "tensor" (with DP attention, over "expert" x "tensor": ``sequence_parallel``), and so
         is the output."""
-        topk_weights, topk_ids = self.gate(x)
+        topk_weights, topk_ids = getattr(self, self.router_name)(x)
         dp = backends.dp_attention
         if sequence_split:  # the router on the split tokens (else XLA runs it on all of them)
             topk_weights, topk_ids = (sequence_parallel.split_tokens(a, dp)
                                       for a in (topk_weights, topk_ids))
         out = ep_moe_forward(  # x split by token: gathered inside (``sequence_split``)
-            x, topk_ids, topk_weights, self.w_gate[...], self.w_up[...], self.w_down[...],
-            self.expert_order, backend=backends.moe,
+            self.expert_input(x), topk_ids, topk_weights, self.w_gate[...], self.w_up[...],
+            self.w_down[...], self.expert_order, backend=self.expert_backend(backends),
             location=(self.replicas[...], self.num_replicas[...]) if self.eplb else None,
             tokens_split=backends.dp_attention, all_to_all=backends.moe_all_to_all,
             sequence_split=sequence_split, one_hot_lookups=backends.one_hot_lookups,
         )
+        out = self.expert_output(out, topk_ids, topk_weights)
         if self.shared_name is not None:
             if sequence_split:
                 x = sequence_parallel.gather_tokens(x, dp)
@@ -341,18 +383,31 @@ class SparseMoeBlock(nnx.Module):
             out = out + shared
         return out, (topk_ids, topk_weights)
 
+    # What a family's experts add around the shared expert compute (gpt-oss: models/gpt_oss.py).
+    def expert_input(self, x: jax.Array) -> jax.Array:
+        return x
+
+    def expert_backend(self, backends: ModelBackends) -> MoEBackend:
+        return backends.moe
+
+    def expert_output(self, out: jax.Array, topk_ids: jax.Array,
+                      topk_weights: jax.Array) -> jax.Array:
+        return out
+
 
 class DecoderLayer(nnx.Module):
     # The MoE block's attribute (and HF name): Mixtral calls it "block_sparse_moe".
     def __init__(self, config: ModelConfig, layer_id: int, dtype: jnp.dtype,
                  attention_cls: type[nnx.Module], moe_name: str = "mlp",
-                 expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> None:
+                 expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 moe_cls: type[SparseMoeBlock] = SparseMoeBlock,
+                 router_name: str = "gate") -> None:
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = attention_cls(config, dtype)
+        self.self_attn = attention_cls(config, dtype, layer_id=layer_id)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.ffn_name = moe_name if config.moe_layers[layer_id] else "mlp"
         if config.moe_layers[layer_id]:
-            ffn = SparseMoeBlock(config, layer_id, dtype, expert_names)
+            ffn = moe_cls(config, layer_id, dtype, expert_names, router_name)
         else:
             ffn = DenseMLP(config.hidden_size, config.intermediate_size, dtype)
         setattr(self, self.ffn_name, ffn)
@@ -386,10 +441,13 @@ class DecoderLayer(nnx.Module):
 
 class MoeModel(nnx.Module):
     def __init__(self, config: ModelConfig, dtype: jnp.dtype, attention_cls: type[nnx.Module],
-                 moe_name: str, expert_names: tuple[str, str, str]) -> None:
+                 moe_name: str, expert_names: tuple[str, str, str],
+                 moe_cls: type[SparseMoeBlock] = SparseMoeBlock,
+                 router_name: str = "gate") -> None:
         self.embed_tokens = param((config.vocab_size, config.hidden_size), dtype, (None, None))
         self.layers = nnx.List([
-            DecoderLayer(config, i, dtype, attention_cls, moe_name, expert_names)
+            DecoderLayer(config, i, dtype, attention_cls, moe_name, expert_names, moe_cls,
+                         router_name)
             for i in range(config.num_hidden_layers)
         ])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -419,10 +477,13 @@ class MoeForCausalLM(nnx.Module):
     attention_cls: type[nnx.Module] = GqaAttention
     moe_name = "mlp"  # HF attribute of a layer's MoE block
     expert_names = ("gate_proj", "up_proj", "down_proj")  # HF names of an expert's projections
+    moe_cls: type[SparseMoeBlock] = SparseMoeBlock  # the MoE block (gpt-oss: its own)
+    router_name = "gate"  # HF attribute of the MoE block's router
 
     def __init__(self, config: ModelConfig, dtype: jnp.dtype) -> None:
         self.config = config
-        self.model = MoeModel(config, dtype, self.attention_cls, self.moe_name, self.expert_names)
+        self.model = MoeModel(config, dtype, self.attention_cls, self.moe_name, self.expert_names,
+                              self.moe_cls, self.router_name)
         if not config.tie_word_embeddings:
             self.lm_head = param((config.hidden_size, config.vocab_size), dtype, (None, "tensor"))
 

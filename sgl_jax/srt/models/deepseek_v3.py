@@ -56,7 +56,7 @@ class MlaAttention(nnx.Module):
     """Multi-head latent attention with absorbed weights over a latent KV cache (module
     docstring). Interface as ``common.GqaAttention``."""
 
-    def __init__(self, config: ModelConfig, dtype: jnp.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype, layer_id: int = 0) -> None:
         hidden, heads = config.hidden_size, config.num_attention_heads
         self.num_heads = heads
         self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim

@@ -7,6 +7,8 @@ from flax import nnx
 from sgl_jax.srt.configs.model_config import SUPPORTED_ARCHITECTURES
 from sgl_jax.srt.models.deepseek_v3 import DeepseekV3ForCausalLM
 from sgl_jax.srt.models.glm4_moe import Glm4MoeForCausalLM
+from sgl_jax.srt.models.gpt_oss import GptOssForCausalLM
+from sgl_jax.srt.models.minimax_m2 import MiniMaxM2ForCausalLM
 from sgl_jax.srt.models.mixtral import MixtralForCausalLM
 from sgl_jax.srt.models.qwen2_moe import Qwen2MoeForCausalLM
 from sgl_jax.srt.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -14,7 +16,8 @@ from sgl_jax.srt.models.qwen3_moe import Qwen3MoeForCausalLM
 _MODELS: dict[str, type[nnx.Module]] = {
     cls.__name__: cls
     for cls in (Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM,
-                DeepseekV3ForCausalLM, Glm4MoeForCausalLM)
+                DeepseekV3ForCausalLM, Glm4MoeForCausalLM, MiniMaxM2ForCausalLM,
+                GptOssForCausalLM)
 }
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES)
 

@@ -120,7 +120,13 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attend(
-        self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float
+        self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float,
+        sinks: jax.Array | None = None, window: int = 0,
     ) -> jax.Array:
         """q ``[T, H, D]`` -> ``[T, H, D]``: each token attends to positions ``<=`` its own of
-        its request, read from ``kv_cache`` through ``meta.page_indices``."""
+        its request, read from ``kv_cache`` through ``meta.page_indices``.
+
+        ``window`` > 0 (sliding-window layers, gpt-oss): only the last ``window`` positions,
+        its own included (position p sees ``(p - window, p]``). ``sinks`` ``[H]`` (gpt-oss's
+        attention sinks): one more logit per head joins each query's softmax and is dropped
+        after it (it scales the output down by ``Z / (Z + exp(sink))``)."""

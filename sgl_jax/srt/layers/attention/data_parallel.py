@@ -53,7 +53,8 @@ def rank_local_attention(
 ) -> tuple[jax.Array, jax.Array]:
     """Runs ``body`` (write the new rows, then attend) per attention rank.
 
-    q ``[T, H, D]``; ``new_rows`` a pytree of ``[T, ...]`` arrays the body writes (GQA's K
+    q ``[T, H, D]`` (or a tuple of it and ``[T, H]`` per-head extras: gpt-oss's sinks, split
+    like the heads); ``new_rows`` a pytree of ``[T, ...]`` arrays the body writes (GQA's K
     and V ``[T, KVH, D]``, MLA's latent rows ``[T, D]``); ``kv_cache`` ``[pages, page_size,
     heads, D]``; ``slots`` [T] the tokens' global KV slots. ``heads_split``: the query heads
     are split over "tensor" within a rank; ``cache_heads_split``: so are the cache's heads
@@ -72,8 +73,9 @@ def rank_local_attention(
                  meta: AttentionMetadata) -> tuple[jax.Array, jax.Array]:
         num_pages, page_size = kv_cache.shape[:2]
         first_slot = jax.lax.axis_index(DATA_AXIS) * num_pages * page_size
+        tokens = jax.tree.leaves(q)[0].shape[0]  # q may carry per-query extras (sinks)
         return body(q, new_rows, kv_cache, slots - first_slot,
-                    _localise(meta, q.shape[0], num_pages))
+                    _localise(meta, tokens, num_pages))
 
     run = jax.shard_map(
         per_rank, mesh=mesh,

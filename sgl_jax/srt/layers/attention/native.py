@@ -21,6 +21,12 @@ Static sizes: an extend batch of T tokens and B rows has at most ``min(ceil(T / 
 T)`` blocks; ``q_block`` is chosen from T / B so the padded query rows stay within ~2x T.
 All arithmetic is float32.
 
+Sliding windows (gpt-oss) mask keys more than ``window - 1`` positions before a query, and a
+group's loop starts at the first KV block its earliest query still sees: keys outside every
+window are never read (a decode step over a long context reads ~``window`` positions).
+Attention sinks (gpt-oss) join the softmax after the loop: the running max and denominator
+take one more logit per head, whose value is never added to the output.
+
 Multi-head latent attention (``attend_latent``, DeepSeek-V3) is the same loop with one KV
 "head" shared by all query heads: the cached latent row is the key of every head and its first
 ``v_dim`` dims the value, so the output has ``v_dim`` dims per head, not the key's.
@@ -104,9 +110,10 @@ class NativeAttention(AttentionBackend):
         self.batch_invariant = batch_invariant
 
     def attend(
-        self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float
+        self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float,
+        sinks: jax.Array | None = None, window: int = 0,
     ) -> jax.Array:
-        return self._attend(q, kv_cache, meta, scale, None)
+        return self._attend(q, kv_cache, meta, scale, None, sinks, window)
 
     def attend_latent(
         self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float,
@@ -121,15 +128,16 @@ class NativeAttention(AttentionBackend):
 
     def _attend(
         self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float,
-        v_dim: int | None,
+        v_dim: int | None, sinks: jax.Array | None = None, window: int = 0,
     ) -> jax.Array:
         """``v_dim`` None: GQA over the combined K/V layout; else latent attention."""
+        extra = {"sinks": sinks, "window": window}
         num_tokens = q.shape[0]
         batch_size = meta.extend_lens.shape[0]
         q_block = query_block_size(num_tokens, batch_size, meta.is_decode, meta.is_verify)
         if (meta.is_decode or meta.is_verify or self.batch_invariant
                 or q_block <= SHORT_EXTEND):
-            return self._attend_blocked(q, kv_cache, meta, scale, v_dim, q_block)
+            return self._attend_blocked(q, kv_cache, meta, scale, v_dim, q_block, **extra)
         # A few new tokens per row over a long cached context would otherwise cost as much as
         # a whole query block per row (q_block rows of queries, mostly padding, each reading
         # the context): with every row <= SHORT_EXTEND tokens, one small block per row, each
@@ -138,13 +146,15 @@ class NativeAttention(AttentionBackend):
         # batch-mates).
         return jax.lax.cond(
             jnp.max(meta.extend_lens) <= SHORT_EXTEND,
-            lambda: self._attend_blocked(q, kv_cache, meta, scale, v_dim, SHORT_EXTEND, 1),
-            lambda: self._attend_blocked(q, kv_cache, meta, scale, v_dim, q_block),
+            lambda: self._attend_blocked(q, kv_cache, meta, scale, v_dim, SHORT_EXTEND, 1,
+                                         **extra),
+            lambda: self._attend_blocked(q, kv_cache, meta, scale, v_dim, q_block, **extra),
         )
 
     def _attend_blocked(
         self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float,
         v_dim: int | None, q_block: int, per_group: int | None = None,
+        sinks: jax.Array | None = None, window: int = 0,
     ) -> jax.Array:
         """The attention of every token, its queries cut into blocks of ``q_block`` and
         processed ``per_group`` blocks at a time (None: chosen below)."""
@@ -169,7 +179,7 @@ class NativeAttention(AttentionBackend):
 
         def run(per_group: int) -> jax.Array:
             return self._attend_groups(q, kv_cache, meta, scale, blocks, q_block, kv_block,
-                                       per_group, v_dim)[: num_blocks * q_block]
+                                       per_group, v_dim, sinks, window)[: num_blocks * q_block]
 
         if per_group is not None:
             out = run(per_group)
@@ -191,7 +201,7 @@ class NativeAttention(AttentionBackend):
     def _attend_groups(
         self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float,
         blocks: QueryBlocks, q_block: int, kv_block: int, per_group: int,
-        v_dim: int | None = None,
+        v_dim: int | None = None, sinks: jax.Array | None = None, window: int = 0,
     ) -> jax.Array:
         """Every real query block's attention, ``per_group`` blocks at a time: ``[padded
         blocks * q_block, heads, out_dim]`` float32, block-major. ``v_dim`` None: K and V
@@ -249,6 +259,8 @@ class NativeAttention(AttentionBackend):
                 if causal:  # a block reads only its own request's pages: causal is all
                     kv_pos = i * kv_block + jnp.arange(kv_block, dtype=jnp.int32)
                     visible = kv_pos[None, None, :] <= q_pos[:, :, None]  # [GB, G*qb, kvb]
+                    if window:  # and the last `window` keys only, its own included
+                        visible &= kv_pos[None, None, :] > q_pos[:, :, None] - window
                     s = jnp.where(visible[:, None], s, MASKED)
                 m_new = jnp.maximum(m, s.max(axis=-1))
                 correction = jnp.exp(m - m_new)
@@ -271,10 +283,28 @@ class NativeAttention(AttentionBackend):
             unmasked = jnp.minimum(unmasked, num_kv_iters)
             if self.batch_invariant:
                 unmasked = jnp.zeros_like(unmasked)
-            carry = jax.lax.fori_loop(0, unmasked, partial(kv_step, causal=False), init)
-            _, denom, acc = jax.lax.fori_loop(
+            start = jnp.zeros_like(unmasked)
+            if window:
+                # Every block is masked, and blocks before the earliest query's window are
+                # never read (skipping leading fully-masked blocks changes no value: the
+                # online softmax's correction of exp(MASKED - max) = 0 erases them).
+                earliest = jnp.min(jnp.where(g_count > 0, g_pos, jnp.iinfo(jnp.int32).max))
+                start = jnp.minimum(jnp.maximum(earliest - window + 1, 0) // kv_block,
+                                    num_kv_iters)
+                if self.batch_invariant:
+                    start = jnp.zeros_like(start)
+                unmasked = start
+            carry = jax.lax.fori_loop(start, unmasked, partial(kv_step, causal=False), init)
+            m, denom, acc = jax.lax.fori_loop(
                 unmasked, num_kv_iters, partial(kv_step, causal=True), carry
             )
+            if sinks is not None:  # [H]: head h = kv head h // group, member h % group
+                sink = sinks.astype(jnp.float32).reshape(num_kv_heads, group)
+                sink = jnp.repeat(sink, q_block, axis=1)[None]  # [1, KVH, G * qb]
+                m_all = jnp.maximum(m, sink)
+                rescale = jnp.exp(m - m_all)
+                denom = denom * rescale + jnp.exp(sink - m_all)
+                acc = acc * rescale[..., None]
             res = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
             res = res.reshape(per_group, num_kv_heads, group, q_block, out_dim)
             res = res.transpose(0, 3, 1, 2, 4).reshape(per_group * q_block, num_heads, out_dim)

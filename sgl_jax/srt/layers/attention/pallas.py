@@ -22,6 +22,9 @@ from sgl_jax.srt.layers.attention.base import AttentionBackend, AttentionMetadat
 
 TENSOR_AXIS = "tensor"
 HEAD_DIM_MULTIPLE = 128
+NO_SINKS = ("--attention-backend pallas has no attention sinks (JAX's ragged paged attention "
+            "kernel has no sink logit and returns no softmax denominator to add one to); use "
+            "--attention-backend native")
 
 
 def check_pallas_shapes(head_dim: int) -> None:
@@ -52,8 +55,15 @@ class PallasAttention(AttentionBackend):
             enable_tpu_interpret_mode()
 
     def attend(
-        self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float
+        self, q: jax.Array, kv_cache: jax.Array, meta: AttentionMetadata, scale: float,
+        sinks: jax.Array | None = None, window: int = 0,
     ) -> jax.Array:
+        """``window``: the kernel's own ``sliding_window`` (the same rule: a query sees its
+        last ``window`` keys). ``sinks``: not in JAX's kernel (it returns no softmax
+        denominator to rescale by): refused; the model names its family first
+        (``models/common.GqaAttention``)."""
+        if sinks is not None:
+            raise ValueError(NO_SINKS)
         from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
             ragged_paged_attention,
         )
@@ -65,7 +75,8 @@ class PallasAttention(AttentionBackend):
         # Padded rows (no new tokens) come last: they are not sequences for the kernel.
         num_seqs = jnp.sum(meta.extend_lens > 0).astype(jnp.int32).reshape(1)
         page_indices = meta.page_indices.astype(jnp.int32)
-        kernel = partial(ragged_paged_attention, sm_scale=scale, **self._block_sizes(meta))
+        kernel = partial(ragged_paged_attention, sm_scale=scale, sliding_window=window or None,
+                         **self._block_sizes(meta))
 
         mesh = jax.sharding.get_abstract_mesh()
         # Inside DP attention's per-rank shard_map the axes are already manual: the kernel

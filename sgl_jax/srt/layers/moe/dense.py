@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from sgl_jax.srt.layers.moe.activation import SILU, ExpertActivation
+
 
 def combine_weights(
     topk_ids: jax.Array, topk_weights: jax.Array, expert_ids: jax.Array
@@ -37,6 +39,7 @@ def experts_forward(
     w_up: jax.Array,
     w_down: jax.Array,
     weights: jax.Array,
+    activation: ExpertActivation = SILU,
 ) -> jax.Array:
     """x [T, H]; w_gate, w_up [E, H, I]; w_down [E, I, H]; weights [T, E] -> float32 [T, H].
 
@@ -45,7 +48,7 @@ def experts_forward(
     """
     gate = jnp.einsum("th,ehi->tei", x, w_gate)
     up = jnp.einsum("th,ehi->tei", x, w_up)
-    act = jax.nn.silu(gate) * up * weights[:, :, None].astype(x.dtype)
+    act = activation(gate, up) * weights[:, :, None].astype(x.dtype)
     return jnp.einsum("tei,eih->th", act, w_down, preferred_element_type=jnp.float32)
 
 
@@ -56,6 +59,7 @@ def dense_experts(
     w_gate: jax.Array,
     w_up: jax.Array,
     w_down: jax.Array,
+    activation: ExpertActivation = SILU,
 ) -> jax.Array:
     """The backend entry point (signature: ``experts.ExpertCompute``) -> float32 [T, H].
 
@@ -65,4 +69,4 @@ def dense_experts(
     """
     rows = jnp.arange(w_gate.shape[0], dtype=local_ids.dtype)
     weights = combine_weights(local_ids, topk_weights, rows)
-    return experts_forward(x, w_gate, w_up, w_down, weights)
+    return experts_forward(x, w_gate, w_up, w_down, weights, activation)

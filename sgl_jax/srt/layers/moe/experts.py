@@ -25,6 +25,7 @@ and the model's forward calls it, as it calls the attention backend.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from sgl_jax.srt.layers.moe import gmm_gate_up, vmem_rows
+from sgl_jax.srt.layers.moe.activation import SILU, ExpertActivation
 from sgl_jax.srt.layers.moe.dense import combine_weights, dense_experts, experts_forward
 from sgl_jax.srt.layers.moe.gmm import GmmExperts
 from sgl_jax.srt.layers.moe.ragged import ragged_experts
@@ -128,6 +130,15 @@ class MoEBackend:
             return gathered, None
         words = jax.lax.all_gather(gmm_gate_up.fetch_source(x), axis, axis=0, tiled=True)
         return gathered, words
+
+    def with_activation(self, activation: ExpertActivation) -> MoEBackend:
+        """The same backend computing ``activation`` between gate/up and down (a model's
+        expert block asks for it while its step is traced; silu: the backend itself)."""
+        if activation == SILU:
+            return self
+        if isinstance(self.compute, GmmExperts):
+            return MoEBackend(self.name, replace(self.compute, activation=activation))
+        return MoEBackend(self.name, functools.partial(self.compute, activation=activation))
 
     def sharded(self, shards: int) -> MoEBackend:
         """The backend on one of ``shards`` devices the experts are split over. ``gmm`` sizes

@@ -88,6 +88,7 @@ from jax._src import config as jax_config  # _check_vma: see grouped_matmul
 from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
 
 from sgl_jax.srt.layers.moe import gmm_combine, gmm_gate_up, vmem_rows
+from sgl_jax.srt.layers.moe.activation import SILU, ExpertActivation
 from sgl_jax.srt.layers.moe.manual_axes import mark_varying
 from sgl_jax.srt.layers.moe.ragged import sorted_assignments
 
@@ -297,6 +298,7 @@ def gmm_experts(
     out_dtype: jnp.dtype = jnp.float32,
     words: jax.Array | None = None,
     vmem_limit: int = vmem_rows.VMEM_LIMIT,
+    activation: ExpertActivation = SILU,
 ) -> jax.Array:
     """The backend entry point (signature: ``experts.ExpertCompute``) -> [T, H] in
     ``out_dtype`` (the float32 sums rounded once per pass, by the combine kernel itself).
@@ -309,7 +311,9 @@ def gmm_experts(
     ``platform``: what the program is compiled for (:func:`interpret_on`). ``shards``: how
     many devices the experts are split over (the "expert" axis); with more than one, the
     device's assignments are computed in passes of :func:`pass_rows` rows (module docstring,
-    "Passes").
+    "Passes"). ``activation``: other than silu (gpt-oss's clamped SwiGLU), gate and up are
+    two plain grouped matmuls and the activation runs in XLA (the fused kernels compute
+    silu).
     """
     interpret = interpret_on(platform)
     num_tokens, top_k = local_ids.shape
@@ -352,7 +356,7 @@ def gmm_experts(
                                    slice_size=rows_pad)
         return _expert_rows(x, window(token), window(weight), sizes, rows, row_in_window,
                             in_window, w_gate, w_up, w_down, interpret, init, words,
-                            sums_dtype, vmem_limit, reads_init)
+                            sums_dtype, vmem_limit, reads_init, activation)
 
     if rows >= m:  # one pass holds every assignment
         return one_pass(0, sums_dtype=out_dtype)
@@ -376,7 +380,8 @@ def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes:
                  init: jax.Array | None = None, words: jax.Array | None = None,
                  sums_dtype: jnp.dtype = jnp.float32,
                  vmem_limit: int = vmem_rows.VMEM_LIMIT,
-                 reads_init: jax.Array | bool = True) -> jax.Array:
+                 reads_init: jax.Array | bool = True,
+                 activation: ExpertActivation = SILU) -> jax.Array:
     """[T, H] in ``sums_dtype``: ``init`` (or zeros; zeros unless ``reads_init``: its
     content is then unspecified) plus the three grouped matmuls over
     ``M_pad`` sorted assignments (token row ``token``, routing weight ``weight``, groups
@@ -398,19 +403,21 @@ def _expert_rows(x: jax.Array, token: jax.Array, weight: jax.Array, group_sizes:
                                 vmem_limit)
     combine_weighs = combines and gmm_combine.weighs_rows(m_pad)
     act_weight = None if combine_weighs else weight
-    if gmm_gate_up.token_mode(num_tokens, hidden, inter, x.dtype, m_pad, tm) is not None:
+    fused = activation == SILU  # the gate/up kernel computes silu(gate) * up itself
+    if fused and gmm_gate_up.token_mode(num_tokens, hidden, inter, x.dtype, m_pad,
+                                        tm) is not None:
         # The kernel takes the rows from x itself (held in VMEM at decode, by row DMAs at
         # prefill): the sorted [M_pad, H] rows are never written.
         act = gmm_gate_up.gate_up_act(x, token, w_gate, w_up, act_weight, group_sizes, tm,
                                       minor, interpret, words)
-    elif gmm_gate_up.column_tile(tm, hidden, inter, item) is not None:
+    elif fused and gmm_gate_up.column_tile(tm, hidden, inter, item) is not None:
         act = gmm_gate_up.gate_up_act(_sorted_rows(x, token, interpret), None, w_gate, w_up,
                                       act_weight, group_sizes, tm, minor, interpret)
     else:
         xs = _sorted_rows(x, token, interpret)
         gate = grouped_matmul(xs, w_gate, group_sizes, rows, interpret)
         up = grouped_matmul(xs, w_up, group_sizes, rows, interpret)
-        act = jax.nn.silu(gate) * up
+        act = activation(gate, up)
         act = (act if act_weight is None else act * act_weight[:, None]).astype(x.dtype)
     if combines:
         return gmm_combine.down_and_combine(
@@ -455,6 +462,7 @@ class GmmExperts:
     shards: int = 1  # devices the experts are split over (``ep_moe`` sets it)
     capacity_factor: float = CAPACITY_FACTOR
     vmem_limit: int = vmem_rows.VMEM_LIMIT  # of the chip (``vmem_rows.vmem_limit``)
+    activation: ExpertActivation = SILU
 
     def __call__(self, x: jax.Array, local_ids: jax.Array, topk_weights: jax.Array,
                  w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
@@ -462,4 +470,4 @@ class GmmExperts:
                  ) -> jax.Array:
         return gmm_experts(x, local_ids, topk_weights, w_gate, w_up, w_down, self.platform,
                            self.shards, self.capacity_factor, out_dtype, words,
-                           self.vmem_limit)
+                           self.vmem_limit, self.activation)

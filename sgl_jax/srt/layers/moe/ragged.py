@@ -27,6 +27,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from sgl_jax.srt.layers.moe.activation import SILU, ExpertActivation
+
 
 def sorted_assignments(local_ids: jax.Array, topk_weights: jax.Array, num_rows: int
                        ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -64,6 +66,7 @@ def ragged_experts(
     w_gate: jax.Array,
     w_up: jax.Array,
     w_down: jax.Array,
+    activation: ExpertActivation = SILU,
 ) -> jax.Array:
     """The backend entry point (signature: ``experts.ExpertCompute``) -> float32 [T, H].
 
@@ -80,7 +83,7 @@ def ragged_experts(
     def grouped(lhs: jax.Array, w: jax.Array) -> jax.Array:
         return jax.lax.ragged_dot(lhs, w, group_sizes, preferred_element_type=jnp.float32)
 
-    act = (jax.nn.silu(grouped(xs, w_gate)) * grouped(xs, w_up)).astype(x.dtype)
+    act = activation(grouped(xs, w_gate), grouped(xs, w_up)).astype(x.dtype)
     down = grouped(act, w_down)  # [M, H] float32
     local = jnp.arange(order.shape[0]) < jnp.sum(group_sizes)  # rows inside some group
     rows = jnp.where(local[:, None], down * weight[:, None], 0.0)

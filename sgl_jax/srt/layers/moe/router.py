@@ -7,17 +7,22 @@ equal values in index order). The rules (``ModelConfig.router``):
 
 - ``softmax_topk`` (Qwen3-MoE, Qwen2-MoE): softmax over all experts, the k most probable,
   their probabilities renormalised to sum to 1 when ``norm_topk_prob``.
-- ``topk_softmax`` (Mixtral): the k largest logits, weights a softmax over those k (equal to
-  softmax-then-renormalise, with the same order).
+- ``topk_softmax`` (Mixtral; gpt-oss, whose logits add the router's ``bias``): the k largest
+  logits, weights a softmax over those k (equal to softmax-then-renormalise, with the same
+  order).
 - ``sigmoid_grouped`` (DeepSeek-V3, GLM-4.5): sigmoid scores; the selection adds the per-expert
   ``e_score_correction_bias`` (load balancing without an auxiliary loss); experts form
   ``n_group`` groups, a group scores the sum of its two best corrected scores, only the
   ``topk_group`` best groups compete; the k best corrected scores win; their weights are the
   UNcorrected scores, renormalised when ``norm_topk_prob``, times ``routed_scaling_factor``.
   Experts of dropped groups are out of the race (-inf), as in DeepSeek's own inference code.
+  MiniMax-M2 is this rule with one group, renormalised, unscaled.
 
-Parameter paths follow Hugging Face: the router is the MoE block's ``gate`` module, so its
-tensors load from ``mlp.gate.weight`` (and ``mlp.gate.e_score_correction_bias``).
+Parameter paths follow Hugging Face: the router is the MoE block's ``gate`` module (gpt-oss:
+``router``), so its tensors load from ``mlp.gate.weight`` (and
+``mlp.gate.e_score_correction_bias``; MiniMax-M2 keeps that bias on the block itself,
+``block_sparse_moe.e_score_correction_bias``: ``hf`` names starting with ``../`` are relative
+to the block).
 """
 
 from __future__ import annotations
@@ -33,6 +38,12 @@ def _router_weight(hidden: int, experts: int) -> nnx.Param:
     # [H, E] float32, replicated; Hugging Face stores [E, H] (transposed on load).
     return nnx.Param(jnp.zeros((hidden, experts), jnp.float32), out_sharding=(None, None),
                      eager_sharding=False, hf=("weight", True))
+
+
+def _router_bias(hf_name: str, experts: int) -> nnx.Param:
+    # [E] float32, replicated; ``hf_name`` relative to the router (``../``: to its block).
+    return nnx.Param(jnp.zeros((experts,), jnp.float32), out_sharding=(None,),
+                     eager_sharding=False, hf=(hf_name, False))
 
 
 class SoftmaxTopKRouter(nnx.Module):
@@ -53,19 +64,24 @@ class TopKSoftmaxRouter(nnx.Module):
     def __init__(self, config: ModelConfig) -> None:
         self.weight = _router_weight(config.hidden_size, config.num_experts)
         self.top_k = config.num_experts_per_tok
+        self.has_bias = config.router_bias
+        if self.has_bias:
+            self.bias = _router_bias("bias", config.num_experts)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        logits, ids = jax.lax.top_k(x.astype(jnp.float32) @ self.weight[...], self.top_k)
+        logits = x.astype(jnp.float32) @ self.weight[...]
+        if self.has_bias:
+            logits = logits + self.bias[...]
+        logits, ids = jax.lax.top_k(logits, self.top_k)
         return jax.nn.softmax(logits, axis=-1), ids.astype(jnp.int32)
 
 
 class GroupedSigmoidRouter(nnx.Module):
     def __init__(self, config: ModelConfig) -> None:
         self.weight = _router_weight(config.hidden_size, config.num_experts)
-        self.e_score_correction_bias = nnx.Param(
-            jnp.zeros((config.num_experts,), jnp.float32), out_sharding=(None,),
-            eager_sharding=False, hf=("e_score_correction_bias", False),
-        )
+        name = "e_score_correction_bias"
+        self.e_score_correction_bias = _router_bias(
+            f"../{name}" if config.score_bias_on_block else name, config.num_experts)
         self.top_k = config.num_experts_per_tok
         self.renormalize = config.norm_topk_prob
         self.n_group, self.topk_group = config.n_group, config.topk_group

@@ -81,7 +81,11 @@ def draft_config(draft_path: str, target: ModelConfig) -> ModelConfig:
         intermediate_size=int(cfg["intermediate_size"]),
         rms_norm_eps=float(cfg.get("rms_norm_eps", target.rms_norm_eps)),
         rope_theta=float(cfg.get("rope_theta", target.rope_theta)),
-        qk_norm=True, qkv_bias=False,
+        # The draft layer is a plain Qwen3 layer whatever the target's attention extras
+        # (MiniMax-M2's per-layer qk-norm and partial rotary, gpt-oss's biases, sinks and
+        # sliding windows): its checkpoint has none of their tensors.
+        qk_norm=True, qkv_bias=False, qk_norm_per_layer=False, o_proj_bias=False,
+        attention_sinks=False, sliding_window=0, sliding_layers=(), rotary_dim=0,
     )
 
 

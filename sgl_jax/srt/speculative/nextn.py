@@ -45,7 +45,8 @@ def mtp_config(target: ModelConfig) -> ModelConfig:
     with open(os.path.join(target.model_path, "config.json")) as f:
         layers = int(json.load(f).get("num_nextn_predict_layers") or 0)
     if layers < 1:
-        raise ValueError(f"speculative_algorithm=NEXTN: {target.model_path} has no MTP layer "
+        raise ValueError(f"speculative_algorithm=NEXTN: {target.model_path} ({target.family}) has "
+                         "no MTP layer "
                          "(config.json num_nextn_predict_layers is 0 or absent); use EAGLE "
                          "with a draft head, or NGRAM")
     return dataclasses.replace(target, num_hidden_layers=1, moe_layers=(True,), eplb=False,

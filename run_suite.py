@@ -51,6 +51,7 @@ UNIT = [
     "tests/test_eplb_parallel.py",
     "tests/test_integrations.py",
     "tests/test_dp_balancer.py",
+    "tests/test_import_layering.py",
 ]
 E2E = [
     "tests/test_engine.py",

@@ -13,7 +13,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.srt.model_executor.model_runner import make_mesh
+from sgl_jax.srt.distributed import make_mesh
 from sgl_jax.srt.model_loader.loader import CheckpointError, load_model
 from sgl_jax.tools.make_random_model import write_random_model
 

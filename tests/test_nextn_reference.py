@@ -15,7 +15,7 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.srt.model_executor.model_runner import make_mesh
+from sgl_jax.srt.distributed import make_mesh
 from sgl_jax.srt.model_loader.loader import load_model
 from sgl_jax.tools.make_random_model import (
     BUNDLED_DIR,

@@ -1,11 +1,11 @@
-"""Parallel layout checks and multi-host start-up.
+"""Parallel layout: the mesh, its checks, and multi-host start-up.
 
 The engine runs every step under one ``jax.sharding.Mesh`` with the axes ``("expert",
-"tensor")`` (see ``model_runner.make_mesh``): attention heads, dense MLPs, expert intermediate
-dimensions and the vocabulary of the LM head are split over "tensor"; the stacked experts are
-split over "expert". A layout that cannot shard the model evenly is refused here, at start-up,
-with a message naming the number that does not divide, instead of failing deep inside a
-``device_put`` or a compiled step.
+"tensor")`` (``make_mesh``, or a caller's mesh checked by ``check_mesh``): attention heads,
+dense MLPs, expert intermediate dimensions and the vocabulary of the LM head are split over
+"tensor"; the stacked experts are split over "expert". A layout that cannot shard the model
+evenly is refused here, at start-up, with a message naming the number that does not divide,
+instead of failing deep inside a ``device_put`` or a compiled step.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from sgl_jax.srt.configs.model_config import ModelConfig
@@ -98,6 +99,35 @@ def select_devices(devices: Sequence[Any], indexes: Sequence[int] | None) -> lis
             f"device_indexes={list(indexes)}: {bad} not in [0, {len(devices)}) "
             f"({len(devices)} {devices[0].platform} device(s) visible)")
     return [devices[i] for i in indexes]
+
+
+def make_mesh(devices: Sequence[Any], tp_size: int, ep_size: int) -> Mesh:
+    """The ``("expert", "tensor")`` mesh on the first ``tp_size * ep_size`` devices, the
+    "tensor" axis over neighbouring devices. On a multi-host job the mesh must hold every
+    device (each host runs its share of every step) and "tensor" must stay within a host
+    (its all-reduces run in every attention and MoE block: they want the fastest links)."""
+    need = tp_size * ep_size
+    if need > len(devices):
+        raise ValueError(
+            f"tp_size={tp_size} x ep_size={ep_size} needs {need} devices; {len(devices)} "
+            f"available ({devices[0].platform})"
+        )
+    hosts = {d.process_index for d in devices}
+    if len(hosts) > 1:
+        devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+        per_host = len(devices) // len(hosts)
+        if need != len(devices):
+            raise ValueError(
+                f"a {len(hosts)}-host job needs tp_size x ep_size = every device "
+                f"({len(devices)}: {per_host} per host); got tp_size={tp_size} x "
+                f"ep_size={ep_size} = {need}")
+        if per_host % tp_size:
+            raise ValueError(
+                f"tp_size={tp_size} must divide the {per_host} devices of each host: tensor "
+                f"parallelism stays within a host (span hosts with ep_size)")
+    # Host by host: a row of the grid ("tensor") never straddles two hosts.
+    grid = np.array(list(devices)[:need]).reshape(ep_size, tp_size)
+    return Mesh(grid, ("expert", "tensor"))
 
 
 def check_mesh(mesh: Mesh, tp_size: int, ep_size: int) -> Mesh:

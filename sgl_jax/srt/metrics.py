@@ -23,12 +23,11 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from sgl_jax.srt.managers.io_struct import ReqOutput
+from sgl_jax.srt.routed_experts_output import RoutedExpertsOut
 
 logger = logging.getLogger(__name__)
 # --log-requests lines: a logger of their own, at INFO whatever --log-level says.
@@ -52,6 +51,16 @@ class _State(Protocol):
     progress: Any
 
 
+class _Piece(Protocol):
+    """What the observer reads of a piece of a request's output (``io_struct.ReqOutput``, a
+    layer above: the observer sits below the managers that call it)."""
+
+    @property
+    def routed(self) -> RoutedExpertsOut | None: ...
+    @property
+    def first_token_time(self) -> float | None: ...
+
+
 @dataclass
 class _Progress:
     """One request's progress as the observer saw it (held by its ReqState)."""
@@ -71,7 +80,7 @@ class RequestObserver:
     def start(self, state: _State) -> None:
         """Called for each request a caller submitted (not the manager's internal ones)."""
 
-    def on_output(self, state: _State, meta: dict[str, Any], out: ReqOutput) -> None:
+    def on_output(self, state: _State, meta: dict[str, Any], out: _Piece) -> None:
         """A piece of ``state``'s output arrived (receiver thread): ``out`` is its record and
         ``meta`` its ``meta_info`` (counts so far, ``finish_reason`` and ``e2e_latency`` on
         the last)."""
@@ -101,7 +110,7 @@ class _Recorder(RequestObserver):
     def start(self, state: _State) -> None:
         state.progress = _Progress()
 
-    def on_output(self, state: _State, meta: dict[str, Any], out: ReqOutput) -> None:
+    def on_output(self, state: _State, meta: dict[str, Any], out: _Piece) -> None:
         p: _Progress | None = state.progress
         if p is None or p.done:
             return

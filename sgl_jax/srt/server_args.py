@@ -2,7 +2,8 @@
 
 Every field becomes a flag in SGLang's spelling (``max_running_requests`` ->
 ``--max-running-requests``); the help text lives next to the field. Invalid combinations
-fail in ``__post_init__`` with a message that says what to change.
+fail in ``__post_init__`` with a message that says what to change (the rules and the flags'
+choices: ``server_args_checks.py``).
 """
 
 from __future__ import annotations
@@ -15,16 +16,19 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, get_args, get_origin, get_type_hints
 
-DTYPES = ("auto", "float32", "bfloat16")
-ATTENTION_BACKENDS = ("native", "pallas")
-MOE_BACKENDS = ("auto", "dense", "ragged", "gmm")
-LOG_LEVELS = ("debug", "info", "warning", "error")
-ROUTED_EXPERTS_DTYPES = ("int32", "int16", "uint16", "uint8")  # routed_experts_codec's names
-EXPERT_DISTRIBUTION_MODES = ("stat", "per_pass", "per_token")  # layers/moe/expert_distribution
-EPLB_ALGORITHMS = ("greedy", "hierarchical")  # layers/moe/eplb
-MOE_DISPATCHES = ("all_gather", "ragged_all_to_all")  # layers/moe/dispatch.py
-LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens")  # DP attention
-SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "NEXTN")  # managers/speculative.py
+from sgl_jax.srt.server_args_checks import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    EPLB_ALGORITHMS,
+    EXPERT_DISTRIBUTION_MODES,
+    LOAD_BALANCE_METHODS,
+    LOG_LEVELS,
+    MOE_BACKENDS,
+    MOE_DISPATCHES,
+    ROUTED_EXPERTS_DTYPES,
+    SPECULATIVE_ALGORITHMS,
+    normalize_and_check,
+)
 
 
 def _arg(default: Any, help: str, **kw: Any) -> Any:
@@ -311,208 +315,7 @@ class ServerArgs:
     startup_timeout: float = _arg(600.0, "Seconds to wait for the scheduler to load and compile.")
 
     def __post_init__(self) -> None:
-        def fail(msg: str) -> None:
-            raise ValueError(f"invalid server args: {msg}")
-
-        if self.max_running_requests is None:
-            pads = self.precompile_bs_paddings
-            self.max_running_requests = (max(pads) if pads else 64) * max(self.dp_size, 1)
-        if self.dtype not in DTYPES:
-            fail(f"dtype={self.dtype!r}; use one of {', '.join(DTYPES)}")
-        if self.log_level not in LOG_LEVELS:
-            fail(f"log_level={self.log_level!r}; use one of {', '.join(LOG_LEVELS)}")
-        for name in ("max_running_requests", "chunked_prefill_size", "stream_interval",
-                     "tp_size", "ep_size", "attention_block_size", "nnodes",
-                     "max_prompts_per_request", "http_max_connections",
-                     "max_weight_update_bytes", "dp_size"):
-            if getattr(self, name) < 1:
-                fail(f"{name}={getattr(self, name)} must be >= 1")
-        if self.sequence_parallel_min_tokens < 0:
-            fail(f"sequence_parallel_min_tokens={self.sequence_parallel_min_tokens} must be "
-                 f">= 0 (0: never split the residual stream)")
-        if not 0 <= self.node_rank < self.nnodes:
-            fail(f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
-        if self.nnodes > 1 and not self.dist_init_addr:
-            fail(f"nnodes={self.nnodes} needs dist_init_addr (host:port of node 0)")
-        if self.enable_single_process and self.nnodes > 1:
-            fail(f"enable_single_process runs on one node; nnodes={self.nnodes} needs the "
-                 "scheduler's process of its own (drop enable_single_process)")
-        if self.device_indexes is not None:
-            idx = self.device_indexes
-            if not idx or min(idx) < 0 or len(set(idx)) != len(idx):
-                fail(f"device_indexes={idx} must be distinct device positions >= 0")
-            if self.nnodes > 1:
-                fail("device_indexes picks devices of one host; a multi-node job uses them all")
-        if self.dist_init_addr and not self.dist_init_addr.rpartition(":")[2].isdigit():
-            fail(f"dist_init_addr={self.dist_init_addr!r} must be host:port")
-        if self.http_header_timeout <= 0:
-            fail(f"http_header_timeout={self.http_header_timeout} must be > 0 seconds")
-        if self.api_key is not None and self.api_key == self.admin_api_key:
-            fail("api_key and admin_api_key are the same: every client would be an admin; "
-                 "give the admin key a value of its own")
-        if self.graceful_shutdown_timeout < 0:
-            fail(f"graceful_shutdown_timeout={self.graceful_shutdown_timeout} must be >= 0 "
-                 "seconds")
-        if self.dist_timeout <= 0:
-            fail(f"dist_timeout={self.dist_timeout} must be > 0 seconds")
-        if self.page_size < 1 or self.page_size & (self.page_size - 1):
-            fail(f"page_size={self.page_size} must be a power of two >= 1")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            fail(f"attention_backend={self.attention_backend!r}; use one of "
-                 f"{', '.join(ATTENTION_BACKENDS)}")
-        if self.enable_return_routed_expert_weights and not self.enable_return_routed_experts:
-            fail("enable_return_routed_expert_weights needs enable_return_routed_experts")
-        if self.return_routed_experts_default and not self.enable_return_routed_experts:
-            fail("return_routed_experts_default needs enable_return_routed_experts (without "
-                 "it no request can have routed experts); add --enable-return-routed-experts")
-        if self.routed_experts_shm_mb < 0:
-            fail(f"routed_experts_shm_mb={self.routed_experts_shm_mb}; use 0 (no shared "
-                 "memory) or a size in MiB")
-        if self.routed_experts_dtype not in ROUTED_EXPERTS_DTYPES:
-            fail(f"routed_experts_dtype={self.routed_experts_dtype!r}; use one of "
-                 f"{', '.join(ROUTED_EXPERTS_DTYPES)}")
-        mode = self.expert_distribution_recorder_mode
-        if mode is not None and mode not in EXPERT_DISTRIBUTION_MODES:
-            fail(f"expert_distribution_recorder_mode={mode!r}; use one of "
-                 f"{', '.join(EXPERT_DISTRIBUTION_MODES)}")
-        if self.expert_distribution_recorder_buffer_size < 1:
-            fail(f"expert_distribution_recorder_buffer_size="
-                 f"{self.expert_distribution_recorder_buffer_size} must be >= 1")
-        if self.eplb_algorithm not in EPLB_ALGORITHMS:
-            fail(f"eplb_algorithm={self.eplb_algorithm!r}; use one of "
-                 f"{', '.join(EPLB_ALGORITHMS)}")
-        if self.ep_num_redundant_experts < 0 or self.eplb_rebalance_num_iterations < 0:
-            fail("ep_num_redundant_experts and eplb_rebalance_num_iterations must be >= 0")
-        if not self.enable_eplb and (self.ep_num_redundant_experts
-                                     or self.eplb_rebalance_num_iterations
-                                     or self.init_expert_location):
-            fail("ep_num_redundant_experts, eplb_rebalance_num_iterations and "
-                 "init_expert_location need enable_eplb")
-        if self.enable_eplb:
-            if self.expert_distribution_recorder_mode is None:
-                self.expert_distribution_recorder_mode = "stat"
-            elif self.expert_distribution_recorder_mode != "stat":
-                fail("enable_eplb rebalances from the recorder's 'stat' counts; use "
-                     "--expert-distribution-recorder-mode stat (or leave it unset)")
-            if self.enable_deterministic_inference:
-                fail("enable_eplb and enable_deterministic_inference are exclusive (the replica "
-                     "of an expert a token uses depends on its position in the batch)")
-            if self.ep_expert_mapping:
-                fail("enable_eplb and ep_expert_mapping are exclusive (EPLB places the experts; "
-                     "give an initial placement with init_expert_location)")
-        if self.load_balance_method not in LOAD_BALANCE_METHODS:
-            fail(f"load_balance_method={self.load_balance_method!r}; use one of "
-                 f"{', '.join(LOAD_BALANCE_METHODS)}")
-        if self.dp_size > 1 and not self.enable_dp_attention:
-            fail(f"dp_size={self.dp_size} needs enable_dp_attention (data-parallel attention "
-                 "ranks); add --enable-dp-attention")
-        if self.dp_size > 1 and self.dp_size != self.ep_size:
-            fail(f"enable_dp_attention with dp_size={self.dp_size} and ep_size={self.ep_size}: "
-                 "the attention ranks are the rows of the 'expert' mesh axis, so dp_size must "
-                 f"equal ep_size (e.g. --ep-size {self.dp_size} --dp-size {self.dp_size}, each "
-                 "rank tp_size devices)")
-        if self.moe_dispatch not in MOE_DISPATCHES:
-            fail(f"moe_dispatch={self.moe_dispatch!r}; use one of {', '.join(MOE_DISPATCHES)}")
-        if self.moe_dispatch != "all_gather" and self.dp_size == 1:
-            fail(f"moe_dispatch={self.moe_dispatch} moves tokens between DP attention ranks; "
-                 "it needs --enable-dp-attention --dp-size > 1")
-        self._check_speculative(fail)
-        if self.moe_backend not in MOE_BACKENDS:
-            fail(f"moe_backend={self.moe_backend!r}; use one of {', '.join(MOE_BACKENDS)}")
-        if self.enable_deterministic_inference:
-            if self.moe_backend in ("ragged", "gmm"):
-                fail(f"enable_deterministic_inference needs the dense MoE backend "
-                     f"({self.moe_backend} groups depend on the other tokens of the batch); use "
-                     "--moe-backend auto or dense")
-            if self.attention_backend != "native":
-                fail("enable_deterministic_inference needs --attention-backend native")
-        if self.context_length is not None and self.context_length < 2:
-            fail(f"context_length={self.context_length} must be >= 2")
-        if self.max_total_tokens is not None and self.max_total_tokens < 2:
-            fail(f"max_total_tokens={self.max_total_tokens} must be >= 2")
-        if not 0 < self.port < 65536:
-            fail(f"port={self.port} must be in 1..65535")
-        if self.precompile_bs_paddings is not None:
-            pads = self.precompile_bs_paddings
-            if not pads or min(pads) < 1:
-                fail(f"precompile_bs_paddings={pads} must be a non-empty list of sizes >= 1")
-            # With DP attention the buckets are per rank, and so are the running requests.
-            per_rank = -(-self.max_running_requests // max(self.dp_size, 1))
-            if max(pads) < per_rank:
-                ranks = f" / dp_size={self.dp_size}" if self.dp_size > 1 else ""
-                fail(
-                    f"precompile_bs_paddings={pads} cannot hold max_running_requests="
-                    f"{self.max_running_requests}{ranks}; add a bucket >= {per_rank}"
-                    f" or lower max_running_requests to {max(pads) * max(self.dp_size, 1)}"
-                )
-        if self.precompile_token_paddings is not None:
-            pads = self.precompile_token_paddings
-            if not pads or min(pads) < 1:
-                fail(f"precompile_token_paddings={pads} must be a non-empty list of sizes >= 1")
-            if max(pads) < self.chunked_prefill_size:
-                fail(
-                    f"precompile_token_paddings={pads} cannot hold a prefill batch of "
-                    f"chunked_prefill_size={self.chunked_prefill_size} tokens; add a bucket >= "
-                    f"{self.chunked_prefill_size} or lower chunked_prefill_size to {max(pads)}"
-                )
-
-    def _check_speculative(self, fail: Any) -> None:
-        algo = self.speculative_algorithm
-        if algo is None:
-            if self.speculative_draft_model_path or any(
-                    getattr(self, f) is not None for f in (
-                        "speculative_num_steps", "speculative_eagle_topk",
-                        "speculative_num_draft_tokens")):
-                fail("the speculative_* options need --speculative-algorithm")
-            return
-        if algo not in SPECULATIVE_ALGORITHMS:
-            fail(f"speculative_algorithm={algo!r}; use one of "
-                 f"{', '.join(SPECULATIVE_ALGORITHMS)}")
-        if algo != "EAGLE" and self.speculative_draft_model_path:
-            fail(f"speculative_draft_model_path is for EAGLE; {algo} needs none (NGRAM drafts "
-                 "from the request's tokens, NEXTN from the model's own MTP layer)")
-        if algo == "EAGLE" and not self.speculative_draft_model_path:
-            from sgl_jax.srt.configs.model_config import (
-                BUNDLED_EAGLE_DRAFT_PATH,
-                BUNDLED_MODEL_PATH,
-            )
-
-            bundled = os.path.realpath(BUNDLED_MODEL_PATH)
-            if self.model_path is not None and os.path.realpath(self.model_path) != bundled:
-                fail("speculative_algorithm=EAGLE needs --speculative-draft-model-path (a draft "
-                     "is bundled only for the bundled model)")
-            self.speculative_draft_model_path = BUNDLED_EAGLE_DRAFT_PATH
-        if self.speculative_num_steps is None:
-            self.speculative_num_steps = 3
-        if self.speculative_eagle_topk is None:
-            self.speculative_eagle_topk = 1
-        if self.speculative_num_draft_tokens is None:
-            self.speculative_num_draft_tokens = self.speculative_num_steps + 1
-        if self.speculative_num_steps < 1:
-            fail(f"speculative_num_steps={self.speculative_num_steps} must be >= 1")
-        if self.speculative_eagle_topk != 1:
-            fail(f"speculative_eagle_topk={self.speculative_eagle_topk}: only chain drafts "
-                 "(topk 1) are supported")
-        if self.speculative_num_draft_tokens != self.speculative_num_steps + 1:
-            fail(f"speculative_num_draft_tokens={self.speculative_num_draft_tokens}: a chain "
-                 f"draft verifies speculative_num_steps + 1 = {self.speculative_num_steps + 1}")
-        lo = self.speculative_ngram_min_match_window_size
-        hi = self.speculative_ngram_max_match_window_size
-        if not 1 <= lo <= hi:
-            fail(f"speculative_ngram_min/max_match_window_size={lo}/{hi} must satisfy "
-                 "1 <= min <= max")
-        if self.dp_size > 1:
-            fail("speculative decoding with DP attention is not supported yet; drop "
-                 "--speculative-algorithm or --enable-dp-attention")
-        if self.nnodes > 1:
-            fail("speculative decoding runs on one node for now; drop --speculative-algorithm "
-                 f"or use nnodes=1 (got {self.nnodes})")
-        # NGRAM: the host proposes the next drafts once it knows what the last step accepted.
-        # per_token expert records name each token's position when the step is launched.
-        # EAGLE / NEXTN keep overlap: the next verify step's inputs are on the device.
-        if (self.speculative_algorithm == "NGRAM"
-                or self.expert_distribution_recorder_mode == "per_token"):
-            self.disable_overlap_schedule = True
+        normalize_and_check(self)
 
     def redacted(self) -> dict[str, Any]:
         """The fields as a dict, fit to show (``/get_server_info``): secrets replaced."""

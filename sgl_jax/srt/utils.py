@@ -16,6 +16,11 @@ from sgl_jax.srt.server_args import ServerArgs
 T = TypeVar("T")
 
 
+class EngineStartupError(RuntimeError):
+    """A scheduler or detokenizer (process or thread) did not start: its report's traceback,
+    its exit code or the time it was given. Raised by the engine's side of ``report_startup``."""
+
+
 def configure_logging(level: str, prefix: str = "") -> None:
     fmt = f"[%(asctime)s{' ' + prefix if prefix else ''}] %(levelname)s %(message)s"
     logging.basicConfig(level=level.upper(), format=fmt, datefmt="%H:%M:%S", force=True)

@@ -50,7 +50,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.srt.model_executor.model_runner import make_mesh
+from sgl_jax.srt.distributed import make_mesh
 from sgl_jax.srt.model_loader.loader import hf_sources, load_model
 from sgl_jax.srt.models.common import MoeForCausalLM
 from sgl_jax.tools import train_forward as tf

@@ -53,7 +53,7 @@ from sgl_jax.srt.managers.request_options import RequestOptions
 from sgl_jax.srt.managers.tokenizer_manager import EngineDeadError, TokenizerManager
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
-from sgl_jax.srt.utils import configure_logging
+from sgl_jax.srt.utils import EngineStartupError, configure_logging
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -61,10 +61,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _SAMPLING_KEYS = {f for f in SamplingParams.__dataclass_fields__}
-
-
-class EngineStartupError(RuntimeError):
-    pass
 
 
 class EngineWorkers(Protocol):

@@ -28,11 +28,10 @@ import jax
 from jax.sharding import Mesh
 
 from sgl_jax.srt.bounded_text import bound_message
-from sgl_jax.srt.entrypoints.engine import EngineStartupError
 from sgl_jax.srt.managers.detokenizer_manager import DetokenizerManager
 from sgl_jax.srt.managers.scheduler_process import start_scheduler
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
-from sgl_jax.srt.utils import enable_compilation_cache, report_startup
+from sgl_jax.srt.utils import EngineStartupError, enable_compilation_cache, report_startup
 
 logger = logging.getLogger(__name__)
 

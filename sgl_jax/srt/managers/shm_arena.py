@@ -41,6 +41,7 @@ import os
 import re
 import secrets
 import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -57,8 +58,8 @@ _NAME = re.compile(r"sgl_jax_arena_[0-9a-f]{32}")  # the memfd's name, in its /p
 class ArenaRef:
     """A reference to ``shape``/``dtype`` bytes at ``offset`` of arena ``name`` (slot
     ``slot``; the memfd ``fd`` of process ``pid``), in place of the array in a message.
-    Unpickles as the array where the receiving thread resolves references
-    (``transport.recv_obj(..., side=...)``), else as itself."""
+    Unpickles as the array in a thread that resolves references (``resolving_in_this_thread``,
+    which ``transport.recv_obj(..., side=...)`` sets), else as itself."""
 
     __slots__ = ("name", "pid", "fd", "slot", "offset", "dtype", "shape")
 
@@ -68,12 +69,27 @@ class ArenaRef:
         self.slot, self.offset, self.dtype, self.shape = slot, offset, dtype, tuple(shape)
 
     def __reduce__(self) -> tuple:
-        from sgl_jax.srt.managers.transport import _arena_array  # resolves in a receiver
         return _arena_array, (self.name, self.pid, self.fd, self.slot, self.offset,
                               self.dtype, self.shape)
 
     def __repr__(self) -> str:
         return f"ArenaRef({self.name}[{self.slot}]@{self.offset}, {self.dtype}, {self.shape})"
+
+
+# .reader: the ArenaReader that turns references unpickled in this thread into views (the
+# transport's receiving end sets it around each message; this module never imports it).
+_resolving = threading.local()
+
+
+def resolving_in_this_thread(reader: ArenaReader | None) -> None:
+    """From now on, ``ArenaRef``s unpickled in this thread become views of ``reader``'s
+    arenas (None: they stay references, as in the detokenizer, which passes them on)."""
+    _resolving.reader = reader
+
+
+def _arena_array(*ref: Any) -> Any:  # ArenaRef's fields
+    reader: ArenaReader | None = getattr(_resolving, "reader", None)
+    return ArenaRef(*ref) if reader is None else reader.array(*ref)
 
 
 class ArenaWriter:

@@ -36,7 +36,12 @@ from typing import Any
 import numpy as np
 import zmq
 
-from sgl_jax.srt.managers.shm_arena import ArenaReader, ArenaRef, ArenaWriter
+from sgl_jax.srt.managers.shm_arena import (
+    ArenaReader,
+    ArenaRef,
+    ArenaWriter,
+    resolving_in_this_thread,
+)
 
 
 def send_obj(socket: zmq.Socket, obj: Any, flags: int = 0) -> None:
@@ -54,10 +59,12 @@ def recv_obj(socket: zmq.Socket, flags: int = 0, side: SideReceiver | None = Non
     from ``side``), else they stay references."""
     frames = socket.recv_multipart(flags, copy=False)
     _resolving.side = side
+    resolving_in_this_thread(None if side is None else side.arena)
     try:
         return pickle.loads(frames[0].buffer, buffers=[f.buffer for f in frames[1:]])
     finally:
         _resolving.side = None
+        resolving_in_this_thread(None)
 
 
 # -- the side channel ---------------------------------------------------------------------------
@@ -105,11 +112,6 @@ def _side_array(key: bytes, index: int, dtype: str, shape: tuple[int, ...]) -> A
     array = np.frombuffer(side.take(key, index), np.dtype(dtype)).reshape(shape)
     array.flags.writeable = False  # the receiver's view of what was sent
     return array
-
-
-def _arena_array(*ref: Any) -> Any:  # ArenaRef's fields
-    side: SideReceiver | None = getattr(_resolving, "side", None)
-    return ArenaRef(*ref) if side is None else side.arena.array(*ref)
 
 
 class SideSender:

@@ -71,11 +71,6 @@ ONLY_ITSELF = {"", "srt"}
 
 # Upward edges known today and being removed elsewhere: (importer, imported). Each must still
 # exist (the test says when one is gone: delete it here then).
-PENDING_LEAD_FIX: set[tuple[str, str]] = {
-    # The scheduler's side of speculation reads the schedule batch's Req (M27: the lead moves
-    # it onto an interface).
-    ("sgl_jax.srt.speculative.decoding", "sgl_jax.srt.managers.schedule_batch"),
-}
 
 
 def _qualified(entry: str) -> str:
@@ -263,10 +258,8 @@ def test_imports_point_down() -> None:
     found = upward_edges(g)
     report = [f"{g.where(m, line)}: {m} (layer {mine}: {_layer_name(mine)}) imports {t} "
               f"(layer {theirs}: {_layer_name(theirs)})"
-              for m, t, line, mine, theirs in found if (m, t) not in PENDING_LEAD_FIX]
+              for m, t, line, mine, theirs in found]
     assert not report, "imports that climb:\n  " + "\n  ".join(report)
-    gone = PENDING_LEAD_FIX - {(m, t) for m, t, *_ in found}
-    assert not gone, f"no longer imported upward; delete from PENDING_LEAD_FIX: {sorted(gone)}"
 
 
 def test_the_checker_on_a_made_up_package(tmp_path: Path) -> None:

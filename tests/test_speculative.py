@@ -564,6 +564,44 @@ def test_nextn_output_rows_and_drafts_equal_the_reference(nextn_engine):
     assert nextn_engine.get_server_info()["spec_overlapped_steps"] > 0
 
 
+def test_weight_updates_reach_the_mtp_draft(nextn_engine, tmp_path):
+    """The MTP layer's tensors in a weight update update the NEXTN draft (they were logged and
+    skipped): with a new MTP layer, every request takes the verify steps the float64
+    simulation of the new layer takes, and the old layer's no longer."""
+    from safetensors.numpy import load_file
+
+    from sgl_jax.tools.reference_eagle import accept_length
+    from sgl_jax.tools.reference_nextn import NextnReference
+
+    path = nextn_engine.path
+    cfg = ModelConfig.from_hf(path)
+    tensors = load_file(f"{path}/model.safetensors")
+    name = f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight"
+    old = tensors[name]
+    new = np.random.default_rng(3).standard_normal(old.shape).astype(old.dtype) * old.std() * 4
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    for f in Path(path).iterdir():
+        if f.name != "model.safetensors":
+            (changed / f.name).write_bytes(f.read_bytes())
+    save_file({**tensors, name: new}, str(changed / "model.safetensors"))
+    before, after = NextnReference(reference(path)), NextnReference(reference(str(changed)))
+    prompts = [repetitive(60 + i) for i in range(2)] + [prompt_ids(70, 90)]
+    params = {**GREEDY, "max_new_tokens": 24}
+    out = nextn_engine.update_weights_from_arrays({name: new})
+    try:
+        assert out["num_parameters"] == 1
+        outs = nextn_engine.generate(input_ids=prompts, sampling_params=params)
+        steps = [o["meta_info"]["spec_verify_ct"] for o in outs]
+        for ids, o, n in zip(prompts, outs, steps, strict=True):
+            assert o["output_ids"] == reference_greedy(ids, 24, path=path)  # target unchanged
+            assert n == accept_length(after, ids, o["output_ids"], 3)[1]
+        assert steps != [accept_length(before, ids, o["output_ids"], 3)[1]
+                         for ids, o in zip(prompts, outs, strict=True)]
+    finally:
+        nextn_engine.update_weights_from_arrays({name: old})  # the module's engine as it was
+
+
 def _chi_square_critical(df: int, z: float = 3.09) -> float:
     """The chi-square value exceeded with probability ~0.001 (Wilson-Hilferty)."""
     return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3

@@ -22,6 +22,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from sgl_jax import Engine
+from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.routed_experts_codec import extract_routed_experts_from_meta_info
 from sgl_jax.testing import TEST_MODEL_PATH, engine_args, server_flags, wait_until
 from sgl_jax.tools.make_random_model import write_random_model
@@ -216,6 +217,11 @@ def test_engine_update_from_arrays(fresh, second_ckpt):
         fresh.update_weights_from_arrays({one: tensors[one][:, :3]})
     with pytest.raises(ValueError, match="unexpected"):
         fresh.update_weights_from_arrays({"lm_head.bias": tensors[one]})
+    # A layer past num_hidden_layers (an MTP layer) with no NEXTN draft to update: refused by
+    # name, never skipped (a trainer would believe a draft was updated).
+    mtp = one.replace("layers.0.", f"layers.{ModelConfig.from_hf(BASE).num_hidden_layers}.")
+    with pytest.raises(ValueError, match=rf"MTP layers.*{re.escape(mtp)}.*NEXTN"):
+        fresh.update_weights_from_arrays({one: tensors[one], mtp: tensors[one]})
     assert fresh.get_server_info()["weight_version"] == "2"  # failures change nothing
 
 

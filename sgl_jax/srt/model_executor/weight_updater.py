@@ -35,7 +35,13 @@ from jax.experimental import multihost_utils
 from sgl_jax.srt.bounded_text import bound_message, name_list, short_repr
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.model_executor.on_device_weights import OnDeviceUpdate
-from sgl_jax.srt.model_loader.loader import ArraySource, SafetensorsCheckpoint, read_params
+from sgl_jax.srt.model_loader.loader import (
+    ArraySource,
+    SafetensorsCheckpoint,
+    mtp_tensor_names,
+    read_params,
+)
+from sgl_jax.srt.speculative.nextn import mtp_config, read_mtp_params
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -143,7 +149,8 @@ class WeightUpdater:
         peak); otherwise they are read as a checkpoint is, through the host."""
         if not isinstance(arrays, dict) or not arrays:
             raise WeightUpdateError("no arrays given: pass tensors by Hugging Face name")
-        if all(isinstance(a, jax.Array) for a in arrays.values()):
+        mtp = mtp_tensor_names(set(arrays), self.runner.model_config.num_hidden_layers)
+        if not mtp and all(isinstance(a, jax.Array) for a in arrays.values()):
             return self._update_on_device(arrays, measure_memory)
         count = self._replace(ArraySource.where,
                               lambda: self._read(ArraySource(arrays), partial=True))
@@ -185,36 +192,75 @@ class WeightUpdater:
         # agreement below (a collective) never runs beside a step's collectives.
         jax.block_until_ready([a for a in jax.live_arrays() if not a.is_deleted()])
         leaves: list = []
+        draft_leaves = self.runner.draft_leaves
         count, error = 0, None
         try:
-            leaves, count = as_update_error(where, read)
+            leaves, draft_leaves, count = as_update_error(where, read)
         except WeightUpdateError as e:
             error = e
         error = agree_across_nodes(error)
         if error is not None:
             raise error
-        self.runner.param_leaves = leaves  # the swap: one assignment, nothing fails after it
+        # The swap: assignments only, nothing fails after them.
+        self.runner.param_leaves = leaves
+        self.runner.draft_leaves = draft_leaves
         self.seconds = time.perf_counter() - t0
         self.host_bytes, self.peak_device_bytes = -1, 0
         return count
 
     def _read(self, source: SafetensorsCheckpoint | ArraySource,
-              partial: bool) -> tuple[list, int]:
-        """The runner's parameter leaves with the new values in (not swapped in yet), ready on
-        the devices, and how many parameters are new."""
+              partial: bool) -> tuple[list, list | None, int]:
+        """The runner's parameter leaves and its draft's with the new values in (not swapped
+        in yet), ready on the devices, and how many parameters are new."""
+        target, count = self._read_target(source, partial)
+        draft, draft_count = self._read_mtp_draft(source, partial)
+        return target, draft, count + draft_count
+
+    def _read_mtp_draft(self, source: SafetensorsCheckpoint | ArraySource,
+                        partial: bool) -> tuple[list | None, int]:
+        """The tensors of the checkpoint's MTP layers (past ``num_hidden_layers``) update the
+        NEXTN draft that runs on them. Without one: a checkpoint (a whole model, whose MTP
+        layers nothing serves) says so in the log; arrays given by name are refused, naming
+        them, so a trainer never believes a draft was updated when none was."""
+        runner = self.runner
+        names = mtp_tensor_names(source.names(), runner.model_config.num_hidden_layers)
+        if not names:
+            return runner.draft_leaves, 0
+        if runner.server_args.speculative_algorithm != "NEXTN":
+            if isinstance(source, ArraySource):
+                raise WeightUpdateError(
+                    f"{len(names)} tensor(s) of layers past num_hidden_layers="
+                    f"{runner.model_config.num_hidden_layers} (MTP layers) have no parameter "
+                    f"to update: {name_list(names, 3)}; only a NEXTN draft "
+                    "(--speculative-algorithm NEXTN) runs on them")
+            logger.warning("%s: %d tensor(s) of its MTP layers not read: no NEXTN draft runs "
+                           "on them", source.where, len(names))
+            return runner.draft_leaves, 0
+        state = jax.tree.unflatten(runner.draft_treedef, runner.draft_leaves)
+        new = read_mtp_params(mtp_config(runner.model_config), runner.model_config, state,
+                              runner.mesh, source, partial=partial)
+        return self._with_values(state, new, runner.draft_treedef, runner.draft_leaves), len(new)
+
+    def _read_target(self, source: SafetensorsCheckpoint | ArraySource,
+                     partial: bool) -> tuple[list, int]:
         runner = self.runner
         state = jax.tree.unflatten(runner.param_treedef, runner.param_leaves)
         # The experts are stacked by the current placement (an EPLB rebalance changes it).
         new = read_params(runner.model_config, state, runner.mesh, runner.expert_placement,
                           source, partial=partial)
+        return self._with_values(state, new, runner.param_treedef, runner.param_leaves), len(new)
+
+    @staticmethod
+    def _with_values(state: nnx.State, new: dict, treedef: Any, old_leaves: list) -> list:
+        """``state``'s leaves with ``new``'s values in, ready on the devices."""
         for path, var in nnx.to_flat_state(state):
             if path in new:
                 var.set_value(new[path])
-        leaves, treedef = jax.tree.flatten(state)
+        leaves, fresh_treedef = jax.tree.flatten(state)
         # The compiled steps were traced for exactly these: same tree, shapes, dtypes, layout.
-        if treedef != runner.param_treedef or any(
+        if fresh_treedef != treedef or any(
                 (old.shape, old.dtype, old.sharding) != (fresh.shape, fresh.dtype, fresh.sharding)
-                for old, fresh in zip(runner.param_leaves, leaves, strict=True)):
+                for old, fresh in zip(old_leaves, leaves, strict=True)):
             raise RuntimeError("the new parameters differ in layout from the compiled ones")
         jax.block_until_ready(leaves)
-        return leaves, len(new)
+        return leaves

@@ -300,12 +300,13 @@ def plan_params(
         plan.append((path, var, names, transpose))
     missing = sorted(expected - present)
     unexpected = sorted(present - expected)
-    beyond = [n for n in unexpected if _layer_index(n) >= config.num_hidden_layers]
+    beyond = mtp_tensor_names(set(unexpected), config.num_hidden_layers)
     if beyond:
         # DeepSeek-V3 and GLM-4.5 ship their multi-token-prediction (MTP) layers as extra
-        # decoder layers past num_hidden_layers; serving does not use them.
-        logger.info("Ignoring %d tensor(s) of layers past num_hidden_layers=%d (MTP layers)",
-                    len(beyond), config.num_hidden_layers)
+        # decoder layers past num_hidden_layers: the NEXTN draft reads them, if it runs
+        # (speculative/nextn.py; weight updates: model_executor/weight_updater.py).
+        logger.info("%d tensor(s) of layers past num_hidden_layers=%d (MTP layers) are not "
+                    "the main model's", len(beyond), config.num_hidden_layers)
         unexpected = sorted(set(unexpected) - set(beyond))
     where = source.where
     if missing and not partial:
@@ -393,6 +394,13 @@ def finite_flags(x: jax.Array, per_row: bool) -> jax.Array:
     zeros = (x * 0).astype(jnp.float32)
     total = zeros.sum(axis=tuple(range(1, x.ndim))) if per_row else zeros.sum()[None]
     return total == 0
+
+
+def mtp_tensor_names(names: set[str], num_hidden_layers: int) -> list[str]:
+    """The names of tensors of layers past ``num_hidden_layers``: a checkpoint's
+    multi-token-prediction (MTP) layers (DeepSeek-V3, GLM-4.5), which the main model does
+    not read (a NEXTN draft does)."""
+    return sorted(n for n in names if _layer_index(n) >= num_hidden_layers)
 
 
 def _layer_index(name: str) -> int:

@@ -30,7 +30,7 @@ from sgl_jax.srt.forward_batch_info import ForwardBatch
 from sgl_jax.srt.layers.attention import AttentionMetadata
 from sgl_jax.srt.layers.moe.placement import ExpertPlacement
 from sgl_jax.srt.layers.norm import RMSNorm
-from sgl_jax.srt.model_loader.loader import SafetensorsCheckpoint, read_params
+from sgl_jax.srt.model_loader.loader import ArraySource, SafetensorsCheckpoint, read_params
 from sgl_jax.srt.models.backends import ModelBackends
 from sgl_jax.srt.models.common import DecoderLayer, param
 from sgl_jax.srt.models.registry import get_model_class
@@ -85,7 +85,7 @@ class _MtpTensors:
     """The target checkpoint's MTP layer, named as ``MtpDraft``'s parameters
     (``model.layers.{L}.X`` -> ``X``, the decoder layer's under ``layers.0.``)."""
 
-    def __init__(self, source: SafetensorsCheckpoint, layer: int) -> None:
+    def __init__(self, source: SafetensorsCheckpoint | ArraySource, layer: int) -> None:
         self.source = source
         self.where = f"{source.where} (MTP layer {layer})"
         self.prefix = f"model.layers.{layer}."
@@ -115,13 +115,22 @@ class _MtpTensors:
         return self.source.read(self._hf[name], index)
 
 
+def read_mtp_params(config: ModelConfig, target: ModelConfig, state: nnx.State, mesh: Mesh,
+                    source: SafetensorsCheckpoint | ArraySource,
+                    partial: bool = False) -> dict[Any, jax.Array]:
+    """The MTP draft's parameters of ``state`` read from the target's tensors in ``source``
+    (its layer ``num_hidden_layers``; the copies of the target's embedding and head are not
+    read: the draft uses the target's). CheckpointError names any tensor it cannot place."""
+    placement = ExpertPlacement.contiguous(config.num_experts, mesh.shape["expert"])
+    return read_params(config, state, mesh, placement,
+                       _MtpTensors(source, target.num_hidden_layers), partial=partial)
+
+
 def load_mtp(config: ModelConfig, target: ModelConfig, mesh: Mesh,
              dtype: jnp.dtype) -> MtpDraft:
     abstract = nnx.eval_shape(lambda: MtpDraft(config, dtype))
     graphdef, state = nnx.split(abstract)
-    placement = ExpertPlacement.contiguous(config.num_experts, mesh.shape["expert"])
-    source = _MtpTensors(SafetensorsCheckpoint(target.model_path), target.num_hidden_layers)
-    pure = read_params(config, state, mesh, placement, source)
+    pure = read_mtp_params(config, target, state, mesh, SafetensorsCheckpoint(target.model_path))
     for path, var in nnx.to_flat_state(state):
         var.set_value(pure[path])
     return nnx.merge(graphdef, state)

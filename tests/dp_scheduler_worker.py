@@ -123,7 +123,7 @@ class Driver:
     def leak_free(self) -> bool:
         s = self.sched
         s.drain()
-        if s.waiting or s.running or s.chunked:
+        if s.policy.has_work() or s.memory.states.available() != s.memory.states.num_slots:
             return False
         return all(
             st["locked_kv_slots"] == 0

@@ -36,7 +36,7 @@ class MixedScheduler(SteppedScheduler):
     def run_to_end(self, rids: list[str]) -> dict[str, dict]:
         """Steps until the scheduler is idle; returns the requests' outputs."""
         s = self.scheduler
-        while s.waiting or s.running or s.chunked or s.pending:
+        while s.policy.has_work() or s.pending:
             self.step()
         return {rid: self.finished(rid) for rid in rids}
 

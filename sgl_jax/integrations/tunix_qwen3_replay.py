@@ -26,6 +26,7 @@ that take it, since google/tunix#2046); without it, it is tunix's forward unchan
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -166,15 +167,19 @@ def replayed_per_token_logps(
         if int(routed_experts.max(initial=-1)) >= model.config.num_experts:
             raise ValueError(f"routed_experts holds ids >= num_experts "
                              f"({model.config.num_experts})")
-    return _replayed_logps(model, jnp.asarray(prompt_tokens), jnp.asarray(completion_tokens),
-                           routed_experts, pad_id=pad_id, eos_id=eos_id,
-                           temperature=float(temperature))
+    # As tunix's compute_per_token_logps: a pure function of (graphdef, state), so that it
+    # composes with any transform around it and writes nothing back into the model.
+    graphdef, state = nnx.split(model)
+    return _replayed_logps(graphdef, state, jnp.asarray(prompt_tokens),
+                           jnp.asarray(completion_tokens), routed_experts, pad_id=pad_id,
+                           eos_id=eos_id, temperature=float(temperature))
 
 
-@nnx.jit(static_argnames=("pad_id", "eos_id", "temperature"))
-def _replayed_logps(model: qwen3_lib.Qwen3, prompt_tokens: jax.Array,
+@functools.partial(jax.jit, static_argnames=("pad_id", "eos_id", "temperature"))
+def _replayed_logps(graphdef: nnx.GraphDef, state: nnx.State, prompt_tokens: jax.Array,
                     completion_tokens: jax.Array, routed_experts: jax.Array | None, *,
                     pad_id: int, eos_id: int, temperature: float) -> jax.Array:
+    model = nnx.merge(graphdef, state)
     tokens, positions, attention_mask, segment_ids = common.process_ids(
         prompt_tokens, completion_tokens, pad_id, eos_id)
     method = getattr(model, "expert_method", "auto")

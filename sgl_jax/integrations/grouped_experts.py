@@ -41,16 +41,24 @@ def grouped_swiglu(
     w_down: jax.Array,
     *,
     method: str = "auto",
-    tile_rows: int = 16,
+    tile_rows: int | None = None,
 ) -> jax.Array:
     """x [N, H]; ids [N, k] int; weights [N, k]; w_gate, w_up [E, H, I]; w_down [E, I, H]
-    -> float32 [N, H]. Matmuls in x's dtype, accumulated and weighted in float32."""
+    -> float32 [N, H]. Matmuls in x's dtype, accumulated and weighted in float32.
+
+    ``tile_rows`` (``"tiles"`` only): None picks the largest power of two not above the mean
+    rows per expert ``N * k / E``, within [8, 128]: tiles about as tall as an expert's group,
+    so padding stays under half the rows while the tile count (the weights gathered) stays
+    near ``E``."""
     if method not in METHODS:
         raise ValueError(f"method {method!r}: use one of {METHODS}")
     if method == "auto":
         method = "tiles" if jax.devices()[0].platform == "cpu" else "ragged"
     if method == "ragged":
         return ragged_experts(x, ids, weights, w_gate, w_up, w_down)
+    if tile_rows is None:
+        mean_rows = ids.size / w_gate.shape[0]
+        tile_rows = 1 << max(3, min(7, int(mean_rows).bit_length() - 1))
     return _tiled_experts(x, ids, weights, w_gate, w_up, w_down, tile_rows)
 
 

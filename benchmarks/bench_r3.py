@@ -116,9 +116,9 @@ def main() -> None:
         return np.asarray(replayed_per_token_logps(model, prompt_arr, completions, routing,
                                                    pad_id=pad, eos_id=pad))
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     replayed = logps(routed)
-    first_call_s = time.perf_counter() - t0
+    first_call = (time.perf_counter() - t0, time.process_time() - c0)
     own = logps(None)
     tokens, positions, mask, _ = common.process_ids(jnp.asarray(prompt_arr),
                                                     jnp.asarray(completions), pad, pad)
@@ -155,9 +155,9 @@ def main() -> None:
           f"tokens; tunix load {load_s:.1f} s")
 
     if args.timing:
-        timing = [["forced (the rollout's routing)", f"{first_call_s:.1f}",
-                   f"{_runs(lambda: logps(routed)):.0f}"],
-                  ["the same program, the trainer's own routing (all -1)", "(same program)",
+        timing = [["forced (the rollout's routing)", f"{first_call[0]:.1f}",
+                   f"{first_call[1]:.1f}", f"{_runs(lambda: logps(routed)):.0f}"],
+                  ["the same program, the trainer's own routing (all -1)", "(compiled)", "",
                    f"{_runs(lambda: logps(np.full_like(routed, -1))):.0f}"]]
         if args.stock:
             graphdef, state = nnx.split(model)
@@ -166,14 +166,14 @@ def main() -> None:
                 return common.compute_per_token_logps(graphdef, state, jnp.asarray(prompt_arr),
                                                       jnp.asarray(completions), pad, pad)
 
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             jax.block_until_ready(stock())
-            timing.append(["tunix's own forward (no replay)",
-                           f"{time.perf_counter() - t0:.1f}", f"{_runs(stock):.0f}"])
+            timing.append(["tunix's own forward (no replay)", f"{time.perf_counter() - t0:.1f}",
+                           f"{time.process_time() - c0:.1f}", f"{_runs(stock):.0f}"])
         print(f"\nper-token logprobs of {args.samples} x {width} tokens, 48 layers x 128 "
               "experts, float32:\n")
-        print(markdown_table(["forward", "first call s (trace + compile + run)",
-                              "run ms (median of 5)"], timing))
+        print(markdown_table(["forward", "first call: wall s (trace + compile + run)",
+                              "its CPU s", "run ms (median of 5)"], timing))
 
 
 def _runs(fn, n: int = 5) -> float:

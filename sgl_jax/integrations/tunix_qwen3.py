@@ -6,6 +6,10 @@ renormalises the top-k routing weights (``norm_topk_prob``), its attention appli
 theta 1e6 whatever ``rope_theta`` says, and every layer is an MoE layer (no
 ``mlp_only_layers``). A checkpoint that needs any of these would train one model in tunix and
 serve another in the engine, so ``tunix_qwen3_config`` refuses it with a ValueError.
+
+Routing replay (:mod:`sgl_jax.integrations.tunix_qwen3_replay`, re-exported here):
+``ReplayQwen3`` (tunix's Qwen3 whose ``__call__`` takes ``forced_routed_experts=``) and
+``replayed_per_token_logps`` (tunix's per-token logprobs under the rollout's routing).
 """
 
 from __future__ import annotations
@@ -18,7 +22,15 @@ import jax
 from flax import nnx
 from tunix.models.qwen3 import model as qwen3_lib
 
+from sgl_jax.integrations.tunix_qwen3_replay import ReplayQwen3, replayed_per_token_logps
 from sgl_jax.srt.configs.model_config import ModelConfig, resolve_model_path
+
+__all__ = [
+    "ReplayQwen3",
+    "hf_arrays_from_tunix_qwen3",
+    "replayed_per_token_logps",
+    "tunix_qwen3_config",
+]
 
 _TUNIX_ROPE_THETA = 1_000_000  # tunix.models.qwen3.model.apply_rope's default, always used
 

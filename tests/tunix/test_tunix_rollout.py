@@ -21,17 +21,22 @@ pytest.importorskip("tunix", reason="needs the tunix extra: pip install 'sgl_jax
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
+from tunix.rl import common  # noqa: E402
 from tunix.rl.rollout import base_rollout  # noqa: E402
 
 from sgl_jax.integrations.tunix import SglJaxRollout  # noqa: E402
 from sgl_jax.integrations.tunix_qwen3 import (  # noqa: E402
+    ReplayQwen3,
     hf_arrays_from_tunix_qwen3,
+    replayed_per_token_logps,
     tunix_qwen3_config,
 )
+from sgl_jax.integrations.tunix_qwen3_replay import forced_forward  # noqa: E402
 from sgl_jax.srt.configs.model_config import BUNDLED_MODEL_PATH  # noqa: E402
 from sgl_jax.srt.tokenizer import Tokenizer  # noqa: E402
 from tests.tunix.tunix_utils import (  # noqa: E402
     MAX_NEW,
+    TEMPERATURE,
     TOL,
     load_actor,
     make_mesh,
@@ -104,6 +109,29 @@ def test_generate_returns_tunixs_fields_with_logprobs_and_routed_experts(rollout
     for e, prompt, tokens in zip(experts, prompts, out.tokens, strict=True):
         assert e.shape == (len(tok.encode(prompt)) + len(tokens) - 1, 4, 4)
         assert ((0 <= e) & (e < 16)).all()
+    # ... and, on the output, laid out like the batch tunix builds from it: prompt rows
+    # against the completion, completion rows from its start, -1 elsewhere (padding and the
+    # last generated token, which was never fed to the model).
+    aligned = out.routed_experts
+    assert aligned.shape == (3, 16 + MAX_NEW, 4, 4) and aligned.dtype == np.int32
+    for row, e, tokens in zip(aligned, experts, out.tokens, strict=True):
+        n_prompt = len(e) + 1 - len(tokens)
+        want = np.full((16 + MAX_NEW, 4, 4), -1)
+        want[16 - n_prompt:16] = e[:n_prompt]
+        want[16:16 + len(tokens) - 1] = e[n_prompt:]
+        np.testing.assert_array_equal(row, want)
+    # The trainer under that routing gives the engine's logprobs, through the experts the
+    # engine chose at every (token, layer) the engine computed.
+    replay = ReplayQwen3.from_model(actor)
+    replayed = np.asarray(replayed_per_token_logps(replay, left, completions, aligned,
+                                                   pad_id=pad, eos_id=eos,
+                                                   temperature=TEMPERATURE))
+    assert np.abs(replayed - got)[mask].max() < TOL
+    tokens_in, positions, attn_mask, _ = common.process_ids(
+        jnp.asarray(left), jnp.asarray(completions), pad, eos)
+    _, used = forced_forward(replay, tokens_in, positions, attn_mask, jnp.asarray(aligned))
+    replayed_rows = aligned[..., 0] >= 0
+    np.testing.assert_array_equal(np.asarray(used)[replayed_rows], aligned[replayed_rows])
     # The same seed again: the same samples.
     again = rollout.generate(prompts, rollout_config(seed=7))
     assert [t.tolist() for t in again.tokens] == [t.tolist() for t in out.tokens]

@@ -103,7 +103,6 @@ _LORA = "LoRA adapters are"
 _CONSTRAINED = "constrained decoding is"
 _DP_RANK = "a data-parallel rank other than 0 is"
 _FUNCTIONS = "function calls are"
-_TOOLS = "tool calls are"
 _MIN_LENGTH = "a minimum output length is"
 
 FIELDS: tuple[SGLangField, ...] = (
@@ -144,9 +143,6 @@ FIELDS: tuple[SGLangField, ...] = (
     # -- chat only ----------------------------------------------------------------------------
     _f("function_call", CHAT, _FUNCTIONS, "none"),
     _f("functions", CHAT, _FUNCTIONS, []),
-    _f("tools", CHAT, _TOOLS, []),
-    _f("tool_choice", CHAT, _TOOLS, "none", "auto"),
-    _f("parallel_tool_calls", CHAT, label=bool),  # no tools, so nothing to parallelise
     _f("response_format", CHAT, "structured output is", {"type": "text"}),
     _f("metadata", CHAT, label=dict),  # OpenAI's stored-completion tags
     _f("safety_identifier", CHAT, label=str),

@@ -267,3 +267,15 @@ def test_constrained_tool_choices_are_a_clear_400(client, tool_choice):
                                        tools=TOOLS, tool_choice=tool_choice)
     assert "--grammar-backend" in caught.value.body["message"]
     assert caught.value.body["param"] == "tool_choice"
+
+
+def test_docs_example_runs(server, info, reference):
+    """docs/examples/openai_agentic_turns.py as written: its joined rows are the episode's."""
+    import runpy
+
+    example = runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "docs", "examples",
+                                          "openai_agentic_turns.py"))
+    got = example["main"](server.url)
+    episode = got["episode"]
+    np.testing.assert_array_equal(got["rows"], routed_experts_rows(reference, episode[:-1],
+                                                                   episode[-1:]))

@@ -20,7 +20,25 @@ QWEN25 = ('I will check. <tool_call>\n{"name": "get_weather", "arguments": {"cit
           '</tool_call>')
 QWEN3_CODER = ('Sure.<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n'
                '</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>')
+GLM45 = ('Let me look.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris'
+         '</arg_value>\n<arg_key>zip</arg_key>\n<arg_value>75001</arg_value>\n</tool_call>')
+MINIMAX = ('ok\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris'
+           '</parameter>\n<parameter name="days">3</parameter>\n</invoke>\n<invoke name="add">'
+           '\n<parameter name="a">1</parameter>\n</invoke>\n</minimax:tool_call>')
+DEEPSEEK = ('Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather'
+            '\n```json\n{"city": "Tokyo"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function'
+            '<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>'
+            '<｜tool▁calls▁end｜>')
+# The schema says "zip" is a string: "75001" stays text, as written.
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"},
+                                     "days": {"type": "integer"}}}}}]
 CASES = {
+    "glm45": (GLM45, "Let me look.", [("get_weather", {"city": "Paris", "zip": "75001"})]),
+    "minimax-m2": (MINIMAX, "ok\n", [("get_weather", {"city": "Paris", "days": 3}),
+                                     ("add", {"a": 1})]),
+    "deepseekv3": (DEEPSEEK, "Checking.", [("get_weather", {"city": "Tokyo"}),
+                                           ("get_weather", {"city": "Paris"})]),
     "qwen25": (QWEN25, "I will check. \n", [("get_weather", {"city": "Paris"}),
                                             ("add", {"a": 1, "b": 2})]),
     "qwen3_coder": (QWEN3_CODER, "Sure.", [("get_weather", {"city": "Paris", "days": 3})]),
@@ -30,19 +48,19 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_whole_text(name):
     text, content, calls = CASES[name]
-    got_content, got = get_tool_parser(name).parse(text)
+    got_content, got = get_tool_parser(name, TOOLS).parse(text)
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
 
 
 def stream(name: str, text: str, size: int, clean: bool = False) -> tuple[str, list[dict]]:
     """``clean``: the text's only markup is well-formed calls, none may reach content."""
-    parser = StreamToolParser(get_tool_parser(name))
+    parser = StreamToolParser(get_tool_parser(name, TOOLS))
     content, deltas = "", []
     pieces = [text[i:i + size] for i in range(0, len(text), size)]
     for i, piece in enumerate(pieces):
         c, d = parser.feed(piece, final=i == len(pieces) - 1)
-        assert not clean or ("<tool" not in c and "</" not in c)
+        assert not clean or ("tool" not in c and "</" not in c)
         content += c
         deltas += d
     return content, deltas

@@ -156,7 +156,7 @@ class OpenAIServingChat(OpenAIServing):
         if choice == "none":
             return None
         name = getattr(self.tm.server_args, "tool_call_parser", None) or "qwen25"
-        return get_tool_parser(name)
+        return get_tool_parser(name, [t.model_dump() for t in req.tools])
 
     async def plan(self, req: ChatCompletionRequest,
                    headers: dict[str, bool] | None = None) -> ChatPlan:

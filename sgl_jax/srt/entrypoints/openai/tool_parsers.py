@@ -3,14 +3,23 @@
 Each parser knows one family's markup of a call and turns generated text into
 ``(content, calls)``: the text outside the calls, and each call's name and JSON arguments
 string. A stream is parsed by :class:`StreamToolParser`: text that may start a call is held
-back until it is known not to (so no markup leaks into ``delta.content``), and each complete
-call becomes two deltas, its id and name first, then its arguments.
+back until it is known not to (so no markup leaks into ``delta.content``), and each call of a
+complete block becomes two deltas, its id and name first, then its arguments.
 
 Formats (facts of each family's chat template):
 
 - ``qwen25`` (Qwen2.5, Qwen3): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``.
 - ``qwen3_coder``: ``<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>...
-  </function>\\n</tool_call>`` (a value is JSON when it parses as JSON, else a string).
+  </function>\\n</tool_call>``.
+- ``glm45`` (GLM-4.5/4.6): ``<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>
+  ...</tool_call>``.
+- ``minimax-m2``: ``<minimax:tool_call>\\n<invoke name="NAME">\\n<parameter name="P">V
+  </parameter>...</invoke>...</minimax:tool_call>`` (one block may hold several invokes).
+- ``deepseekv3``: ``<｜tool▁calls▁begin｜>`` then per call ``<｜tool▁call▁begin｜>function
+  <｜tool▁sep｜>NAME\\n```json\\nARGS\\n```<｜tool▁call▁end｜>``, then ``<｜tool▁calls▁end｜>``.
+
+In the XML-like formats a value is a string when the tool's schema says so, else JSON when it
+parses as JSON, else the string as written.
 
 A call whose body does not parse stays in ``content`` as text, as it was generated.
 """
@@ -35,16 +44,37 @@ def new_call_id() -> str:
 
 
 class ToolParser:
-    """A family's call markup: calls sit between ``start`` and ``end``."""
+    """A family's call markup: a block of one or more calls sits between ``start`` and
+    ``end``."""
 
     start: str = ""
     end: str = ""
 
-    def parse_body(self, body: str) -> ParsedCall | None:
+    def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
+        # name -> the JSON schema of its parameters' properties (for value types)
+        self.props: dict[str, dict[str, Any]] = {}
+        for tool in tools or []:
+            fn = tool.get("function") or {}
+            params = fn.get("parameters") or {}
+            props = params.get("properties") if isinstance(params, dict) else None
+            self.props[fn.get("name", "")] = props if isinstance(props, dict) else {}
+
+    def parse_block(self, body: str) -> list[ParsedCall] | None:
+        """The calls of one block's inside; None when it is not well-formed."""
         raise NotImplementedError
 
+    def value(self, fn: str, key: str, raw: str) -> Any:
+        """A parameter written as text -> its JSON value (see the module's docstring)."""
+        schema = self.props.get(fn, {}).get(key)
+        if isinstance(schema, dict) and schema.get("type") == "string":
+            return raw
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw
+
     def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
-        """The whole text -> (the text outside well-formed calls, the calls in order)."""
+        """The whole text -> (the text outside well-formed blocks, the calls in order)."""
         content, calls, pos = [], [], 0
         while True:
             begin = text.find(self.start, pos)
@@ -53,13 +83,13 @@ class ToolParser:
             close = text.find(self.end, begin + len(self.start))
             if close < 0:
                 break
-            call = self.parse_body(text[begin + len(self.start):close])
+            block = self.parse_block(text[begin + len(self.start):close])
             stop = close + len(self.end)
-            if call is None:
+            if block is None:
                 content.append(text[pos:stop])
             else:
                 content.append(text[pos:begin])
-                calls.append(call)
+                calls += block
             pos = stop
         content.append(text[pos:])
         return "".join(content), calls
@@ -68,7 +98,7 @@ class ToolParser:
 class Qwen25Parser(ToolParser):
     start, end = "<tool_call>", "</tool_call>"
 
-    def parse_body(self, body: str) -> ParsedCall | None:
+    def parse_block(self, body: str) -> list[ParsedCall] | None:
         try:
             obj = json.loads(body)
         except ValueError:
@@ -83,7 +113,7 @@ class Qwen25Parser(ToolParser):
                 return None
         if not isinstance(args, dict):
             return None
-        return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+        return [ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))]
 
 
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
@@ -93,31 +123,83 @@ _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 class Qwen3CoderParser(ToolParser):
     start, end = "<tool_call>", "</tool_call>"
 
-    def parse_body(self, body: str) -> ParsedCall | None:
+    def parse_block(self, body: str) -> list[ParsedCall] | None:
         match = _FUNCTION.search(body)
         if match is None:
             return None
-        args: dict[str, Any] = {}
-        for name, raw in _PARAMETER.findall(match.group(2)):
-            value = raw.strip("\n")
+        fn = match.group(1).strip()
+        args = {k.strip(): self.value(fn, k.strip(), v.strip("\n"))
+                for k, v in _PARAMETER.findall(match.group(2))}
+        return [ParsedCall(fn, json.dumps(args, ensure_ascii=False))]
+
+
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+class Glm45Parser(ToolParser):
+    start, end = "<tool_call>", "</tool_call>"
+
+    def parse_block(self, body: str) -> list[ParsedCall] | None:
+        name, _, rest = body.partition("\n")
+        fn = name.strip()
+        if not fn or "<" in fn:
+            return None
+        args = {k.strip(): self.value(fn, k.strip(), v) for k, v in _GLM_ARG.findall(rest)}
+        return [ParsedCall(fn, json.dumps(args, ensure_ascii=False))]
+
+
+_INVOKE = re.compile(r'<invoke name="([^">]+)">(.*?)</invoke>', re.S)
+_MINIMAX_PARAM = re.compile(r'<parameter name="([^">]+)">(.*?)</parameter>', re.S)
+
+
+class MiniMaxM2Parser(ToolParser):
+    start, end = "<minimax:tool_call>", "</minimax:tool_call>"
+
+    def parse_block(self, body: str) -> list[ParsedCall] | None:
+        calls = []
+        for fn, inner in _INVOKE.findall(body):
+            fn = fn.strip()
+            args = {k.strip(): self.value(fn, k.strip(), v.strip("\n"))
+                    for k, v in _MINIMAX_PARAM.findall(inner)}
+            calls.append(ParsedCall(fn, json.dumps(args, ensure_ascii=False)))
+        return calls or None
+
+
+_DEEPSEEK_CALL = re.compile(
+    "<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)\n```json\n(.*?)\n```<｜tool▁call▁end｜>", re.S)
+
+
+class DeepSeekV3Parser(ToolParser):
+    start, end = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+
+    def parse_block(self, body: str) -> list[ParsedCall] | None:
+        calls = []
+        for _kind, fn, raw in _DEEPSEEK_CALL.findall(body):
             try:
-                args[name.strip()] = json.loads(value)
+                args = json.loads(raw)
             except ValueError:
-                args[name.strip()] = value
-        return ParsedCall(match.group(1).strip(), json.dumps(args, ensure_ascii=False))
+                return None
+            if not isinstance(args, dict):
+                return None
+            calls.append(ParsedCall(fn.strip(), json.dumps(args, ensure_ascii=False)))
+        return calls or None
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "qwen25": Qwen25Parser,
     "qwen3_coder": Qwen3CoderParser,
+    "glm45": Glm45Parser,
+    "minimax-m2": MiniMaxM2Parser,
+    "deepseekv3": DeepSeekV3Parser,
 }
 
 
-def get_tool_parser(name: str | None) -> ToolParser | None:
+def get_tool_parser(name: str | None,
+                    tools: list[dict[str, Any]] | None = None) -> ToolParser | None:
     if not name:
         return None
     try:
-        return TOOL_PARSERS[name]()
+        return TOOL_PARSERS[name](tools)
     except KeyError:
         raise ValueError(f"--tool-call-parser {name!r}: use one of "
                          f"{', '.join(TOOL_PARSERS)}") from None
@@ -160,14 +242,17 @@ class StreamToolParser:
                     self.buffer = ""
                 break
             stop = close + len(p.end)
-            call = p.parse_body(self.buffer[begin + len(p.start):close])
-            if call is None:
+            block = p.parse_block(self.buffer[begin + len(p.start):close])
+            if block is None:
                 content.append(self.buffer[:stop])
             else:
                 content.append(self.buffer[:begin])
-                deltas.append({"index": self.count, "id": new_call_id(), "type": "function",
-                               "function": {"name": call.name, "arguments": ""}})
-                deltas.append({"index": self.count, "function": {"arguments": call.arguments}})
-                self.count += 1
+                for call in block:
+                    deltas.append({"index": self.count, "id": new_call_id(),
+                                   "type": "function",
+                                   "function": {"name": call.name, "arguments": ""}})
+                    deltas.append({"index": self.count,
+                                   "function": {"arguments": call.arguments}})
+                    self.count += 1
             self.buffer = self.buffer[stop:]
         return "".join(content), deltas

@@ -17,6 +17,7 @@ import time
 
 UNIT = [
     "tests/test_tool_parsers.py",
+    "tests/test_reasoning_parsers.py",
     "tests/test_make_random_model.py",
     "tests/test_reference_forward.py",
     "tests/test_radix_cache.py",

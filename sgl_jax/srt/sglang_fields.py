@@ -152,9 +152,6 @@ FIELDS: tuple[SGLangField, ...] = (
     _f("verbosity", CHAT, "verbosity is"),
     _f("continue_final_message", CHAT, "continuing the final assistant message is", False),
     _f("chat_template_kwargs", CHAT, "chat template arguments are", {}),
-    # No reasoning parser: there is no reasoning to separate or stream apart, either way.
-    _f("separate_reasoning", CHAT, label=bool),
-    _f("stream_reasoning", CHAT, label=bool),
     # -- stream_options -----------------------------------------------------------------------
     _f("continuous_usage_stats", STREAM_OPTIONS, "usage in every chunk is", False),
     _f("include_obfuscation", STREAM_OPTIONS, label=bool),  # padding against size leaks

@@ -289,6 +289,10 @@ class ChatCompletionRequest(OpenAISamplingRequest, sglang_fields_model(sglang_fi
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # With --reasoning-parser: <think>...</think> goes to reasoning_content (separate_reasoning),
+    # streamed as it comes or, stream_reasoning false, in one piece when it ends.
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 class _GenerateBody(BaseModel):
@@ -389,6 +393,7 @@ class ToolCall(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = Field(None, exclude_if=_omit_none)
     tool_calls: list[ToolCall] | None = Field(None, exclude_if=_omit_none)
 
 
@@ -413,6 +418,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = Field(None, exclude_if=_omit_none)
     content: str | None = Field(None, exclude_if=_omit_none)
+    reasoning_content: str | None = Field(None, exclude_if=_omit_none)
     tool_calls: list[ToolCall] | None = Field(None, exclude_if=_omit_none)
 
 

@@ -13,6 +13,7 @@ come back in ``sglext`` (``return_input_ids_in_sglext`` / ``return_output_ids_in
 Tools: ``tools`` go to the chat template; with ``tool_choice`` "auto" (the default when tools
 are given) the text is parsed for calls by the ``--tool-call-parser`` (qwen25 when unset).
 "required" and a named function need constrained decoding, not available yet: a 400.
+With a ``--reasoning-parser``, ``<think>...</think>`` goes to ``reasoning_content``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
     ToolCall,
     UsageInfo,
 )
+from sgl_jax.srt.entrypoints.openai.reasoning_parsers import (
+    ReasoningParser,
+    StreamReasoning,
+    get_reasoning_parser,
+)
 from sgl_jax.srt.entrypoints.openai.serving_completions import (
     OpenAIPlan,
     OpenAIServing,
@@ -56,11 +62,16 @@ from sgl_jax.srt.entrypoints.openai.tool_parsers import (
 
 class ChatPlan(OpenAIPlan):
     def __init__(self, *args: Any, logprobs: bool = False, meta_info_whole: bool = False,
-                 tool_parser: ToolParser | None = None, **kwargs: Any) -> None:
+                 tool_parser: ToolParser | None = None,
+                 reasoning_parser: ReasoningParser | None = None, stream_reasoning: bool = True,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.logprobs = logprobs
         self.meta_info_whole = meta_info_whole  # return_meta_info: logprob lists kept
         self.tool_parser = tool_parser  # None: no tools, or tool_choice "none"
+        self.reasoning_parser = reasoning_parser  # None: no parser, or separate_reasoning off
+        self.stream_reasoning = stream_reasoning
+        self._reasoning: dict[int, StreamReasoning] = {}
         self._role_sent: set[int] = set()  # choices whose first chunk (with the role) is out
         self._streams: dict[int, StreamToolParser] = {}
         self._called: set[int] = set()  # streamed choices that made a tool call
@@ -72,15 +83,19 @@ class ChatPlan(OpenAIPlan):
         return meta if self.meta_info_whole else without_logprobs(meta)
 
     def _message(self, text: str) -> tuple[ChatMessageOut, bool]:
+        reasoning = None
+        if self.reasoning_parser is not None:
+            reasoning, text = self.reasoning_parser.split(text)
         if self.tool_parser is None:
-            return ChatMessageOut(content=text), False
+            return ChatMessageOut(content=text, reasoning_content=reasoning), False
         content, calls = self.tool_parser.parse(text)
         if not calls:
-            return ChatMessageOut(content=text), False
+            return ChatMessageOut(content=text, reasoning_content=reasoning), False
         tool_calls = [ToolCall(id=new_call_id(), type="function",
                                function={"name": c.name, "arguments": c.arguments})
                       for c in calls]
-        return ChatMessageOut(content=content or None, tool_calls=tool_calls), True
+        return ChatMessageOut(content=content or None, reasoning_content=reasoning,
+                              tool_calls=tool_calls), True
 
     def make_response(self, results: list[dict[str, Any]], usage: UsageInfo) -> BaseModel:
         choices = []
@@ -101,7 +116,11 @@ class ChatPlan(OpenAIPlan):
         index, meta = out["index"], out["meta_info"]
         first = index not in self._role_sent
         self._role_sent.add(index)
-        text, calls = out["text"], None
+        text, calls, reasoning = out["text"], None, None
+        if self.reasoning_parser is not None:
+            split = self._reasoning.setdefault(
+                index, StreamReasoning(self.reasoning_parser, self.stream_reasoning))
+            reasoning, text = split.feed(text, final)
         if self.tool_parser is not None:
             stream = self._streams.setdefault(index, StreamToolParser(self.tool_parser))
             text, deltas = stream.feed(text, final)
@@ -110,7 +129,8 @@ class ChatPlan(OpenAIPlan):
                 self._called.add(index)
         delta = DeltaMessage(
             role="assistant" if first else None,
-            content=text if text or (first and not calls) else None,
+            content=text if text or (first and not calls and not reasoning) else None,
+            reasoning_content=reasoning or None,
             tool_calls=calls,
         )
         reason = finish_reason(meta)
@@ -187,9 +207,12 @@ class OpenAIServingChat(OpenAIServing):
             cached_tokens_details=req.return_cached_tokens_details,
             routed_experts=not req.return_meta_info,
         )
+        reasoning = get_reasoning_parser(getattr(args, "reasoning_parser", None)) \
+            if req.separate_reasoning else None
         return ChatPlan(obj, rids, response_id, self.served_model_name, req.n,
                         req.include_usage, logprobs=bool(options),
                         meta_info_whole=req.return_meta_info, tool_parser=parser,
+                        reasoning_parser=reasoning, stream_reasoning=req.stream_reasoning,
                         ext=ext, prompt_ids=[ids])
 
 

@@ -279,3 +279,33 @@ def test_docs_example_runs(server, info, reference):
     episode = got["episode"]
     np.testing.assert_array_equal(got["rows"], routed_experts_rows(reference, episode[:-1],
                                                                    episode[-1:]))
+
+
+@pytest.fixture(scope="module")
+def spec_server(request):
+    from sgl_jax.testing import TEST_MODEL_PATH
+
+    yield from server_fixture(request, server_flags(
+        model_path=TEST_MODEL_PATH, speculative_algorithm="NGRAM", speculative_num_steps=3,
+        enable_return_routed_experts=True))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_spec_tokens_details_with_speculation(spec_server, stream):
+    client = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    kwargs = dict(model="default", prompt=[5, 6, 7, 8] * 6, max_tokens=12, temperature=0,
+                  extra_body={**ROUTED, "ignore_eos": True})
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kwargs))
+        ext, meta = chunks[-1].sglext, chunks[-2].choices[0].meta_info
+        assert chunks[-1].choices == []
+    else:
+        out = client.completions.create(**kwargs)
+        ext, meta = out.sglext, out.choices[0].meta_info
+    verify_ct = meta["spec_verify_ct"]
+    assert ext["spec_tokens_details"] == {
+        "spec_verify_ct": verify_ct, "spec_accept_length": pytest.approx(12 / verify_ct)}
+    info = spec_server.get("/get_model_info").json()
+    rows = int32_rows(ext["routed_experts"], info)
+    assert rows.shape[0] == 24 + 12 - 1  # the whole sequence's rows, int32

@@ -29,11 +29,16 @@ DEEPSEEK = ('Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>fun
             '\n```json\n{"city": "Tokyo"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function'
             '<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>'
             '<｜tool▁calls▁end｜>')
+GPT_OSS = ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant'
+           '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+           '{"city": "Paris"}<|call|>')
 # The schema says "zip" is a string: "75001" stays text, as written.
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"},
                                      "days": {"type": "integer"}}}}}]
 CASES = {
+    "gpt-oss": (GPT_OSS, "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>"
+                "assistant", [("get_weather", {"city": "Paris"})]),
     "glm45": (GLM45, "Let me look.", [("get_weather", {"city": "Paris", "zip": "75001"})]),
     "minimax-m2": (MINIMAX, "ok\n", [("get_weather", {"city": "Paris", "days": 3}),
                                      ("add", {"a": 1})]),
@@ -60,7 +65,8 @@ def stream(name: str, text: str, size: int, clean: bool = False) -> tuple[str, l
     pieces = [text[i:i + size] for i in range(0, len(text), size)]
     for i, piece in enumerate(pieces):
         c, d = parser.feed(piece, final=i == len(pieces) - 1)
-        assert not clean or ("tool" not in c and "</" not in c)
+        assert not clean or ("tool" not in c and "</" not in c and "<|call|>" not in c
+                             and "commentary" not in c)
         content += c
         deltas += d
     return content, deltas

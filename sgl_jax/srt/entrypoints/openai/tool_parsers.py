@@ -18,6 +18,8 @@ Formats (facts of each family's chat template):
 - ``deepseekv3``: ``<｜tool▁calls▁begin｜>`` then per call ``<｜tool▁call▁begin｜>function
   <｜tool▁sep｜>NAME\\n```json\\nARGS\\n```<｜tool▁call▁end｜>``, then ``<｜tool▁calls▁end｜>``.
 
+- ``gpt-oss``: ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>ARGS<|call|>``.
+
 In the XML-like formats a value is a string when the tool's schema says so, else JSON when it
 parses as JSON, else the string as written.
 
@@ -185,12 +187,38 @@ class DeepSeekV3Parser(ToolParser):
         return calls or None
 
 
+_HARMONY_CALL = re.compile(r"\s*([A-Za-z_][\w.]*)\s*(?:<\|constrain\|>\s*json\s*)?<\|message\|>(.*)",
+                           re.S)
+
+
+class GptOssParser(ToolParser):
+    """gpt-oss (harmony): ``<|channel|>commentary to=functions.NAME <|constrain|>json
+    <|message|>{args}<|call|>``. The markers are special tokens: they reach the text only with
+    ``skip_special_tokens: false``; the other channels' text stays in ``content`` as written."""
+
+    start, end = "<|channel|>commentary to=", "<|call|>"
+
+    def parse_block(self, body: str) -> list[ParsedCall] | None:
+        match = _HARMONY_CALL.match(body)
+        if match is None:
+            return None
+        try:
+            args = json.loads(match.group(2)) if match.group(2).strip() else {}
+        except ValueError:
+            return None
+        if not isinstance(args, dict):
+            return None
+        name = match.group(1).rsplit(".", 1)[-1]  # functions.NAME -> NAME
+        return [ParsedCall(name, json.dumps(args, ensure_ascii=False))]
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "qwen25": Qwen25Parser,
     "qwen3_coder": Qwen3CoderParser,
     "glm45": Glm45Parser,
     "minimax-m2": MiniMaxM2Parser,
     "deepseekv3": DeepSeekV3Parser,
+    "gpt-oss": GptOssParser,
 }
 
 

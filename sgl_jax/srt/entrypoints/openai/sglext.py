@@ -70,6 +70,7 @@ class SequenceExt:
         self.prompt_ids = prompt_ids
         self.output_ids: list[int] = []
         self.parts: list[np.ndarray] = []
+        self.ready: str | None = None  # the rows already as int32 base64 (a whole result)
         self.meta: dict[str, Any] = {}
 
     def add(self, out: dict[str, Any], whole: bool) -> None:
@@ -77,6 +78,11 @@ class SequenceExt:
         meta = out["meta_info"]
         ids = list(out.get("output_ids") or [])
         self.output_ids = ids if whole else self.output_ids + ids
+        payload = meta.get("routed_experts")
+        if (whole and isinstance(payload, str) and "prompt_routed_experts" not in meta
+                and meta.get("routed_experts_dtype", DEFAULT_DTYPE) == "int32"):
+            self.ready, self.meta = payload, meta  # the same bytes: no decode and re-encode
+            return
         for prefix in ("prompt_", ""):  # the prompt's rows come before the generated ones
             rows = _rows(meta, prefix)
             if rows is not None:
@@ -85,7 +91,9 @@ class SequenceExt:
 
     def body(self, opts: SglextOptions) -> dict[str, Any]:
         ext: dict[str, Any] = {}
-        if opts.routed_experts and self.parts:
+        if opts.routed_experts and self.ready is not None:
+            ext["routed_experts"] = self.ready
+        elif opts.routed_experts and self.parts:
             ext["routed_experts"] = encode_routed_experts(np.concatenate(self.parts), "int32")
         if opts.cached_tokens_details:
             ext["cached_tokens_details"] = {"device": int(self.meta.get("cached_tokens", 0)),

@@ -16,6 +16,8 @@ import sys
 import time
 
 UNIT = [
+    "tests/test_tool_parsers.py",
+    "tests/test_reasoning_parsers.py",
     "tests/test_make_random_model.py",
     "tests/test_reference_forward.py",
     "tests/test_radix_cache.py",
@@ -67,6 +69,7 @@ E2E = [
     "tests/test_http_server.py",
     "tests/test_msgpack_route.py",
     "tests/test_openai_api.py",
+    "tests/test_openai_sglext.py",
     "tests/test_reliability.py",
     "tests/test_weight_update.py",
     "tests/test_memory_occupation.py",

@@ -130,7 +130,9 @@ def test_completion_stream_with_usage(server, client, info, tokenizer, reference
         stream_options={"include_usage": True}, extra_body=ROUTED))
     usage = chunks[-1]
     assert usage.choices == [] and usage.usage.completion_tokens > 0
-    body = chunks[:-1]
+    # Before the usage chunk: the sglext chunk (no choices, the whole rows; test_openai_sglext).
+    assert chunks[-2].choices == [] and chunks[-2].sglext["routed_experts"]
+    body = chunks[:-2]
     # Chunks before the last carry only the routed-experts keys of their new rows.
     assert all(set(c.choices[0].meta_info) == {
         "routed_experts", "routed_experts_start", "routed_experts_dtype", "routed_experts_shape"}
@@ -188,7 +190,8 @@ def test_chat_routed_experts_match_reference(server, client, info, tokenizer, re
     params = {"max_new_tokens": 9, "temperature": 0}
     kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=9, temperature=0, extra_body=ROUTED)
     if stream:
-        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        chunks = [c for c in client.chat.completions.create(stream=True, **kwargs)
+                  if c.choices]  # not the sglext chunk
         assert chunks[0].choices[0].delta.role == "assistant"
         text = "".join(c.choices[0].delta.content or "" for c in chunks)
         meta = joined_meta([c.choices[0] for c in chunks])
@@ -238,7 +241,7 @@ def test_extract_takes_the_openai_clients_objects(server, client, info, tokenize
                                       want)
     check_rows(server, reference, info, choice.meta_info, choice.message.content,
                chat_prompt_ids(tokenizer, MESSAGES), {"max_new_tokens": 5, "temperature": 0})
-    last = list(client.chat.completions.create(stream=True, **kwargs))[-1]
+    last = [c for c in client.chat.completions.create(stream=True, **kwargs) if c.choices][-1]
     start = last.choices[0].meta_info["routed_experts_start"]
     np.testing.assert_array_equal(extract_routed_experts_from_meta_info(last).reshape(shape),
                                   want[start:])

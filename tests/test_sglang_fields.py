@@ -166,8 +166,8 @@ def test_values_are_compared_with_their_json_type():
 @pytest.mark.parametrize("model,body,param", [
     (GenerateRequest, {"text": "x", "return_hidden_states": True}, "return_hidden_states"),
     (GenerateRequest, {"text": "x", "lora_path": "adapter"}, "lora_path"),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [
-        {"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "functions": [
+        {"name": "f"}]}, "functions"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
                              "stream": True, "stream_options": {
                                  "include_usage": True, "continuous_usage_stats": True}},

@@ -103,7 +103,6 @@ _LORA = "LoRA adapters are"
 _CONSTRAINED = "constrained decoding is"
 _DP_RANK = "a data-parallel rank other than 0 is"
 _FUNCTIONS = "function calls are"
-_TOOLS = "tool calls are"
 _MIN_LENGTH = "a minimum output length is"
 
 FIELDS: tuple[SGLangField, ...] = (
@@ -144,9 +143,6 @@ FIELDS: tuple[SGLangField, ...] = (
     # -- chat only ----------------------------------------------------------------------------
     _f("function_call", CHAT, _FUNCTIONS, "none"),
     _f("functions", CHAT, _FUNCTIONS, []),
-    _f("tools", CHAT, _TOOLS, []),
-    _f("tool_choice", CHAT, _TOOLS, "none", "auto"),
-    _f("parallel_tool_calls", CHAT, label=bool),  # no tools, so nothing to parallelise
     _f("response_format", CHAT, "structured output is", {"type": "text"}),
     _f("metadata", CHAT, label=dict),  # OpenAI's stored-completion tags
     _f("safety_identifier", CHAT, label=str),
@@ -156,9 +152,6 @@ FIELDS: tuple[SGLangField, ...] = (
     _f("verbosity", CHAT, "verbosity is"),
     _f("continue_final_message", CHAT, "continuing the final assistant message is", False),
     _f("chat_template_kwargs", CHAT, "chat template arguments are", {}),
-    # No reasoning parser: there is no reasoning to separate or stream apart, either way.
-    _f("separate_reasoning", CHAT, label=bool),
-    _f("stream_reasoning", CHAT, label=bool),
     # -- stream_options -----------------------------------------------------------------------
     _f("continuous_usage_stats", STREAM_OPTIONS, "usage in every chunk is", False),
     _f("include_obfuscation", STREAM_OPTIONS, label=bool),  # padding against size leaks

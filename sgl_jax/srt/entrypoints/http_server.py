@@ -59,6 +59,7 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
 )
 from sgl_jax.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sgl_jax.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from sgl_jax.srt.entrypoints.openai.sglext import header_flag
 from sgl_jax.srt.entrypoints.weight_routes import WEIGHT_TENSOR_PATHS, add_weight_tensor_routes
 from sgl_jax.srt.entrypoints.wire import JSON_WIRE, Payload
 from sgl_jax.srt.expert_load_plot import PlotUnavailableError, render_expert_load_png
@@ -216,7 +217,9 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        plan = await ctx.chat.plan(await read_json(request, ChatCompletionRequest))
+        headers = {key: header_flag(request.headers.get(f"x-sglext-return-{key.replace('_', '-')}"))
+                   for key in ("input_ids", "output_ids")}
+        plan = await ctx.chat.plan(await read_json(request, ChatCompletionRequest), headers)
         return await run(request, plan)
 
     @app.get("/v1/models")

@@ -96,7 +96,10 @@ class TokenizerManager:
     ) -> None:
         self.server_args = server_args
         self.model_config = model_config
-        self.served_model_name = server_args.served_model_name or model_config.model_path
+        # Default: the model directory's name, never its absolute path (the name is quoted in
+        # responses, errors and metrics); a hub id ("org/name") is kept as given.
+        self.served_model_name = server_args.served_model_name or default_served_name(
+            model_config.model_path)
         self._child_pids = child_pids or dict
         # --enable-metrics / --log-requests; a no-op object when both are off.
         self.observer: RequestObserver = create_observer(server_args, self.served_model_name)
@@ -565,3 +568,10 @@ def _split_routed_rows(
                 tokenized[i] = dataclasses.replace(tokenized[i], options=dataclasses.replace(
                     tokenized[i].options, routed_experts_start_len=prompt_len))
     return split_at
+
+
+def default_served_name(model_path: str) -> str:
+    """A local model directory's own name; anything else (a hub id) as given."""
+    if os.path.isdir(model_path):
+        return os.path.basename(os.path.normpath(model_path)) or model_path
+    return model_path

@@ -175,6 +175,8 @@ class OpenAISamplingRequest(_OpenAIOptions):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # SGLang's sglext: cached_tokens_details ({"device", "host"}) in the response's sglext.
+    return_cached_tokens_details: bool = False
 
     def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
         """SGLang sampling parameters; None values mean "engine default"."""
@@ -218,6 +220,9 @@ class CompletionRequest(OpenAISamplingRequest, sglang_fields_model(sglang_fields
     suffix: str | None = None
     logprobs: int | None = None
     best_of: int | None = None
+    # SGLang's: prompt_token_ids and token_ids on each choice (streamed: the new ids of each
+    # chunk, the prompt's on a choice's first chunk).
+    return_token_ids: bool = False
 
 
 
@@ -242,12 +247,52 @@ class ChatMessage(BaseModel):
         return self
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class _FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"] = "function"
+    function: _FunctionName
+
+
 class ChatCompletionRequest(OpenAISamplingRequest, sglang_fields_model(sglang_fields.CHAT)):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-
+    # Token in: the prompt exactly, the chat template skipped (messages are still required,
+    # as with SGLang, and only their size is checked).
+    input_ids: list[int] | None = None
+    # Each choice's meta_info whole, output_token_logprobs included; sglext then omits the
+    # routed experts (they are in meta_info), as SGLang does.
+    return_meta_info: bool = False
+    return_input_ids_in_sglext: bool = False
+    return_output_ids_in_sglext: bool = False
+    # Tools rendered by the chat template; calls parsed from the text (--tool-call-parser).
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # With --reasoning-parser: <think>...</think> goes to reasoning_content (separate_reasoning),
+    # streamed as it comes or, stream_reasoning false, in one piece when it ends.
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 class _GenerateBody(BaseModel):
@@ -316,6 +361,8 @@ class CompletionChoice(BaseModel):
     finish_reason: Literal["stop", "length", "abort"] | None = None
     matched_stop: int | str | None = Field(None, exclude_if=_omit_none)
     meta_info: dict[str, Any] | None = Field(None, exclude_if=_omit_none)
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
+    token_ids: list[int] | None = Field(None, exclude_if=_omit_none)
 
 
 class CompletionResponse(BaseModel):
@@ -331,16 +378,30 @@ class CompletionStreamResponse(CompletionResponse):
     pass
 
 
+class FunctionCall(BaseModel):
+    name: str | None = Field(None, exclude_if=_omit_none)
+    arguments: str | None = Field(None, exclude_if=_omit_none)
+
+
+class ToolCall(BaseModel):
+    index: int | None = Field(None, exclude_if=_omit_none)  # in stream deltas
+    id: str | None = Field(None, exclude_if=_omit_none)
+    type: Literal["function"] | None = Field(None, exclude_if=_omit_none)
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = Field(None, exclude_if=_omit_none)
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=_omit_none)
 
 
 class ChatCompletionChoice(BaseModel):
     index: int
     message: ChatMessageOut
     logprobs: dict[str, Any] | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None = None
     matched_stop: int | str | None = Field(None, exclude_if=_omit_none)
     meta_info: dict[str, Any] | None = Field(None, exclude_if=_omit_none)
 
@@ -357,13 +418,15 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = Field(None, exclude_if=_omit_none)
     content: str | None = Field(None, exclude_if=_omit_none)
+    reasoning_content: str | None = Field(None, exclude_if=_omit_none)
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=_omit_none)
 
 
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: dict[str, Any] | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None = None
     matched_stop: int | str | None = Field(None, exclude_if=_omit_none)
     meta_info: dict[str, Any] | None = Field(None, exclude_if=_omit_none)
 

@@ -4,6 +4,16 @@ The template output already holds every special token the model expects, so it i
 here WITHOUT adding special tokens (a second BOS would change the model's input), and the ids
 go to the manager as ``input_ids``. Without ``max_tokens`` / ``max_completion_tokens`` a chat
 may use the rest of the context, as with OpenAI.
+
+Token in / token out (SGLang's): ``input_ids`` is the prompt exactly (no template); the ids
+come back in ``sglext`` (``return_input_ids_in_sglext`` / ``return_output_ids_in_sglext``, the
+``x-sglext-return-*`` headers or the server's ``--return-input-ids`` / ``--return-output-ids``).
+``return_meta_info`` keeps each choice's ``meta_info`` whole (``output_token_logprobs`` too).
+
+Tools: ``tools`` go to the chat template; with ``tool_choice`` "auto" (the default when tools
+are given) the text is parsed for calls by the ``--tool-call-parser`` (qwen25 when unset).
+"required" and a named function need constrained decoding, not available yet: a 400.
+With a ``--reasoning-parser``, ``<think>...</think>`` goes to ``reasoning_content``.
 """
 
 from __future__ import annotations
@@ -25,7 +35,14 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
     ChatMessageOut,
     ChatStreamChoice,
     DeltaMessage,
+    OpenAIError,
+    ToolCall,
     UsageInfo,
+)
+from sgl_jax.srt.entrypoints.openai.reasoning_parsers import (
+    ReasoningParser,
+    StreamReasoning,
+    get_reasoning_parser,
 )
 from sgl_jax.srt.entrypoints.openai.serving_completions import (
     OpenAIPlan,
@@ -34,28 +51,64 @@ from sgl_jax.srt.entrypoints.openai.serving_completions import (
     matched_stop,
     stream_meta,
 )
+from sgl_jax.srt.entrypoints.openai.sglext import SglextOptions
+from sgl_jax.srt.entrypoints.openai.tool_parsers import (
+    StreamToolParser,
+    ToolParser,
+    get_tool_parser,
+    new_call_id,
+)
 
 
 class ChatPlan(OpenAIPlan):
-    def __init__(self, *args: Any, logprobs: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, logprobs: bool = False, meta_info_whole: bool = False,
+                 tool_parser: ToolParser | None = None,
+                 reasoning_parser: ReasoningParser | None = None, stream_reasoning: bool = True,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.logprobs = logprobs
+        self.meta_info_whole = meta_info_whole  # return_meta_info: logprob lists kept
+        self.tool_parser = tool_parser  # None: no tools, or tool_choice "none"
+        self.reasoning_parser = reasoning_parser  # None: no parser, or separate_reasoning off
+        self.stream_reasoning = stream_reasoning
+        self._reasoning: dict[int, StreamReasoning] = {}
         self._role_sent: set[int] = set()  # choices whose first chunk (with the role) is out
+        self._streams: dict[int, StreamToolParser] = {}
+        self._called: set[int] = set()  # streamed choices that made a tool call
 
     def _logprobs(self, meta: dict[str, Any]) -> dict[str, Any] | None:
         return chat_logprobs(meta) if self.logprobs else None
 
+    def _meta(self, meta: dict[str, Any] | None) -> dict[str, Any] | None:
+        return meta if self.meta_info_whole else without_logprobs(meta)
+
+    def _message(self, text: str) -> tuple[ChatMessageOut, bool]:
+        reasoning = None
+        if self.reasoning_parser is not None:
+            reasoning, text = self.reasoning_parser.split(text)
+        if self.tool_parser is None:
+            return ChatMessageOut(content=text, reasoning_content=reasoning), False
+        content, calls = self.tool_parser.parse(text)
+        if not calls:
+            return ChatMessageOut(content=text, reasoning_content=reasoning), False
+        tool_calls = [ToolCall(id=new_call_id(), type="function",
+                               function={"name": c.name, "arguments": c.arguments})
+                      for c in calls]
+        return ChatMessageOut(content=content or None, reasoning_content=reasoning,
+                              tool_calls=tool_calls), True
+
     def make_response(self, results: list[dict[str, Any]], usage: UsageInfo) -> BaseModel:
-        choices = [
-            ChatCompletionChoice(
-                index=r["index"], message=ChatMessageOut(content=r["text"]),
+        choices = []
+        for r in results:
+            message, called = self._message(r["text"])
+            reason = finish_reason(r["meta_info"])
+            choices.append(ChatCompletionChoice(
+                index=r["index"], message=message,
                 logprobs=self._logprobs(r["meta_info"]),
-                finish_reason=finish_reason(r["meta_info"]),
+                finish_reason="tool_calls" if called and reason == "stop" else reason,
                 matched_stop=matched_stop(r["meta_info"]),
-                meta_info=without_logprobs(r["meta_info"]),
-            )
-            for r in results
-        ]
+                meta_info=self._meta(r["meta_info"]),
+            ))
         return ChatCompletionResponse(id=self.response_id, model=self.model, choices=choices,
                                       usage=usage)
 
@@ -63,19 +116,35 @@ class ChatPlan(OpenAIPlan):
         index, meta = out["index"], out["meta_info"]
         first = index not in self._role_sent
         self._role_sent.add(index)
+        text, calls, reasoning = out["text"], None, None
+        if self.reasoning_parser is not None:
+            split = self._reasoning.setdefault(
+                index, StreamReasoning(self.reasoning_parser, self.stream_reasoning))
+            reasoning, text = split.feed(text, final)
+        if self.tool_parser is not None:
+            stream = self._streams.setdefault(index, StreamToolParser(self.tool_parser))
+            text, deltas = stream.feed(text, final)
+            if deltas:
+                calls = [ToolCall(**d) for d in deltas]
+                self._called.add(index)
         delta = DeltaMessage(
             role="assistant" if first else None,
-            content=out["text"] if out["text"] or first else None,
+            content=text if text or (first and not calls and not reasoning) else None,
+            reasoning_content=reasoning or None,
+            tool_calls=calls,
         )
+        reason = finish_reason(meta)
+        if reason == "stop" and index in self._called:
+            reason = "tool_calls"
         choice = ChatStreamChoice(
             index=index, delta=delta, logprobs=self._logprobs(meta),
-            finish_reason=finish_reason(meta), matched_stop=matched_stop(meta),
-            meta_info=without_logprobs(stream_meta(meta, final)),
+            finish_reason=reason, matched_stop=matched_stop(meta),
+            meta_info=self._meta(stream_meta(meta, final)),
         )
         return ChatCompletionStreamResponse(id=self.response_id, model=self.model,
                                             choices=[choice])
 
-    def make_usage_chunk(self, usage: UsageInfo) -> BaseModel:
+    def make_usage_chunk(self, usage: UsageInfo | None) -> BaseModel:
         return ChatCompletionStreamResponse(id=self.response_id, model=self.model, choices=[],
                                             usage=usage)
 
@@ -85,25 +154,66 @@ class OpenAIServingChat(OpenAIServing):
 
     def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         messages = [m.model_dump() for m in req.messages]
-        prompt = self.tm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        tools = None
+        if req.tools and req.tool_choice != "none":
+            tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        prompt = self.tm.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                       tools=tools)
         self.tm.check_prompt_chars(len(prompt), "messages")
         return self.tm.tokenizer.encode(prompt, add_special_tokens=False)
 
-    async def plan(self, req: ChatCompletionRequest) -> ChatPlan:
+    def tool_parser(self, req: ChatCompletionRequest) -> ToolParser | None:
+        choice = req.tool_choice
+        if not req.tools:
+            if choice not in (None, "none", "auto"):
+                raise OpenAIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
+            return None
+        if choice is not None and choice not in ("none", "auto"):
+            raise OpenAIError(
+                400, "tool_choice 'required' or a named function needs constrained decoding "
+                "(--grammar-backend), which this server does not have yet; use 'auto' or "
+                "'none'", param="tool_choice")
+        if choice == "none":
+            return None
+        name = getattr(self.tm.server_args, "tool_call_parser", None) or "qwen25"
+        return get_tool_parser(name, [t.model_dump() for t in req.tools])
+
+    async def plan(self, req: ChatCompletionRequest,
+                   headers: dict[str, bool] | None = None) -> ChatPlan:
+        """``headers``: the ``x-sglext-return-*`` flags (``input_ids``, ``output_ids``)."""
         self.check_model(req.model)
         options = chat_options(req.logprobs, req.top_logprobs)
+        parser = self.tool_parser(req)
         # The template only adds text: messages already longer than the bound never fit.
         self.tm.check_prompt_chars(sum(_content_chars(m.content) for m in req.messages),
                                    "messages")
-        ids = await self.tm.in_tokenizer_thread(self.prompt_ids, req)
+        if req.input_ids is not None:  # token in: the prompt exactly, no template
+            self.tm.check_prompt(req.input_ids, "input_ids")
+            ids = list(req.input_ids)
+        else:
+            ids = await self.tm.in_tokenizer_thread(self.prompt_ids, req)
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
         if max_new is None:
             # The rest of the context (the manager rejects a prompt that leaves no room).
             max_new = max(self.tm.context_len - len(ids), 0)
         obj, rids, response_id = self.make_batch(req, [ids], [max_new], options)
+        args, headers = self.tm.server_args, headers or {}
+        ext = SglextOptions(
+            input_ids=req.return_input_ids_in_sglext or headers.get("input_ids", False)
+            or bool(getattr(args, "return_input_ids", False)),
+            output_ids=req.return_output_ids_in_sglext or headers.get("output_ids", False)
+            or bool(getattr(args, "return_output_ids", False)),
+            cached_tokens_details=req.return_cached_tokens_details,
+            routed_experts=not req.return_meta_info,
+        )
+        reasoning = get_reasoning_parser(getattr(args, "reasoning_parser", None)) \
+            if req.separate_reasoning else None
         return ChatPlan(obj, rids, response_id, self.served_model_name, req.n,
-                        req.include_usage, logprobs=bool(options))
+                        req.include_usage, logprobs=bool(options),
+                        meta_info_whole=req.return_meta_info, tool_parser=parser,
+                        reasoning_parser=reasoning, stream_reasoning=req.stream_reasoning,
+                        ext=ext, prompt_ids=[ids])
 
 
 def _content_chars(content: str | list[dict[str, Any]] | None) -> int:

@@ -34,12 +34,15 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
     UsageInfo,
     short_repr,
 )
+from sgl_jax.srt.entrypoints.openai.sglext import SequenceExt, SglextOptions
 from sgl_jax.srt.entrypoints.wire import JSON_WIRE, Payload
 from sgl_jax.srt.managers.io_struct import GenerateReqInput, order_results
 from sgl_jax.srt.managers.tokenizer_manager import TokenizerManager
 from sgl_jax.srt.routed_experts_output import routed_experts_keys
 
 _FINISH_REASONS = {"stop": "stop", "length": "length"}
+# SGLang's name for "the served model" (its requests' default): SGLang's examples send it.
+DEFAULT_MODEL_NAME = "default"
 
 
 def finish_reason(meta: dict[str, Any]) -> str | None:
@@ -72,18 +75,27 @@ class OpenAIPlan:
 
     def __init__(
         self, obj: GenerateReqInput, rids: list[str], response_id: str, model: str, n: int,
-        include_usage: bool,
+        include_usage: bool, ext: SglextOptions | None = None,
+        prompt_ids: list[list[int]] | None = None,
     ) -> None:
         self.obj, self.rids, self.response_id, self.model = obj, rids, response_id, model
         self.n, self.include_usage = n, include_usage
         self.final_metas: dict[int, dict[str, Any]] = {}  # index -> final meta_info (streaming)
         self.wire = JSON_WIRE  # serve() sets the one the client accepts
+        self.ext = ext or SglextOptions()
+        self.prompt_ids = prompt_ids  # per prompt, when known here
+        # sglext describes one sequence: a response of one choice (see sglext.py).
+        self.seq = SequenceExt(prompt_ids[0] if prompt_ids else None) \
+            if len(rids) == 1 else None
 
-    def _dumps(self, body: BaseModel) -> Payload:
+    def _dumps(self, body: BaseModel, sglext: dict[str, Any] | None = None) -> Payload:
         """The body in the wire's format, written from the model's plain dump: pydantic
         neither revalidates nor re-encodes the large routed-experts payloads of ``meta_info``
         (its JSON serializer took 150-220 ms for a 32k-token request's 64 MiB base64)."""
-        return self.wire.dumps(body.model_dump())
+        data = body.model_dump()
+        if sglext:
+            data["sglext"] = sglext
+        return self.wire.dumps(data)
 
     @property
     def stream(self) -> bool:
@@ -102,19 +114,29 @@ class OpenAIPlan:
     def response(self, results: list[dict[str, Any]]) -> Payload:
         ordered = order_results(results)
         body = self.make_response(ordered, self.usage({r["index"]: r["meta_info"] for r in ordered}))
-        return self._dumps(body)
+        if self.seq is not None:
+            self.seq.add(ordered[0], whole=True)
+        return self._dumps(body, self.seq.body(self.ext) if self.seq else None)
 
     def chunks(self, out: dict[str, Any]) -> list[Payload]:
         meta = out["meta_info"]
         final = meta.get("finish_reason") is not None
         if final:
             self.final_metas[out["index"]] = meta
+        if self.seq is not None:
+            self.seq.add(out, whole=False)
         return [self._dumps(self.make_chunk(out, final))]
 
     def tail(self) -> list[Payload]:
-        if not self.include_usage:
-            return []
-        return [self._dumps(self.make_usage_chunk(self.usage(self.final_metas)))]
+        """After the finish chunks: one chunk of no choices with the whole ``sglext`` (when
+        it has anything), then the usage chunk (when asked for)."""
+        out = []
+        ext = self.seq.body(self.ext) if self.seq is not None else None
+        if ext:
+            out.append(self._dumps(self.make_usage_chunk(None), ext))
+        if self.include_usage:
+            out.append(self._dumps(self.make_usage_chunk(self.usage(self.final_metas))))
+        return out
 
     # Implemented per route.
     def make_response(self, results: list[dict[str, Any]], usage: UsageInfo) -> BaseModel:
@@ -123,7 +145,8 @@ class OpenAIPlan:
     def make_chunk(self, out: dict[str, Any], final: bool) -> BaseModel:
         raise NotImplementedError
 
-    def make_usage_chunk(self, usage: UsageInfo) -> BaseModel:
+    def make_usage_chunk(self, usage: UsageInfo | None) -> BaseModel:
+        """A chunk of no choices: the usage chunk, or (``usage`` None) the sglext chunk."""
         raise NotImplementedError
 
 
@@ -140,10 +163,12 @@ class OpenAIServing:
         self.model_names = model_names | {served_model_name}
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
+        """``model`` must name the served model; None and SGLang's "default" mean it."""
+        if model is not None and model != DEFAULT_MODEL_NAME and model not in self.model_names:
             raise OpenAIError(
                 404, f"the model {short_repr(model)} does not exist; this server serves "
-                f"{self.served_model_name!r}", param="model", code="model_not_found",
+                f"{self.served_model_name!r} (also reachable as {DEFAULT_MODEL_NAME!r})",
+                param="model", code="model_not_found",
             )
 
     def make_batch(
@@ -176,11 +201,24 @@ class OpenAIServing:
 
 class CompletionPlan(OpenAIPlan):
     def __init__(self, *args: Any, echo: list[str] | None = None, logprobs: bool = False,
-                 **kwargs: Any) -> None:
+                 token_ids: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.echo = echo  # per prompt, its text, prepended to each of its choices (echo)
         self.logprobs = logprobs
+        self.token_ids = token_ids  # return_token_ids (prompt_ids holds every prompt's)
+        self._ids_started: set[int] = set()
         self._started: dict[int, CompletionLogprobs] = {}  # streamed choices' logprob state
+
+    def _ids(self, out: dict[str, Any]) -> dict[str, Any]:
+        """``prompt_token_ids`` (a choice's first piece) and ``token_ids`` (this piece's)."""
+        if not self.token_ids:
+            return {}
+        index = out["index"]
+        ids: dict[str, Any] = {"token_ids": list(out.get("output_ids") or [])}
+        if index not in self._ids_started:
+            self._ids_started.add(index)
+            ids["prompt_token_ids"] = self.prompt_ids[index // self.n]
+        return ids
 
     def _text_and_logprobs(self, out: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
         """A choice's text and logprobs of this piece; the echo comes with its first piece."""
@@ -200,7 +238,7 @@ class CompletionPlan(OpenAIPlan):
                 index=r["index"], text=text, logprobs=logprobs,
                 finish_reason=finish_reason(r["meta_info"]),
                 matched_stop=matched_stop(r["meta_info"]),
-                meta_info=without_logprobs(r["meta_info"]),
+                meta_info=without_logprobs(r["meta_info"]), **self._ids(r),
             ))
         return CompletionResponse(id=self.response_id, model=self.model, choices=choices,
                                   usage=usage)
@@ -211,11 +249,11 @@ class CompletionPlan(OpenAIPlan):
         choice = CompletionChoice(
             index=out["index"], text=text, logprobs=logprobs, finish_reason=finish_reason(meta),
             matched_stop=matched_stop(meta),
-            meta_info=without_logprobs(stream_meta(meta, final)),
+            meta_info=without_logprobs(stream_meta(meta, final)), **self._ids(out),
         )
         return CompletionStreamResponse(id=self.response_id, model=self.model, choices=[choice])
 
-    def make_usage_chunk(self, usage: UsageInfo) -> BaseModel:
+    def make_usage_chunk(self, usage: UsageInfo | None) -> BaseModel:
         return CompletionStreamResponse(id=self.response_id, model=self.model, choices=[],
                                         usage=usage)
 
@@ -245,10 +283,17 @@ class OpenAIServingCompletion(OpenAIServing):
             self.tm.check_prompt(p, "prompt")
         options = completion_options(req.logprobs, req.echo)
         max_new = req.max_tokens if req.max_tokens is not None else 16
-        obj, rids, response_id = self.make_batch(req, prompts, [max_new] * len(prompts), options)
+        # Token ids wanted back: text prompts are tokenized here, as the manager would.
+        ids = [self.tm.tokenizer.encode(p) if isinstance(p, str) else list(p)
+               for p in prompts] if req.return_token_ids else None
+        obj, rids, response_id = self.make_batch(req, ids or prompts,
+                                                 [max_new] * len(prompts), options)
         echo = None
         if req.echo:
             echo = [p if isinstance(p, str) else
                     self.tm.tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
         return CompletionPlan(obj, rids, response_id, self.served_model_name, req.n,
-                              req.include_usage, echo=echo, logprobs=bool(options))
+                              req.include_usage, echo=echo, logprobs=bool(options),
+                              token_ids=req.return_token_ids, prompt_ids=ids,
+                              ext=SglextOptions(
+                                  cached_tokens_details=req.return_cached_tokens_details))

@@ -104,3 +104,14 @@ def test_malformed_calls_stay_text(text):
 def test_unknown_parser_names_the_known_ones():
     with pytest.raises(ValueError, match="qwen25"):
         get_tool_parser("nope")
+
+
+def test_the_server_flags_name_every_parser():
+    """--tool-call-parser / --reasoning-parser offer exactly the registered parsers."""
+    from sgl_jax.srt.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+    from sgl_jax.srt.entrypoints.openai.tool_parsers import TOOL_PARSERS
+    from sgl_jax.srt.server_args_checks import REASONING_PARSERS as REASONING_FLAG
+    from sgl_jax.srt.server_args_checks import TOOL_CALL_PARSERS
+
+    assert TOOL_CALL_PARSERS == tuple(TOOL_PARSERS)
+    assert REASONING_FLAG == tuple(REASONING_PARSERS)

@@ -25,8 +25,10 @@ from sgl_jax.srt.server_args_checks import (
     LOG_LEVELS,
     MOE_BACKENDS,
     MOE_DISPATCHES,
+    REASONING_PARSERS,
     ROUTED_EXPERTS_DTYPES,
     SPECULATIVE_ALGORITHMS,
+    TOOL_CALL_PARSERS,
     normalize_and_check,
 )
 
@@ -41,16 +43,29 @@ def _arg(default: Any, help: str, **kw: Any) -> Any:
 class ServerArgs:
     # Model
     model_path: str | None = _arg(
-        None, "Local Hugging Face checkpoint directory (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3 or "
-        "GLM-4.5; docs/models.md). Default: the bundled tiny Qwen3-MoE.")
+        None, "Local Hugging Face checkpoint directory (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3, "
+        "GLM-4.5, MiniMax-M2 or gpt-oss; docs/models.md). Default: the bundled tiny Qwen3-MoE.")
     tokenizer_path: str | None = _arg(None, "Tokenizer directory. Default: the model path.")
     served_model_name: str | None = _arg(
-        None, "Model name reported by the API and expected in requests. Default: the path.")
+        None, "Model name reported by the API and expected in requests ('default' always "
+        "reaches it too). Default: the model directory's name.")
     dtype: str = _arg("auto", "Parameter and activation dtype ('auto': bfloat16 on TPU/GPU, "
                       "float32 on CPU). The router always runs in float32.", choices=DTYPES)
     context_length: int | None = _arg(
         None, "Maximum tokens per request (prompt + output). Default: the model's.")
     random_seed: int = _arg(42, "Seed for requests that do not give their own.")
+
+    # OpenAI routes (docs/openai.md)
+    tool_call_parser: str | None = _arg(
+        None, "How tool calls are read from chat output when a request gives tools. "
+        "Default: qwen25 (<tool_call>{json}</tool_call>).", choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = _arg(
+        None, "Split the model's <think>...</think> into reasoning_content. Default: none.",
+        choices=REASONING_PARSERS)
+    return_input_ids: bool = _arg(
+        False, "Put every chat response's prompt token ids in sglext.input_ids.")
+    return_output_ids: bool = _arg(
+        False, "Put every chat response's generated token ids in sglext.output_ids.")
 
     # HTTP server
     host: str = _arg("127.0.0.1", "Address the HTTP server binds.")

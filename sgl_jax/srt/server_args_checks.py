@@ -22,6 +22,9 @@ EPLB_ALGORITHMS = ("greedy", "hierarchical")  # layers/moe/eplb
 MOE_DISPATCHES = ("all_gather", "ragged_all_to_all")  # layers/moe/dispatch.py
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "minimum_tokens")  # DP attention
 SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "NEXTN")  # speculative/
+# entrypoints/openai/tool_parsers.py and reasoning_parsers.py (their registries' keys).
+TOOL_CALL_PARSERS = ("qwen25", "qwen3_coder", "glm45", "minimax-m2", "deepseekv3", "gpt-oss")
+REASONING_PARSERS = ("qwen3", "deepseek-r1")
 
 
 def normalize_and_check(args: ServerArgs) -> None:

@@ -175,7 +175,7 @@ class OpenAIServingChat(OpenAIServing):
                 "'none'", param="tool_choice")
         if choice == "none":
             return None
-        name = getattr(self.tm.server_args, "tool_call_parser", None) or "qwen25"
+        name = self.tm.server_args.tool_call_parser or "qwen25"
         return get_tool_parser(name, [t.model_dump() for t in req.tools])
 
     async def plan(self, req: ChatCompletionRequest,
@@ -201,13 +201,13 @@ class OpenAIServingChat(OpenAIServing):
         args, headers = self.tm.server_args, headers or {}
         ext = SglextOptions(
             input_ids=req.return_input_ids_in_sglext or headers.get("input_ids", False)
-            or bool(getattr(args, "return_input_ids", False)),
+            or args.return_input_ids,
             output_ids=req.return_output_ids_in_sglext or headers.get("output_ids", False)
-            or bool(getattr(args, "return_output_ids", False)),
+            or args.return_output_ids,
             cached_tokens_details=req.return_cached_tokens_details,
             routed_experts=not req.return_meta_info,
         )
-        reasoning = get_reasoning_parser(getattr(args, "reasoning_parser", None)) \
+        reasoning = get_reasoning_parser(args.reasoning_parser) \
             if req.separate_reasoning else None
         return ChatPlan(obj, rids, response_id, self.served_model_name, req.n,
                         req.include_usage, logprobs=bool(options),

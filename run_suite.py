@@ -94,7 +94,7 @@ E2E = [
 ]
 # Optional checks outside every suite (they skip without packages the project does not need).
 # tests/tunix (the tunix extra) has its own CI stage and environment (.ci/run).
-OPTIONAL = ["tests/test_hf_transformers.py", "tests/test_hf_families_2026.py"]
+OPTIONAL = ["tests/test_hf_transformers.py", "tests/test_hf_families_2026.py", "tests/test_hf_qwen35.py"]
 SUITES = {"unit": UNIT, "e2e": E2E, "all": UNIT + E2E}
 DEFAULT = "all"
 

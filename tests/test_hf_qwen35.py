@@ -114,8 +114,8 @@ def test_reference_matches_transformers(tmp_path, nested):
           f"min selection gap {out.selection_gap.min():.2e}")
     assert rel < 5e-5
     hf_ids = np.stack(captured, axis=1)  # [T, L, k]
-    assert hf_ids.shape == out.ids.shape
-    assert (hf_ids == out.ids).all(), f"{(hf_ids != out.ids).any(-1).mean():.3f} rows differ"
+    assert hf_ids.shape == out.topk_ids.shape
+    assert (hf_ids == out.topk_ids).all(), f"{(hf_ids != out.topk_ids).any(-1).mean():.3f} rows differ"
 
     # transformers' cached decode (one-token recurrence, conv state update) vs full forwards
     with torch.no_grad():
@@ -125,3 +125,31 @@ def test_reference_matches_transformers(tmp_path, nested):
     for _ in range(6):
         seq = seq + [int(np.argmax(ref.forward(seq).logits[-1]))]
     assert seq[40:] == gen
+
+
+def test_tiny_preset_loads_in_transformers(tmp_path):
+    """make_random_model's tiny-qwen3.5-moe is a checkpoint transformers loads without missing
+    or unexpected tensors, and its logits and routed rows are the reference's."""
+    from transformers import AutoModelForCausalLM
+
+    from sgl_jax.tools.make_random_model import write_random_model_report
+
+    path = str(tmp_path / "tiny")
+    write_random_model_report(path, "tiny-qwen3.5-moe", check_routing=False)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        path, output_loading_info=True, attn_implementation="eager", dtype=torch.float64)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    model.config._experts_implementation = "eager"
+    ids = PROMPT[:70]
+    captured: list = []
+    for n, m in model.named_modules():
+        if n.endswith("mlp.gate"):
+            m.register_forward_hook(lambda _m, _i, o: captured.append(o[2].numpy().copy()))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].numpy()
+    out = Qwen35Reference(path).forward(ids)
+    rel = np.abs(logits - out.logits).max() / np.abs(out.logits).max()
+    print(f"\ntiny-qwen3.5-moe: logits rel err {rel:.2e}, min selection gap "
+          f"{out.selection_gap.min():.2e}")
+    assert rel < 5e-5
+    assert (np.stack(captured, axis=1) == out.topk_ids).all()

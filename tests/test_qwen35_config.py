@@ -89,3 +89,16 @@ def test_engine_refuses_by_name_until_the_state_slots_are_wired():
     for arch in ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"):
         with pytest.raises(ValueError, match="Qwen3.5-MoE.*not served yet"):
             get_model_class(arch)
+
+
+def test_tiny_preset_reads(tmp_path):
+    """make_random_model's tiny-qwen3.5-moe: the config reads, and the float64 reference runs
+    it (transformers loads it too: test_hf_qwen35)."""
+    from sgl_jax.tools.make_random_model import write_random_model
+    from sgl_jax.tools.reference_qwen35 import Qwen35Reference
+
+    write_random_model(str(tmp_path), "tiny-qwen3.5-moe", check_routing=False)
+    cfg = ModelConfig.from_hf(str(tmp_path))
+    assert cfg.linear_layers == (True, True, True, False) and cfg.rotary_dim == 4
+    out = Qwen35Reference(str(tmp_path)).forward([5, 6, 7, 8, 9])
+    assert out.topk_ids.shape == (5, 4, 4) and out.logits.shape == (5, cfg.vocab_size)

@@ -23,11 +23,11 @@ from __future__ import annotations
 import glob
 import json
 import os
-from dataclasses import dataclass
 
 import numpy as np
 
 from sgl_jax.tools.reference_checkpoint import load_safetensors_f64
+from sgl_jax.tools.reference_forward import ReferenceOutput
 from sgl_jax.tools.reference_gated_delta import GatedDeltaWeights, gated_delta_layer, sigmoid, silu
 from sgl_jax.tools.reference_layers import apply_rope, causal_attention, rms_norm
 from sgl_jax.tools.reference_routing import softmax_topk
@@ -54,15 +54,6 @@ def layer_types(cfg: dict) -> list[str]:
 
 def norm1p(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return rms_norm(x, 1.0 + w, eps)
-
-
-@dataclass
-class Qwen35Output:
-    logits: np.ndarray  # [T, V]
-    ids: np.ndarray  # [T, L, k] routed experts, descending probability
-    weights: np.ndarray  # [T, L, k]
-    selection_gap: np.ndarray  # [T, L] smallest gap of router logits deciding ids and order
-    hidden: np.ndarray  # [T, H] last layer's output before the final norm
 
 
 class Qwen35Reference:
@@ -140,13 +131,14 @@ class Qwen35Reference:
             shared = (silu(x @ self.t[s + "gate_proj.weight"].T) * (x @ self.t[s + "up_proj.weight"].T)
                       ) @ self.t[s + "down_proj.weight"].T
             out += sigmoid(x @ self.t[p + "shared_expert_gate.weight"].T) * shared
-        return out, routed
+        return out, routed, logits
 
-    def forward(self, ids: list[int]) -> Qwen35Output:
-        """The whole sequence from a fresh request (positions 0..T-1)."""
+    def forward(self, ids: list[int]) -> ReferenceOutput:
+        """The whole sequence from a fresh request (positions 0..T-1); the fields are
+        reference_forward's (every layer has a router)."""
         h = self.t["embed_tokens.weight"][np.asarray(ids)]
         positions = np.arange(len(ids))
-        all_ids, all_w, all_gap = [], [], []
+        routers, logit_rows = [], []
         for i, kind in enumerate(self.types):
             x = norm1p(h, self.t[f"layers.{i}.input_layernorm.weight"], self.eps)
             if kind == "linear_attention":
@@ -154,11 +146,16 @@ class Qwen35Reference:
             else:
                 h = h + self._attention(i, x, positions)
             x = norm1p(h, self.t[f"layers.{i}.post_attention_layernorm.weight"], self.eps)
-            moe, routed = self._moe(i, x)
+            moe, routed, router_logits = self._moe(i, x)
             h = h + moe
-            all_ids.append(routed.ids)
-            all_w.append(routed.weights)
-            all_gap.append(routed.selection_gap)
+            routers.append(routed)
+            logit_rows.append(router_logits)
         logits = norm1p(h, self.t["norm.weight"], self.eps) @ self.lm_head.T
-        return Qwen35Output(logits, np.stack(all_ids, 1), np.stack(all_w, 1),
-                            np.stack(all_gap, 1), h)
+
+        def stack(field: str) -> np.ndarray:
+            return np.stack([getattr(r, field) for r in routers], axis=1)
+
+        return ReferenceOutput(
+            logits=logits, topk_ids=stack("ids"), topk_weights=stack("weights"),
+            router_logits=np.stack(logit_rows, axis=1), topk_gap=stack("topk_gap"),
+            selection_gap=stack("selection_gap"), hidden=h)

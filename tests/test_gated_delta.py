@@ -129,3 +129,26 @@ def test_padded_rows_keep_their_states():
         want_y, want_conv, want_s = gated_delta_layer(x, w, *ref_states[i])
         assert rel(y[i, : lengths[i]], want_y) < TOL
         assert rel(conv[i], want_conv) < 1e-6 and rel(s[i], want_s) < TOL
+
+
+def test_ragged_prefill_on_the_flat_token_layout():
+    """Three requests' new tokens packed in one flat step (with bucket padding at the end and
+    an empty request), each continuing from its own states, as the engine's step lays them."""
+    w = weights(3)
+    prev = [tokens(6, 5), tokens(7, 1), tokens(8, 9)]
+    new = [tokens(9, 70), tokens(10, 0), tokens(11, 23)]
+    states = [gated_delta_layer(p, w)[1:] for p in prev]
+    lengths = [len(x) for x in new]
+    starts = np.cumsum([0] + lengths[:-1])
+    flat = np.concatenate(new + [np.full((7, HIDDEN), 5.0)])  # 7 padding rows
+    fn = jax.jit(gated_delta.prefill_ragged, static_argnums=(1, 7, 8))
+    y, conv, s = fn(params(w), DIMS, jnp.asarray(flat, jnp.float32),
+                    jnp.asarray(starts, jnp.int32), jnp.asarray(lengths, jnp.int32),
+                    jnp.asarray(np.stack([c for c, _ in states]), jnp.float32),
+                    jnp.asarray(np.stack([r for _, r in states]), jnp.float32), 80, 32)
+    for b, x in enumerate(new):
+        want_y, want_conv, want_s = gated_delta_layer(x, w, *states[b])
+        if len(x):
+            assert rel(y[starts[b]: starts[b] + len(x)], want_y) < TOL
+        assert rel(conv[b], want_conv) < 1e-6 and rel(s[b], want_s) < TOL
+    assert not np.asarray(y[sum(lengths):]).any()

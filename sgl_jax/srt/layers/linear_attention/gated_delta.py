@@ -123,3 +123,26 @@ def zero_states(d: GatedDeltaDims, batch: int, conv_dim: int, kernel: int, dtype
     """A new request's states: (conv_state [B, conv_dim, K-1], recurrent_state [B, Hv, dk, dv])."""
     return (jnp.zeros((batch, conv_dim, kernel - 1), dtype),
             jnp.zeros((batch, d.num_value_heads, d.key_dim, d.value_dim), jnp.float32))
+
+
+def prefill_ragged(
+    p: GatedDeltaParams, d: GatedDeltaDims, x: jax.Array, starts: jax.Array, lengths: jax.Array,
+    conv_state: jax.Array, recurrent_state: jax.Array, max_len: int, chunk: int = 64,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``prefill`` on the engine's flat token layout: x [N, hidden] holds B requests' new
+    tokens, request b at rows starts[b] .. starts[b] + lengths[b] - 1 (rows of no request, e.g.
+    bucket padding, are ignored and come back as zeros); states [B, ...] are the requests'
+    (gathered from their state slots). ``max_len`` (static) bounds every lengths[b]; a row
+    with lengths[b] = 0 keeps its states. Returns (y [N, hidden], conv_state, recurrent_state)."""
+    n = x.shape[0]
+    cols = jnp.arange(max_len)
+    rows = jnp.clip(starts[:, None] + cols[None, :], 0, n - 1)  # [B, max_len]
+    padded = jnp.where((cols[None, :] < lengths[:, None])[..., None], x[rows], 0)
+    y, conv_state, recurrent_state = prefill(p, d, padded, conv_state, recurrent_state,
+                                             lengths, chunk)
+    # back to the flat rows: token i of request b -> row starts[b] + i
+    tok = jnp.arange(n)
+    inside = (tok[:, None] >= starts[None, :]) & (tok[:, None] < (starts + lengths)[None, :])
+    owner, req = jnp.any(inside, axis=1), jnp.argmax(inside, axis=1)  # [N]
+    flat = y[req, jnp.clip(tok - starts[req], 0, max_len - 1)]
+    return jnp.where(owner[:, None], flat, 0), conv_state, recurrent_state

@@ -152,3 +152,19 @@ def test_ragged_prefill_on_the_flat_token_layout():
             assert rel(y[starts[b]: starts[b] + len(x)], want_y) < TOL
         assert rel(conv[b], want_conv) < 1e-6 and rel(s[b], want_s) < TOL
     assert not np.asarray(y[sum(lengths):]).any()
+
+
+def test_bfloat16_params_keep_a_float32_core():
+    """bf16 weights and activations (the served dtype): the states stay float32 and the output
+    is the reference's within bf16 rounding."""
+    w, x = weights(4), tokens(4, 90)
+    want_y, _, want_s = gated_delta_layer(x, w)
+    p = gated_delta.GatedDeltaParams(*(a.astype(jnp.bfloat16) for a in params(w)))
+    conv, s = gated_delta.zero_states(DIMS, 1, CONV, K, jnp.bfloat16)
+    xs = jnp.asarray(x[None], jnp.bfloat16)
+    y1, conv, s = jax.jit(gated_delta.prefill, static_argnums=(1, 6))(
+        p, DIMS, xs[:, :89], conv, s, None, 64)
+    y2, conv, s = jax.jit(gated_delta.decode, static_argnums=1)(p, DIMS, xs[:, 89], conv, s)
+    assert s.dtype == jnp.float32 and conv.dtype == jnp.bfloat16 and y2.dtype == jnp.bfloat16
+    y = np.concatenate([np.asarray(y1[0], np.float64), np.asarray(y2, np.float64)])
+    assert rel(y, want_y) < 5e-2 and rel(s[0], want_s) < 5e-2

@@ -78,6 +78,8 @@ E2E = [
     "tests/test_deterministic.py",
     "tests/test_families.py",
     "tests/test_families_2026.py",
+    "tests/test_qwen35_config.py",
+    "tests/test_gated_delta.py",
     "tests/test_expert_distribution.py",
     "tests/test_eplb_engine.py",
     "tests/test_multi_node.py",
@@ -97,7 +99,7 @@ E2E = [
 ]
 # Optional checks outside every suite (they skip without packages the project does not need).
 # tests/tunix (the tunix extra) has its own CI stage and environment (.ci/run).
-OPTIONAL = ["tests/test_hf_transformers.py", "tests/test_hf_families_2026.py"]
+OPTIONAL = ["tests/test_hf_transformers.py", "tests/test_hf_families_2026.py", "tests/test_hf_qwen35.py"]
 SUITES = {"unit": UNIT, "e2e": E2E, "all": UNIT + E2E}
 DEFAULT = "all"
 

@@ -711,6 +711,8 @@ def test_preset_names() -> None:
     assert set(TINY_FAMILY_PRESETS) | set(ROUTING_PRESETS) | {
         "tiny",
         "qwen3-30b-a3b-routing",
+        # the 2026 families' presets (tested in test_families_2026 / test_hf_qwen35)
+        "tiny-minimax-m2", "tiny-gpt-oss", "tiny-qwen3.5-moe",
     } == set(PRESETS)
 
 

@@ -25,6 +25,14 @@ weights are scaled and seeded). Tensor names and shapes are exactly Hugging Face
   MXFP4 (``*_blocks`` [E, out, in / 32, 16] uint8, ``*_scales`` [E, out, in / 32] uint8):
   random E2M1 codes and per-block exponents, whose values are the model's weights.
 
+- qwen3_5_moe_text (Qwen3_5MoeForCausalLM, the text-only form of Qwen3.5-MoE): ``layer_types``
+  says per layer Gated DeltaNet (``linear_attn.in_proj_qkv/in_proj_z/in_proj_b/in_proj_a``,
+  ``conv1d.weight`` [conv_dim, 1, K], ``dt_bias``, ``A_log``, ``norm`` [dv], ``out_proj``) or
+  gated attention (``q_proj`` [heads * 2D, H]: per head query then gate; q/k norms);
+  every layer MoE with per-expert ``mlp.experts.{e}`` (the layout transformers' save_pretrained
+  writes) and a gated shared expert. Its RMSNorms compute x * (1 + w): their weights are drawn
+  around 0, not 1.
+
 DeepSeek-V3 and GLM-4.5 also ship ``num_nextn_predict_layers`` multi-token-prediction (MTP)
 layers after the decoder layers (``mtp_weights``; default 1, ``--set num_nextn_predict_layers=0``
 writes none): the draft of NEXTN speculative decoding (see ``reference_nextn``).
@@ -212,6 +220,26 @@ MINIMAX_M2_BASE: dict[str, Any] = {
     "use_routing_bias": True,
 }
 
+# Qwen3.5-35B-A3B's language-model values (its text_config), in the flat text-only form.
+QWEN3_5_MOE_BASE: dict[str, Any] = {
+    "architectures": ["Qwen3_5MoeForCausalLM"],
+    "model_type": "qwen3_5_moe_text",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "linear_conv_kernel_dim": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                        "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                        "mrope_interleaved": True},
+    "router_aux_loss_coef": 0.001,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "use_cache": True,
+}
+
 # gpt-oss-120b's values (unquantised: no quantization_config unless a preset asks for MXFP4).
 GPT_OSS_BASE: dict[str, Any] = {
     "architectures": ["GptOssForCausalLM"],
@@ -307,6 +335,8 @@ FAMILIES: dict[str, Family] = {
         Family("minimax_m2", MINIMAX_M2_BASE, "num_local_experts", "sigmoid_grouped",
                lambda c, i: c["num_local_experts"] > 0, mlp_prefix="block_sparse_moe",
                score_bias="e_score_correction_bias"),
+        Family("qwen3_5_moe_text", QWEN3_5_MOE_BASE, "num_experts", "softmax_topk",
+               lambda c, i: c["num_experts"] > 0),
         Family("gpt_oss", GPT_OSS_BASE, "num_local_experts", "topk_softmax",
                lambda c, i: c["num_local_experts"] > 0, router_module="router"),
     )
@@ -333,6 +363,8 @@ def rotary_dim(config: dict[str, Any]) -> int:
         return int(head_dim(config) * config.get("partial_rotary_factor", 0.5))
     if config["model_type"] == "minimax_m2":
         return int(config.get("rotary_dim") or head_dim(config))
+    if config["model_type"] == "qwen3_5_moe_text":
+        return int(head_dim(config) * config["rope_parameters"]["partial_rotary_factor"])
     return head_dim(config)
 
 
@@ -387,6 +419,13 @@ def check_config(config: dict[str, Any], vocab_min: int, dtypes: tuple[str, ...]
         if is_mxfp4(config) and (config["hidden_size"] % 32 or config["intermediate_size"] % 32):
             raise ValueError("MXFP4 packs blocks of 32: hidden_size and intermediate_size "
                              "must be multiples of 32")
+    if fam.model_type == "qwen3_5_moe_text":
+        types = config.get("layer_types") or []
+        if len(types) != n_layers or set(types) - {"linear_attention", "full_attention"}:
+            raise ValueError("layer_types must give each layer 'linear_attention' or "
+                             "'full_attention'")
+        if config["linear_num_value_heads"] % config["linear_num_key_heads"]:
+            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
     if fam.model_type == "minimax_m2" and rotary_dim(config) > head_dim(config):
         raise ValueError("rotary_dim must be <= head_dim")
     if rotary_dim(config) % 2 or rotary_dim(config) < 2:
@@ -501,11 +540,53 @@ def mtp_layer_ids(config: dict[str, Any]) -> range:
     return range(first, first + num_mtp_layers(config))
 
 
+def _qwen3_5_layer(wr: _Writer, config: dict[str, Any], i: int) -> None:
+    """Qwen3.5-MoE layer i but its router: (1 + w) norms drawn around 0, Gated DeltaNet or
+    gated attention, per-expert experts and the gated shared expert."""
+    h, p = config["hidden_size"], f"model.layers.{i}."
+    wr.normal(p + "input_layernorm.weight", (h,), 0.1)
+    wr.normal(p + "post_attention_layernorm.weight", (h,), 0.1)
+    if config["layer_types"][i] == "linear_attention":
+        a = p + "linear_attn."
+        hk, hv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+        dk, dv = config["linear_key_head_dim"], config["linear_value_head_dim"]
+        conv, kernel = 2 * hk * dk + hv * dv, config["linear_conv_kernel_dim"]
+        wr.linear(a + "in_proj_qkv.weight", conv, h)
+        wr.linear(a + "in_proj_z.weight", hv * dv, h)
+        wr.linear(a + "in_proj_b.weight", hv, h)
+        wr.linear(a + "in_proj_a.weight", hv, h)
+        wr.normal(a + "conv1d.weight", (conv, 1, kernel), 1 / np.sqrt(kernel))
+        wr.normal(a + "dt_bias", (hv,), 0.5)
+        # A = exp(A_log) in [0.05, 2]: decays from slow (memory across chunks) to fast
+        g = rng(wr.seed, a + "A_log")
+        wr.w[a + "A_log"] = np.log(g.uniform(0.05, 2.0, hv)).astype(np.float32)
+        wr.norm(a + "norm.weight", dv)  # the gated output norm multiplies by w itself
+        wr.linear(a + "out_proj.weight", h, hv * dv)
+    else:
+        hd = head_dim(config)
+        heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+        a = p + "self_attn."
+        wr.linear(a + "q_proj.weight", heads * 2 * hd, h)  # per head: query, then gate
+        wr.linear(a + "k_proj.weight", kv_heads * hd, h)
+        wr.linear(a + "v_proj.weight", kv_heads * hd, h)
+        wr.linear(a + "o_proj.weight", h, heads * hd)
+        wr.normal(a + "q_norm.weight", (hd,), 0.1)
+        wr.normal(a + "k_norm.weight", (hd,), 0.1)
+    for e in range(config["num_experts"]):
+        _swiglu(wr, f"{p}mlp.experts.{e}.", h, config["moe_intermediate_size"])
+    if config["shared_expert_intermediate_size"] > 0:
+        _swiglu(wr, p + "mlp.shared_expert.", h, config["shared_expert_intermediate_size"])
+        wr.linear(p + "mlp.shared_expert_gate.weight", 1, h)
+
+
 def _decoder_layer(wr: _Writer, config: dict[str, Any], i: int, moe: bool) -> None:
     """Layer i's tensors except its router (attention, norms, dense MLP or experts)."""
     fam = family_of(config)
     h = config["hidden_size"]
     p = f"model.layers.{i}."
+    if fam.model_type == "qwen3_5_moe_text":
+        _qwen3_5_layer(wr, config, i)
+        return
     wr.norm(p + "input_layernorm.weight", h)
     wr.norm(p + "post_attention_layernorm.weight", h)
     if fam.model_type == "deepseek_v3":
@@ -557,7 +638,10 @@ def base_weights(config: dict[str, Any], gen: dict[str, Any], seed: int) -> Tens
     wr.normal("model.embed_tokens.weight", (v, h), gen["logit_std"] / np.sqrt(h) if tied else 1.0)
     for i in range(config["num_hidden_layers"]):
         _decoder_layer(wr, config, i, fam.is_moe_layer(config, i))
-    wr.norm("model.norm.weight", h)
+    if fam.model_type == "qwen3_5_moe_text":  # x * (1 + w)
+        wr.normal("model.norm.weight", (h,), 0.1)
+    else:
+        wr.norm("model.norm.weight", h)
     if not tied:
         # Final-normed hidden entries are ~N(0, 1): logits get std ~logit_std.
         wr.normal("lm_head.weight", (v, h), gen["logit_std"] / np.sqrt(h))

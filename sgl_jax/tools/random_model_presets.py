@@ -131,6 +131,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         "intermediate_size": 32,  # each expert's width
         "rotary_dim": 8,  # half of head_dim 16 (the release: 64 of 128)
     },
+    # Qwen3.5-MoE at small widths: three Gated DeltaNet layers then one gated-attention layer
+    # (the release's pattern, written out: layer_types is what the readers follow), 2 key and 4
+    # value heads in the linear layers, partial rotary 0.25 (4 of head_dim 16).
+    "tiny-qwen3.5-moe": {
+        "model_type": "qwen3_5_moe_text",
+        **_SMALL_GQA,
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+    },
     # gpt-oss at small widths: the release's alternating layers and YaRN (factor 4 over 1024
     # positions, not truncated), a window of 16 (prompts of the tests are longer), and a
     # swiglu_limit of 2.5 rather than 7 so the clamps act on these ~N(0, 1) activations.
@@ -233,6 +250,7 @@ GEN_DEFAULTS: dict[str, dict[str, Any]] = {
     "tiny-glm4-moe": {**_SIGMOID, "min_router_gap": 4e-5, "max_router_attempts": 64},
     "tiny-minimax-m2": {**_SIGMOID, "min_router_gap": 4e-5, "max_router_attempts": 64},
     "tiny-gpt-oss": {**_SOFTMAX, "min_router_gap": 1e-3, "max_router_attempts": 64},
+    "tiny-qwen3.5-moe": {**_SOFTMAX, "min_router_gap": 1e-3, "max_router_attempts": 64},
     "deepseek-v3-routing": {**_SIGMOID, **_SEARCH_OFF},
     "mixtral-8x7b-routing": {**_SOFTMAX, **_SEARCH_OFF},
     "qwen2-57b-a14b-routing": {**_SOFTMAX, **_SEARCH_OFF},

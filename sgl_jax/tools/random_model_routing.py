@@ -77,11 +77,14 @@ def order_gaps(router_logits: np.ndarray, k: int) -> np.ndarray:
 def measure(path: str, prompts: list[list[int]]) -> Measurement:
     """Run the float64 reference on each prompt and collect the routing margins."""
     from sgl_jax.tools.reference_forward import ReferenceModel
+    from sgl_jax.tools.reference_qwen35 import ARCHITECTURES as QWEN35
+    from sgl_jax.tools.reference_qwen35 import Qwen35Reference
 
     ckpt = Path(path)
     config = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
     k = config["num_experts_per_tok"]
-    ref = ReferenceModel(path)
+    qwen35 = (config.get("architectures") or [""])[0] in QWEN35
+    ref = Qwen35Reference(path) if qwen35 else ReferenceModel(path)
     topk, order, selection, stds = [], [], [], []
     for ids in prompts:
         out = ref.forward(ids)

@@ -248,6 +248,91 @@ def _gpt_oss(read: ConfigReader) -> dict[str, Any]:
     }
 
 
+LINEAR, FULL_ATTN = "linear_attention", "full_attention"
+
+
+def _qwen3_5_moe(read: ConfigReader) -> dict[str, Any]:
+    """Qwen3.5-MoE (text fields; the released form nests them under ``text_config``, see
+    ``text_fields``): every layer MoE, softmax top-k always renormalised plus one shared expert
+    scaled by sigmoid(``shared_expert_gate``(x)); ``layer_types`` names each layer Gated
+    DeltaNet (``linear_attention``) or gated full attention (q_proj gives [query | gate] per
+    head); RMSNorms compute x * (1 + w); partial rotary (rotate-half) on
+    ``partial_rotary_factor`` of a head (0.25 by default)."""
+    num_layers = read.int("num_hidden_layers", hi=1024)
+    types = read.get("layer_types")
+    if types is None:  # transformers' rule: layer i attends fully iff (i + 1) % interval == 0
+        interval = read.int("full_attention_interval", 4)
+        types = [FULL_ATTN if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)]
+    if (not isinstance(types, list) or len(types) != num_layers
+            or any(t not in (LINEAR, FULL_ATTN) for t in types)):
+        raise ValueError(f"{read.where('layer_types')} must list {num_layers} entries, each "
+                         f"'{LINEAR}' or '{FULL_ATTN}'; got {short_repr(types)}")
+    hidden, heads = read.int("hidden_size"), read.int("num_attention_heads")
+    head_dim = read.int("head_dim", hidden // heads)
+    rope = read.rope()
+    kind = None if rope is None else rope.str("rope_type", rope.str("type", "default"))
+    if kind not in (None, "default"):
+        raise ValueError(f"{read.where('rope_parameters')}: rope_type {short_repr(kind)} is not "
+                         "supported; supported: default (mrope sections do not matter for text)")
+    if read.get("partial_rotary_factor") is not None:
+        fraction = read.float("partial_rotary_factor")
+    elif rope is not None and rope.get("partial_rotary_factor") is not None:
+        fraction = rope.float("partial_rotary_factor")  # (where transformers 5 writes it)
+    else:
+        fraction = 0.25  # transformers' default for this family
+    rotary = int(head_dim * fraction)
+    if rotary % 2 or not 2 <= rotary <= head_dim:
+        raise ValueError(f"{read.where('partial_rotary_factor')}: {rotary} rotary dims of "
+                         f"head_dim={head_dim}; it must be even and in [2, head_dim]")
+    key_heads = read.int("linear_num_key_heads")
+    value_heads = read.int("linear_num_value_heads")
+    if value_heads % key_heads:
+        raise ValueError(f"{read.where('linear_num_value_heads')}={value_heads} is not a "
+                         f"multiple of linear_num_key_heads={key_heads}")
+    if read.str("hidden_act", "silu") != "silu":
+        raise ValueError(f"{read.where('hidden_act')}: only silu is supported (Qwen3.5-MoE)")
+    shared = read.int("shared_expert_intermediate_size", 0, lo=0)
+    return {
+        "family": "qwen3_5_moe", "router": "softmax_topk", "head_dim": head_dim,
+        "num_experts": read.int("num_experts"),
+        "num_experts_per_tok": read.int("num_experts_per_tok"),
+        "moe_intermediate_size": read.int("moe_intermediate_size"),
+        "norm_topk_prob": True,  # the router always renormalises its top-k
+        "num_shared_experts": 1 if shared else 0, "shared_expert_intermediate_size": shared,
+        "shared_expert_gated": True,
+        "qk_norm": True, "qkv_bias": read.bool("attention_bias", False),
+        "o_proj_bias": read.bool("attention_bias", False),
+        "norm_plus_one": True, "attn_output_gate": True, "rotary_dim": rotary,
+        "rope_theta": read.rope_theta(10_000_000.0),
+        "linear_layers": tuple(t == LINEAR for t in types),
+        "linear_num_key_heads": key_heads, "linear_num_value_heads": value_heads,
+        "linear_key_head_dim": read.int("linear_key_head_dim"),
+        "linear_value_head_dim": read.int("linear_value_head_dim"),
+        "linear_conv_kernel_dim": read.int("linear_conv_kernel_dim", 4, lo=2),
+        "mtp_num_hidden_layers": read.int("mtp_num_hidden_layers", 0, lo=0),
+        "moe_rule": lambda i: True,
+    }
+
+
+# Architectures whose language-model fields sit under ``text_config`` (vision-language
+# releases); tensors of the language model are under ``model.language_model.``.
+NESTED_TEXT_CONFIG = ("Qwen3_5MoeForConditionalGeneration",)
+
+
+def text_fields(hf: dict[str, Any], arch: str, model_path: str) -> tuple[dict[str, Any], str]:
+    """The config dict the readers see, and the prefix their error messages give a field: for
+    a nested architecture ``text_config`` over the top level (ids and ``tie_word_embeddings``
+    may be written at either), else ``hf`` itself."""
+    if arch not in NESTED_TEXT_CONFIG:
+        return hf, ""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{model_path}/config.json: {arch} needs a text_config object (the "
+                         f"language model's fields), got {short_repr(text)}")
+    top = {k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}
+    return {**top, **{k: v for k, v in text.items() if v is not None}}, "text_config."
+
+
 # Quantised checkpoints a family's loader dequantises (quant_method per architecture).
 DEQUANTISED_AT_LOAD: dict[str, tuple[str, ...]] = {"GptOssForCausalLM": ("mxfp4",)}
 
@@ -259,4 +344,6 @@ FAMILY_READERS: dict[str, Callable[[ConfigReader], dict[str, Any]]] = {
     "Glm4MoeForCausalLM": _glm4_moe,
     "MiniMaxM2ForCausalLM": _minimax_m2,
     "GptOssForCausalLM": _gpt_oss,
+    "Qwen3_5MoeForCausalLM": _qwen3_5_moe,
+    "Qwen3_5MoeForConditionalGeneration": _qwen3_5_moe,
 }

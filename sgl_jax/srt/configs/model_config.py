@@ -25,6 +25,7 @@ from sgl_jax.srt.configs.families import (  # noqa: F401 - is_moe_layer re-expor
     FAMILY_READERS,
     check_groups,
     is_moe_layer,
+    text_fields,
 )
 from sgl_jax.srt.configs.rope_scaling import RopeScaling
 
@@ -39,6 +40,9 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM",
     "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "GptOssForCausalLM",
 )
+# Read by ModelConfig (and the float64 reference) but not yet served by the engine: Qwen3.5-MoE's
+# Gated DeltaNet layers need per-request state slots in the step (models/registry.py refuses).
+CONFIG_ONLY_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")
 
 
 def resolve_model_path(model_path: str | None) -> str:
@@ -113,6 +117,18 @@ class ModelConfig:
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.702
     expert_bias: bool = False
+    # Qwen3.5-MoE: decoder and q/k RMSNorms compute x * (1 + w); q_proj gives [query | gate]
+    # per head and the attention output is multiplied by sigmoid(gate); per layer, Gated
+    # DeltaNet (linear attention) instead of full attention, with its head counts and widths.
+    norm_plus_one: bool = False
+    attn_output_gate: bool = False
+    linear_layers: tuple[bool, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    mtp_num_hidden_layers: int = 0  # MTP layers the checkpoint holds (mtp.*), not served yet
     # MLA (attention == "mla")
     q_lora_rank: int | None = None  # None: q_proj directly from the hidden state
     kv_lora_rank: int = 0
@@ -136,6 +152,12 @@ class ModelConfig:
         """Keys a query of the layer sees, itself included (0: all before it)."""
         slides = bool(self.sliding_layers) and self.sliding_layers[layer_id]
         return self.sliding_window if slides else 0
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a Gated DeltaNet layer's causal conv: q, k and v concatenated."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
 
     @property
     def rope_dim(self) -> int:
@@ -210,7 +232,8 @@ class ModelConfig:
         if not isinstance(architectures, list):
             raise ValueError(f"{read.where('architectures')} must be a list of names, "
                              f"not {short_repr(architectures)}")
-        arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        known = SUPPORTED_ARCHITECTURES + CONFIG_ONLY_ARCHITECTURES
+        arch = next((a for a in architectures if a in known), None)
         if arch is None:
             raise ValueError(
                 f"unsupported architecture {short_repr(architectures)} in "
@@ -229,6 +252,8 @@ class ModelConfig:
                 "(dequantise first; gpt-oss's MXFP4 release is the exception, dequantised at "
                 "load)"
             )
+        text, prefix = text_fields(hf, arch, model_path)  # (Qwen3.5: under text_config)
+        read = ConfigReader(text, model_path, prefix)
         fields = FAMILY_READERS[arch](read)
         num_layers = read.int("num_hidden_layers", hi=MAX_LAYERS)
         num_heads = read.int("num_attention_heads")

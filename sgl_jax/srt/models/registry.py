@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-from sgl_jax.srt.configs.model_config import SUPPORTED_ARCHITECTURES
+from sgl_jax.srt.configs.model_config import CONFIG_ONLY_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 from sgl_jax.srt.models.deepseek_v3 import DeepseekV3ForCausalLM
 from sgl_jax.srt.models.glm4_moe import Glm4MoeForCausalLM
 from sgl_jax.srt.models.gpt_oss import GptOssForCausalLM
@@ -23,6 +23,11 @@ assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES)
 
 
 def get_model_class(architecture: str) -> type[nnx.Module]:
+    if architecture in CONFIG_ONLY_ARCHITECTURES:
+        raise ValueError(
+            f"{architecture} (Qwen3.5-MoE) is not served yet: its config, float64 reference and "
+            "Gated DeltaNet layer exist, but the per-request linear-attention state slots are "
+            "not wired into the engine step")
     try:
         return _MODELS[architecture]
     except KeyError:

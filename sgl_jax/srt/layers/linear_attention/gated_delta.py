@@ -1,0 +1,148 @@
+"""Qwen3.5's Gated DeltaNet layer as pure functions of (params, inputs, states).
+
+The engine carries two states per request and layer (zeros for a new request):
+
+* ``conv_state`` [B, conv_dim, K-1]: the last K-1 inputs of the causal depthwise conv (the
+  concatenated q, k, v channels before the conv), oldest first;
+* ``recurrent_state`` [B, Hv, dk, dv] float32: the delta rule's state S.
+
+``prefill`` runs T tokens per row (rows padded to T; ``lengths`` gives each row's real tokens;
+padded tokens leave both states as the last real token left them) in the chunked form;
+``decode`` runs one token per row with the recurrence. Either continues from the states it is
+given, so a prompt split into chunks (chunked prefill) gives the same outputs and states as
+one call. The projections run in the params' dtype; the conv output, q/k L2 norms, g, beta,
+the delta rule and the gated output norm in float32 (as transformers does whatever the
+model dtype).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from sgl_jax.srt.layers.linear_attention import delta_rule
+
+L2_EPS = 1e-6  # of the q and k L2 norms (fixed by the definition, not a config field)
+
+
+class GatedDeltaParams(NamedTuple):
+    """One layer's weights, projections in transformers' [out, in] orientation."""
+
+    in_proj_qkv: jax.Array  # [2 Hk dk + Hv dv, hidden]
+    in_proj_z: jax.Array  # [Hv dv, hidden]
+    in_proj_b: jax.Array  # [Hv, hidden]
+    in_proj_a: jax.Array  # [Hv, hidden]
+    conv1d: jax.Array  # [conv_dim, K] (transformers' [conv_dim, 1, K] squeezed)
+    dt_bias: jax.Array  # [Hv]
+    A_log: jax.Array  # [Hv]
+    norm: jax.Array  # [dv]
+    out_proj: jax.Array  # [hidden, Hv dv]
+
+
+class GatedDeltaDims(NamedTuple):
+    num_key_heads: int
+    num_value_heads: int
+    key_dim: int
+    value_dim: int
+    eps: float  # of the gated output RMSNorm (rms_norm_eps)
+
+
+def _l2norm(x: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+
+
+def _heads(p: GatedDeltaParams, d: GatedDeltaDims, x: jax.Array, mixed: jax.Array):
+    """q, k (normalised, q scaled, key heads repeated to the value heads), v, g, beta and z for
+    tokens x [..., hidden] whose conv output is ``mixed`` [..., conv_dim] (float32)."""
+    hk, hv, dk, dv = d.num_key_heads, d.num_value_heads, d.key_dim, d.value_dim
+    lead = x.shape[:-1]
+    q = mixed[..., : hk * dk].reshape(*lead, hk, dk)
+    k = mixed[..., hk * dk: 2 * hk * dk].reshape(*lead, hk, dk)
+    v = mixed[..., 2 * hk * dk:].reshape(*lead, hv, dv)
+    # value head h reads key head h // (Hv / Hk)
+    q = jnp.repeat(_l2norm(q), hv // hk, axis=-2) * (dk ** -0.5)
+    k = jnp.repeat(_l2norm(k), hv // hk, axis=-2)
+    beta = jax.nn.sigmoid((x @ p.in_proj_b.T).astype(jnp.float32))
+    a = (x @ p.in_proj_a.T).astype(jnp.float32)
+    g = -jnp.exp(p.A_log.astype(jnp.float32)) * jax.nn.softplus(a + p.dt_bias.astype(jnp.float32))
+    z = (x @ p.in_proj_z.T).reshape(*lead, hv, dv)
+    return q, k, v, g, beta, z
+
+
+def _output(p: GatedDeltaParams, d: GatedDeltaDims, o: jax.Array, z: jax.Array, dtype):
+    """out_proj(rmsnorm(o) * norm.weight * silu(z)), the norm per value head in float32."""
+    normed = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + d.eps)
+    gated = normed * p.norm.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
+    return gated.reshape(*o.shape[:-2], -1).astype(dtype) @ p.out_proj.T
+
+
+def prefill(
+    p: GatedDeltaParams, d: GatedDeltaDims, x: jax.Array, conv_state: jax.Array,
+    recurrent_state: jax.Array, lengths: jax.Array | None = None, chunk: int = 64,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [B, T, hidden] (after the input norm) from the given states. ``lengths`` [B] (default
+    T): real tokens per row, the rest padding. Returns (y [B, T, hidden] (padding rows
+    arbitrary), conv_state, recurrent_state) after each row's last real token."""
+    b, t, _ = x.shape
+    kernel = p.conv1d.shape[1]
+    if lengths is None:
+        lengths = jnp.full((b,), t, jnp.int32)
+    inputs = x @ p.in_proj_qkv.T  # [B, T, C]
+    u = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(inputs.dtype), inputs], axis=1)
+    w = p.conv1d.astype(jnp.float32)
+    conv = sum(w[:, j] * u[:, j: j + t].astype(jnp.float32) for j in range(kernel))
+    mixed = jax.nn.silu(conv)
+    # the new conv state: the K-1 inputs ending at each row's last real token
+    new_conv = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, kernel - 1))(
+        u, lengths)
+    q, k, v, g, beta, z = _heads(p, d, x, mixed)
+    real = (jnp.arange(t)[None, :] < lengths[:, None])[..., None]  # [B, T, 1]
+    g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)  # padding: state unchanged
+    o, state = delta_rule.chunked(q, k, v, g, beta, recurrent_state.astype(jnp.float32), chunk)
+    y = _output(p, d, o, z, x.dtype)
+    return y, jnp.swapaxes(new_conv, 1, 2).astype(conv_state.dtype), state
+
+
+def decode(
+    p: GatedDeltaParams, d: GatedDeltaDims, x: jax.Array, conv_state: jax.Array,
+    recurrent_state: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One token per row: x [B, hidden]. Returns (y [B, hidden], conv_state, recurrent_state);
+    O(1) in the context length."""
+    inputs = x @ p.in_proj_qkv.T  # [B, C]
+    u = jnp.concatenate([conv_state.astype(inputs.dtype), inputs[:, :, None]], axis=2)  # [B,C,K]
+    mixed = jax.nn.silu(jnp.sum(u.astype(jnp.float32) * p.conv1d.astype(jnp.float32), axis=2))
+    q, k, v, g, beta, z = _heads(p, d, x, mixed)
+    o, state = delta_rule.recurrent_step(q, k, v, g, beta, recurrent_state.astype(jnp.float32))
+    return _output(p, d, o, z, x.dtype), u[:, :, 1:].astype(conv_state.dtype), state
+
+
+def zero_states(d: GatedDeltaDims, batch: int, conv_dim: int, kernel: int, dtype=jnp.float32):
+    """A new request's states: (conv_state [B, conv_dim, K-1], recurrent_state [B, Hv, dk, dv])."""
+    return (jnp.zeros((batch, conv_dim, kernel - 1), dtype),
+            jnp.zeros((batch, d.num_value_heads, d.key_dim, d.value_dim), jnp.float32))
+
+
+def prefill_ragged(
+    p: GatedDeltaParams, d: GatedDeltaDims, x: jax.Array, starts: jax.Array, lengths: jax.Array,
+    conv_state: jax.Array, recurrent_state: jax.Array, max_len: int, chunk: int = 64,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``prefill`` on the engine's flat token layout: x [N, hidden] holds B requests' new
+    tokens, request b at rows starts[b] .. starts[b] + lengths[b] - 1 (rows of no request, e.g.
+    bucket padding, are ignored and come back as zeros); states [B, ...] are the requests'
+    (gathered from their state slots). ``max_len`` (static) bounds every lengths[b]; a row
+    with lengths[b] = 0 keeps its states. Returns (y [N, hidden], conv_state, recurrent_state)."""
+    n = x.shape[0]
+    cols = jnp.arange(max_len)
+    rows = jnp.clip(starts[:, None] + cols[None, :], 0, n - 1)  # [B, max_len]
+    padded = jnp.where((cols[None, :] < lengths[:, None])[..., None], x[rows], 0)
+    y, conv_state, recurrent_state = prefill(p, d, padded, conv_state, recurrent_state,
+                                             lengths, chunk)
+    # back to the flat rows: token i of request b -> row starts[b] + i
+    tok = jnp.arange(n)
+    inside = (tok[:, None] >= starts[None, :]) & (tok[:, None] < (starts + lengths)[None, :])
+    owner, req = jnp.any(inside, axis=1), jnp.argmax(inside, axis=1)  # [N]
+    flat = y[req, jnp.clip(tok - starts[req], 0, max_len - 1)]
+    return jnp.where(owner[:, None], flat, 0), conv_state, recurrent_state

@@ -1,7 +1,7 @@
 """aot_report --breakdown: the compiled step's bytes and FLOPs per op class.
 
 On CPU (every venv): the engine's own step, built abstract (no weights) for a small
-Qwen3-MoE-shaped model and compiled by XLA:CPU, is split by ``hlo_breakdown``; the classes
+Qwen3-MoE-shaped model and compiled by XLA:CPU, is split by ``aot.hlo.breakdown``; the classes
 must sum exactly to XLA's totals, and the expert matmuls must be where a prefill's FLOPs go.
 With libtpu (the TPU venv of .ci/run): ``aot_report --breakdown --extend-tokens`` end to end.
 """
@@ -19,7 +19,11 @@ from typing import Any
 
 import pytest
 
-from sgl_jax.tools import hlo_breakdown as hb
+from sgl_jax.tools.aot.compile_step import Compiled
+from sgl_jax.tools.aot.depth import extrapolate
+from sgl_jax.tools.aot.hlo import breakdown as hb
+from sgl_jax.tools.aot.hlo import op_classes, op_costs
+from sgl_jax.tools.aot.hlo import parse as hlo_parse
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "sgl_jax" / "assets" / "configs"
@@ -122,31 +126,31 @@ ENTRY %main (x: bf16[16,64], w: bf16[64,32], e: bf16[8,64,32], p: pred[]) -> s32
 
 def test_classes_of_a_hand_written_module() -> None:
     b = hb.breakdown(HLO, 1e6, 1e6)
-    assert tuple(b.flops) == hb.CLASSES and tuple(b.bytes) == hb.CLASSES
+    assert tuple(b.flops) == op_classes.CLASSES and tuple(b.bytes) == op_classes.CLASSES
     assert sum(b.flops.values()) == pytest.approx(1e6, rel=1e-12)
     assert sum(b.bytes.values()) == pytest.approx(1e6, rel=1e-12)
-    m = hb.parse_module(HLO)
+    m = hlo_parse.parse_module(HLO)
     entry = {i.name: i for i in m.computations[m.entry]}
     types = m.types(m.entry)
     # The projection: 2 * 16 * 32 * 64 FLOPs; operands + result bytes.
-    assert hb.op_flops(m, entry["proj"], types) == 2 * 16 * 32 * 64
-    assert hb.op_bytes(m, entry["proj"], types) == (16 * 64 + 64 * 32 + 16 * 32) * 2
-    assert hb.classify(m, entry["proj"]) == "projections"
+    assert op_costs.op_flops(m, entry["proj"], types) == 2 * 16 * 32 * 64
+    assert op_costs.op_bytes(m, entry["proj"], types) == (16 * 64 + 64 * 32 + 16 * 32) * 2
+    assert op_classes.classify(m, entry["proj"]) == "projections"
     # The kernel's own estimate, not its operands.
-    assert hb.op_flops(m, entry["ragged-dot-none"], types) == 65536
-    assert hb.op_bytes(m, entry["ragged-dot-none"], types) == 34816
-    assert hb.classify(m, entry["ragged-dot-none"]) == "expert_matmuls"
-    assert hb.classify(m, entry["ar"]) == "collectives"
+    assert op_costs.op_flops(m, entry["ragged-dot-none"], types) == 65536
+    assert op_costs.op_bytes(m, entry["ragged-dot-none"], types) == 34816
+    assert op_classes.classify(m, entry["ragged-dot-none"]) == "expert_matmuls"
+    assert op_classes.classify(m, entry["ar"]) == "collectives"
     # The gmm backend's fused kernels are expert matmuls, at their own estimate.
-    assert hb.classify(m, entry["gu"]) == "expert_matmuls"
-    assert hb.op_bytes(m, entry["gu"], types) == 2000
+    assert op_classes.classify(m, entry["gu"]) == "expert_matmuls"
+    assert op_costs.op_bytes(m, entry["gu"], types) == 2000
     # The q/k norm and rotary kernel is attention's, at its own estimate.
-    assert hb.classify(m, entry["nr"]) == "attention"
-    assert hb.op_bytes(m, entry["nr"], types) == 512
+    assert op_classes.classify(m, entry["nr"]) == "attention"
+    assert op_costs.op_bytes(m, entry["nr"], types) == 512
     # An async slice counts the slice it reads and writes, not its whole operand.
-    assert hb.op_bytes(m, entry["ss"], types) == 2 * 8 * 64 * 2
-    assert hb.op_bytes(m, entry["sd"], types) == 0
-    assert hb.classify(m, entry["copy.1"]) == "copies"
+    assert op_costs.op_bytes(m, entry["ss"], types) == 2 * 8 * 64 * 2
+    assert op_costs.op_bytes(m, entry["sd"], types) == 0
+    assert op_classes.classify(m, entry["copy.1"]) == "copies"
     # The conditionals: the outer one counts its costlier branch, the sampled rows, whose own
     # op (negate) is the sampler's; in the inner one the cheap branch keeps its class
     # (sampler) and the fallback's excess up to the counted maximum is sampler_full_sort.
@@ -158,8 +162,8 @@ def test_classes_of_a_hand_written_module() -> None:
     assert costs["sampler_full_sort"][1] == sort_bytes - cheap_bytes
     # Kernels at their own estimates and the all-reduce at its operand and result (XLA's
     # total holds exactly those), XLA's other ops scaled to the rest of XLA's total.
-    all_reduce = hb.op_bytes(m, entry["ar"], types)
-    assert all_reduce == 2 * 16 * 32 * 4 and hb.counted_exactly(entry["ar"])
+    all_reduce = op_costs.op_bytes(m, entry["ar"], types)
+    assert all_reduce == 2 * 16 * 32 * 4 and op_costs.counted_exactly(entry["ar"])
     exact = 34816 + 2000 + 512 + all_reduce
     assert sum(v[3] for v in costs.values()) == exact
     est = sum(v[1] for v in costs.values())
@@ -167,26 +171,27 @@ def test_classes_of_a_hand_written_module() -> None:
     assert b.bytes_scale == pytest.approx(scale)
     assert b.bytes["attention"] == pytest.approx(512)  # the norm/rotary kernel alone
     # XLA:TPU's collective fusion (a reduce-scatter's pieces) is a collective, scaled.
-    assert hb.classify(m, entry["rsf"]) == "collectives"
-    rsf = hb.op_bytes(m, entry["rsf"], types)
+    assert op_classes.classify(m, entry["rsf"]) == "collectives"
+    rsf = op_costs.op_bytes(m, entry["rsf"], types)
     assert b.bytes["collectives"] == pytest.approx(all_reduce + rsf * scale)
-    assert b.bytes["projections"] == pytest.approx(hb.op_bytes(m, entry["proj"], types) * scale)
-    expert = sum(hb.op_bytes(m, entry[n], types) for n in ("ragged-dot-none", "gu"))
+    assert b.bytes["projections"] == pytest.approx(
+        op_costs.op_bytes(m, entry["proj"], types) * scale)
+    expert = sum(op_costs.op_bytes(m, entry[n], types) for n in ("ragged-dot-none", "gu"))
     assert costs["expert_matmuls"][3] == expert
     assert b.bytes["expert_matmuls"] == pytest.approx(
         expert + (costs["expert_matmuls"][1] - expert) * scale)
 
 
 def test_parse_instruction_types_and_operands() -> None:
-    ins = hb.parse_instruction(
+    ins = hlo_parse.parse_instruction(
         "  %cp = (f32[64,3]{1,0:T(8,128)S(1)}, u32[]{:S(2)}) collective-permute-start(%d), "
         "source_target_pairs={{0,1}}")
     assert ins is not None
     assert (ins.opcode, ins.operands) == ("collective-permute-start", ["d"])
     # Padded to the (8, 128) tile as stored: 3 columns take 128.
-    assert hb.type_bytes(ins.type) == 64 * 128 * 4 + 4
-    assert hb.type_bytes("bf16[128,2048,192]{1,2,0:T(8,128)(2,1)}") == 128 * 2048 * 192 * 2
-    assert hb.type_bytes("bf16[128,2048,192]{2,1,0:T(8,128)(2,1)}") == 128 * 2048 * 256 * 2
+    assert hlo_parse.type_bytes(ins.type) == 64 * 128 * 4 + 4
+    assert hlo_parse.type_bytes("bf16[128,2048,192]{1,2,0:T(8,128)(2,1)}") == 128 * 2048 * 192 * 2
+    assert hlo_parse.type_bytes("bf16[128,2048,192]{2,1,0:T(8,128)(2,1)}") == 128 * 2048 * 256 * 2
 
 
 def test_a_gather_reads_a_whole_tile_per_row() -> None:
@@ -205,17 +210,17 @@ ENTRY %main (v: s32[20480], i: s32[20480,1], x: bf16[64,128], j: s32[16,1]) -> s
   ROOT %n = s32[20480]{0:T(1024)} negate(%g)
 }
 """
-    assert [hb.tile_rows(t) for t in (
+    assert [hlo_parse.tile_rows(t) for t in (
         "s32[20480]{0:T(1024)}", "f32[65536]{0:T(1024)S(1)}", "s32[71]{0:T(128)}",
         "bf16[64,128]{1,0:T(8,128)(2,1)}", "s32[2,3]{1,0:T(2,128)}", "f32[16]")] == [
         1024, 1024, 128, 8, 2, 1]
-    m = hb.parse_module(text)
+    m = hlo_parse.parse_module(text)
     entry = {i.name: i for i in m.computations[m.entry]}
     types = m.types(m.entry)
-    indices = hb.type_bytes(types["i"])
-    assert hb.op_bytes(m, entry["g"], types) == (1 + 1024) * 20480 * 4 + indices
-    assert hb.op_bytes(m, entry["rows"], types) == (1 + 8) * 16 * 128 * 2 + hb.type_bytes(
-        types["j"])
+    indices = hlo_parse.type_bytes(types["i"])
+    assert op_costs.op_bytes(m, entry["g"], types) == (1 + 1024) * 20480 * 4 + indices
+    assert op_costs.op_bytes(m, entry["rows"], types) == (
+        (1 + 8) * 16 * 128 * 2 + hlo_parse.type_bytes(types["j"]))
 
 
 def test_an_instruction_over_several_lines_is_one_instruction() -> None:
@@ -232,11 +237,11 @@ ENTRY %main (x: bf16[64,128]) -> bf16[64,128] {
   ROOT %n = bf16[64,128]{1,0} negate(%k)
 }
 """
-    m = hb.parse_module(text)
+    m = hlo_parse.parse_module(text)
     entry = {i.name: i for i in m.computations[m.entry]}
     assert list(entry) == ["x", "q", "k", "n"]  # a brace in a string opens nothing
-    assert hb.op_bytes(m, entry["k"], m.types(m.entry)) == 4096
-    assert hb.counted_exactly(entry["k"])
+    assert op_costs.op_bytes(m, entry["k"], m.types(m.entry)) == 4096
+    assert op_costs.counted_exactly(entry["k"])
 
 
 # -- the engine's step compiled by XLA:CPU ----------------------------------------------------
@@ -275,7 +280,7 @@ def test_cpu_step_breakdown_sums_to_xla(cpu_config: Path, mode: str, tokens: int
     hlo, cost = compile_cpu_step(cpu_config, mode, tokens, rows)
     flops, bytes_ = float(cost["flops"]), float(cost["bytes accessed"])
     b = hb.breakdown(hlo, flops, bytes_)
-    assert set(b.flops) == set(hb.CLASSES) == set(b.bytes)
+    assert set(b.flops) == set(op_classes.CLASSES) == set(b.bytes)
     assert sum(b.flops.values()) == pytest.approx(flops, rel=1e-9)
     assert sum(b.bytes.values()) == pytest.approx(bytes_, rel=1e-9)
     assert min(b.flops.values()) >= 0 and min(b.bytes.values()) >= -1e-6 * bytes_
@@ -296,11 +301,9 @@ def _compiled_with_classes(moe_layers: int, scale: float) -> Any:
     """A compiled step of ``moe_layers`` MoE layers: per-op estimates of 10 GB per layer of
     expert matmuls, 6 GB of which kernels (counted exactly by XLA), and a depth-independent
     3 GB sampler; XLA's total = the kernels + scale x the rest."""
-    from sgl_jax.tools.aot_report import Compiled
-
-    est = {k: 0.0 for k in hb.CLASSES}
+    est = {k: 0.0 for k in op_classes.CLASSES}
     est.update(expert_matmuls=10e9 * moe_layers, sampler=3e9)
-    exact = {k: 0.0 for k in hb.CLASSES}
+    exact = {k: 0.0 for k in op_classes.CLASSES}
     exact.update(expert_matmuls=6e9 * moe_layers)
     scaled, _ = hb.scale_classes(est, exact, sum(exact.values())
                                  + scale * (sum(est.values()) - sum(exact.values())))
@@ -319,11 +322,9 @@ def test_extrapolated_breakdown_keeps_a_depth_independent_class() -> None:
     layers, not be extrapolated through the scales' difference (with the scales the other
     way round it could go below zero), the kernels' exact part must stay unscaled, and the
     classes must still sum to the extrapolated total."""
-    from sgl_jax.tools.aot_report import Compiled
-
     two, four = _compiled_with_classes(2, 1.10), _compiled_with_classes(4, 1.14)
-    target = Compiled.extrapolate([((True,) * 2, two), ((True,) * 4, four)], (True,) * 48)
-    classes = {k: target.breakdown[f"bytes.{k}"] for k in hb.CLASSES}
+    target = extrapolate([((True,) * 2, two), ((True,) * 4, four)], (True,) * 48)
+    classes = {k: target.breakdown[f"bytes.{k}"] for k in op_classes.CLASSES}
     assert sum(classes.values()) == pytest.approx(target.bytes, rel=1e-12)
     assert target.bytes == pytest.approx(two.bytes + 23 * (four.bytes - two.bytes))
     scale = target.breakdown["scale.bytes"]
@@ -350,12 +351,12 @@ def test_report_breakdown_and_extend(tmp_path: Path) -> None:
     top = re.findall(r"^\S+ aot_report:\s+([\d.]+) MB\s+([\d.]+) GFLOP\s+(\w+) ",
                      proc.stderr, flags=re.M)
     assert len(top) == 4 * len(records), proc.stderr[-3000:]
-    assert {cls for _, _, cls in top} <= set(hb.CLASSES)
+    assert {cls for _, _, cls in top} <= set(op_classes.CLASSES)
     assert max(float(mb) for mb, _, _ in top) > 0
     for r in records:
         for prop in ("flops", "bytes"):
             classes = r[f"breakdown_{prop}_per_device"]
-            assert tuple(classes) == hb.CLASSES
+            assert tuple(classes) == op_classes.CLASSES
             assert sum(classes.values()) == pytest.approx(r[f"xla_{prop}_per_device"],
                                                           rel=1e-9)
         # XLA's count + the attention kernel's analytic work = the report's figure.

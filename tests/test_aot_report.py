@@ -19,7 +19,20 @@ from pathlib import Path
 import pytest
 
 from sgl_jax.srt.configs.model_config import ModelConfig
-from sgl_jax.tools import aot_report
+from sgl_jax.tools.aot.accounting import (
+    active_params_per_token,
+    attention_flops_per_pair,
+    dispatch_bytes_per_moe_layer,
+    ideal_flops,
+    kernel_cost_per_call,
+    kv_bytes_per_token_per_device,
+)
+from sgl_jax.tools.aot.buckets import Bucket, dp_buckets
+from sgl_jax.tools.aot.cli import parse_args
+from sgl_jax.tools.aot.depth import slice_patterns
+from sgl_jax.tools.aot.hlo.collectives import collective_bytes
+from sgl_jax.tools.aot.memory_fit import max_requests_that_fit
+from sgl_jax.tools.aot.tables import format_verify_notes
 
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
@@ -100,8 +113,7 @@ def test_verify_report_json(small_config: Path) -> None:
     # attention of 4 queries over 508 cached positions and each other.
     cfg = ModelConfig.from_dict(json.loads((small_config / "config.json").read_text()),
                                 str(small_config), 512)
-    assert verify["ideal_flops"] == aot_report.ideal_flops(
-        cfg, aot_report.Bucket("verify", 32, 8, 8, 4, 508))
+    assert verify["ideal_flops"] == ideal_flops(cfg, Bucket("verify", 32, 8, 8, 4, 508))
     assert 0.9 <= verify["flops_ratio"] <= 1.2, verify
     assert verify["kernel_flops"] > 3.9 * decode["kernel_flops"]
     # The ratios against the decode step of the same batch, per step and per verified token.
@@ -114,7 +126,7 @@ def test_verify_report_json(small_config: Path) -> None:
     # FLOPs per verified token are decode's per token (same layers, LM head per token).
     assert 1.0 < verify["bytes_vs_decode"] < 2.0, verify["bytes_vs_decode"]
     assert 3.5 < verify["flops_vs_decode"] < 4.5, verify["flops_vs_decode"]
-    notes = aot_report.format_verify_notes(records)
+    notes = format_verify_notes(records)
     assert f"verify 8 x 4 vs decode 8: bytes {ratio:.3f}x" in notes
     assert "not included" in notes and "EAGLE" in notes
 
@@ -202,7 +214,7 @@ def test_long_context_pages_compile(small_config: Path) -> None:
 
 def test_verify_buckets_and_flags() -> None:
     # No compile: the buckets --verify-tokens adds, and the flags it refuses.
-    rows = aot_report.dp_buckets([64, 256], 2048, 8, 4096, 1, lambda t: min(t, 256), 4)
+    rows = dp_buckets([64, 256], 2048, 8, 4096, 1, lambda t: min(t, 256), 4)
     assert [(b.mode, b.tokens, b.requests) for b in rows] == [
         ("decode", 64, 64), ("verify", 256, 64), ("decode", 256, 256), ("verify", 1024, 256),
         ("prefill", 2048, 8)]
@@ -210,14 +222,14 @@ def test_verify_buckets_and_flags() -> None:
     assert (verify.context_len, verify.sampled, verify.compiled_sampled) == (4096, 256, 256)
     assert verify.pairs_per_request == 4093 + 4094 + 4095 + 4096
     assert rows[0].sampled == 64 and rows[-1].sampled == 8
-    assert [b.mode for b in aot_report.dp_buckets([8], 0, 8, 512, 1, min, 4)] == [
+    assert [b.mode for b in dp_buckets([8], 0, 8, 512, 1, min, 4)] == [
         "decode", "verify"]  # --prefill-tokens 0: no prefill bucket
     base = ["--model-config", "qwen3-30b-a3b", "--topology", "v5e:2x4"]
-    assert aot_report.parse_args(base).verify_tokens is None
+    assert parse_args(base).verify_tokens is None
     for bad in (["--verify-tokens", "1"], ["--verify-tokens", "4", "--context-len", "4"],
                 ["--verify-tokens", "4", "--ep-size", "2", "--dp-size", "2"]):
         with pytest.raises(SystemExit):
-            aot_report.parse_args(base + bad)
+            parse_args(base + bad)
 
 
 @needs_libtpu
@@ -253,27 +265,27 @@ def test_analytic_figures_of_the_families() -> None:
     # DeepSeek-V3: 671B parameters of which 36.6B active per token including the 0.9B
     # output head (DeepSeek's README_WEIGHTS.md); MLA: 128 heads over one 576-wide latent row.
     ds = bundled("deepseek-v3")
-    layers, head = aot_report.active_params_per_token(ds)
+    layers, head = active_params_per_token(ds)
     assert abs((layers + head) / 1e9 - 36.6) < 0.05 and abs(head / 1e9 - 0.93) < 0.01
     assert ds.moe_layers[:4] == (False, False, False, True) and sum(ds.moe_layers) == 58
-    assert aot_report.attention_flops_per_pair(ds) == 2 * (512 + 64) + 2 * 512
+    assert attention_flops_per_pair(ds) == 2 * (512 + 64) + 2 * 512
     # The latent cache is replicated: tp does not divide it (61 layers x 576 x 2 bytes).
-    assert aot_report.kv_bytes_per_token_per_device(ds, 8, 2) == 61 * 576 * 2
+    assert kv_bytes_per_token_per_device(ds, 8, 2) == 61 * 576 * 2
     # Mixtral-8x7B: 12.9B active of 46.7B (Mistral's announcement, which counts the input
     # embeddings too: a lookup, not FLOPs, left out of the active figure); GQA KV split over tp.
     mx = bundled("mixtral-8x7b")
     embeddings = mx.hidden_size * mx.vocab_size
-    assert abs((sum(aot_report.active_params_per_token(mx)) + embeddings) / 1e9 - 12.9) < 0.05
-    assert aot_report.kv_bytes_per_token_per_device(mx, 4, 2) == 32 * 2 * 8 * 128 * 2 / 4
+    assert abs((sum(active_params_per_token(mx)) + embeddings) / 1e9 - 12.9) < 0.05
+    assert kv_bytes_per_token_per_device(mx, 4, 2) == 32 * 2 * 8 * 128 * 2 / 4
     # Qwen2-57B-A14B: 14B active (its name; embeddings not counted here, the LM head is).
     qw = bundled("qwen2-57b-a14b")
-    assert 13.0 < sum(aot_report.active_params_per_token(qw)) / 1e9 < 14.5
+    assert 13.0 < sum(active_params_per_token(qw)) / 1e9 < 14.5
     # GLM-4.5-Air: 12B active (Zhipu's figure, without the 0.6B LM head counted here).
     glm = bundled("glm-4.5-air")
-    assert 12.0 < sum(aot_report.active_params_per_token(glm)) / 1e9 < 13.0
+    assert 12.0 < sum(active_params_per_token(glm)) / 1e9 < 13.0
     # Truncation for --scale-from-layers keeps MoE layers when the model starts dense.
-    assert aot_report.slice_patterns(ds, 1, 2) == [(True,), (True, True), (False, True)]
-    assert aot_report.slice_patterns(mx, 2, 4) == [(True,) * 2, (True,) * 4]
+    assert slice_patterns(ds, 1, 2) == [(True,), (True, True), (False, True)]
+    assert slice_patterns(mx, 2, 4) == [(True,) * 2, (True,) * 4]
 
 
 @pytest.fixture(scope="module")
@@ -357,11 +369,10 @@ ENTRY %main {
 def test_dp_accounting() -> None:
     # Pure arithmetic of --dp-size (no compile): global buckets split over the ranks, the
     # per-device attention work and KV, the largest batch that fits, the dispatch bytes.
-    rows = aot_report.dp_buckets([64], 2048, 8, 4096, 1, lambda t: min(t, 64))
-    assert rows == [aot_report.Bucket("decode", 64, 64, 64, 1, 4095),  # dp 1: as before
-                    aot_report.Bucket("prefill", 2048, 8, 64, 256, 0)]
-    [decode, odd, prefill] = aot_report.dp_buckets([256, 100], 2048, 8, 4096, 16,
-                                                   lambda t: t // 256)
+    rows = dp_buckets([64], 2048, 8, 4096, 1, lambda t: min(t, 64))
+    assert rows == [Bucket("decode", 64, 64, 64, 1, 4095),  # dp 1: as before
+                    Bucket("prefill", 2048, 8, 64, 256, 0)]
+    [decode, odd, prefill] = dp_buckets([256, 100], 2048, 8, 4096, 16, lambda t: t // 256)
     assert (decode.rows, decode.compiled_tokens, decode.rank_requests) == (256, 256, 16)
     assert decode.rank_load == 1.0
     assert (odd.rows, odd.compiled_tokens, odd.rank_requests) == (112, 112, 7)
@@ -371,40 +382,40 @@ def test_dp_accounting() -> None:
 
     # GQA (Qwen3-30B-A3B: 32 heads of 128, 4 KV heads): a device attends for its rank only.
     qw = bundled("qwen3-30b-a3b")
-    one = aot_report.Bucket("decode", 256, 256, 256, 1, 4095)
-    two = aot_report.Bucket("decode", 256, 256, 256, 1, 4095, dp=2)
-    f1, b1 = aot_report.kernel_cost_per_call(qw, one, 4, 2)
-    f2, b2 = aot_report.kernel_cost_per_call(qw, two, 4, 2)
+    one = Bucket("decode", 256, 256, 256, 1, 4095)
+    two = Bucket("decode", 256, 256, 256, 1, 4095, dp=2)
+    f1, b1 = kernel_cost_per_call(qw, one, 4, 2)
+    f2, b2 = kernel_cost_per_call(qw, two, 4, 2)
     assert f1 == 32 / 4 * 4 * 128 * 256 * 4096 and f2 == f1 / 2 and b2 == b1 / 2
     # Summed over the 8 devices (tp 4 x dp 2): exactly the model's attention, no replica.
     assert f2 * 8 * two.rank_load == 32 * 4 * 128 * two.q_kv_pairs
     # KV per token per device is tp's split; with dp 2 each rank holds its own requests:
     # 16 GB free / (48 layers x 2 x 4 / 4 heads x 128 x 2 B x 4096) = 158 per rank.
-    kv_tok = aot_report.kv_bytes_per_token_per_device(qw, 4, 2)
+    kv_tok = kv_bytes_per_token_per_device(qw, 4, 2)
     assert kv_tok == 48 * 2 * 4 * 128 * 2 / 4
-    assert aot_report.max_requests_that_fit(16e9, kv_tok, 4096, 1) == 158
-    assert aot_report.max_requests_that_fit(16e9, kv_tok, 4096, 2) == 316
-    assert aot_report.max_requests_that_fit(-1.0, kv_tok, 4096, 2) == 0
+    assert max_requests_that_fit(16e9, kv_tok, 4096, 1) == 158
+    assert max_requests_that_fit(16e9, kv_tok, 4096, 2) == 316
+    assert max_requests_that_fit(-1.0, kv_tok, 4096, 2) == 0
     # DeepSeek-V3's latent row is not split by tp: 20 GiB / (70,272 B x 4096) = 74 per rank.
     ds = bundled("deepseek-v3")
-    kv_ds = aot_report.kv_bytes_per_token_per_device(ds, 4, 2)
-    assert aot_report.max_requests_that_fit(20 * 2**30, kv_ds, 4096, 16) == 16 * 74
+    kv_ds = kv_bytes_per_token_per_device(ds, 4, 2)
+    assert max_requests_that_fit(20 * 2**30, kv_ds, 4096, 16) == 16 * 74
 
     # Dispatch per MoE layer and device. dp 1: psum of [64, 2048] bf16 over 8 devices, the
     # figure the compiled HLO of Qwen3-30B-A3B (v5e:2x4, tp 4 x ep 2) gives. dp 2, 256
     # tokens: all-gather of x (bf16) and of the 8 ids + weights per token over the 2 ranks,
     # reduce-scatter of the bf16 partials, all-reduce of a rank's 128 rows over tp 4; the
     # ragged all-to-all: a rank's 128 x 8 assignments, half leaving, row + ids out, f32 back.
-    assert (aot_report.dispatch_bytes_per_moe_layer(64, 2048, 8, 2, 4, 2, 1)
+    assert (dispatch_bytes_per_moe_layer(64, 2048, 8, 2, 4, 2, 1)
             == 2 * 64 * 2048 * 2 * 7 / 8)
     tensor = 2 * 128 * 2048 * 2 * 3 / 4
-    assert aot_report.dispatch_bytes_per_moe_layer(256, 2048, 8, 2, 4, 2, 2) == (
+    assert dispatch_bytes_per_moe_layer(256, 2048, 8, 2, 4, 2, 2) == (
         256 * 2048 * 2 / 2 + 256 * 8 * 8 / 2 + 256 * 2048 * 2 / 2 + tensor)
-    assert aot_report.dispatch_bytes_per_moe_layer(
+    assert dispatch_bytes_per_moe_layer(
         256, 2048, 8, 2, 4, 2, 2, "ragged_all_to_all") == (
         128 * 8 / 2 * (2048 * 2 + 8 + 2048 * 4) + tensor)
 
-    total, moe, per_op = aot_report.collective_bytes(HLO, 8)
+    total, moe, per_op = collective_bytes(HLO, 8)
     psum = 2 * 64 * 2048 * 2 * 7 / 8  # all 8 devices
     tensor = 2 * 64 * 2048 * 2 * 3 / 4  # mesh form, axis_1 = 4 devices
     gather = 16 * 64 * 4 * 3 / 4  # iota form [2,4]: groups of 4; the result, not the operand

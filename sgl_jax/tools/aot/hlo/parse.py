@@ -1,6 +1,6 @@
 """Parsing XLA's optimized HLO text (``compiled.as_text()``): instructions, computations, the
 source stack of every op, and array sizes as XLA:TPU stores them (padded to layout tiles).
-Used by ``hlo_breakdown``."""
+Used by the other modules of this package."""
 
 from __future__ import annotations
 

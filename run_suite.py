@@ -86,6 +86,7 @@ E2E = [
     "tests/test_single_process.py",
     "tests/test_score.py",
     "tests/test_weight_api_sglang.py",
+    "tests/test_security_limits.py",
     "tests/test_weight_update_on_device.py",
     "tests/test_dp_scheduler.py",
     "tests/test_dp_attention_server.py",

@@ -60,6 +60,7 @@ from sgl_jax.srt.entrypoints.openai.protocol import (
 from sgl_jax.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sgl_jax.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from sgl_jax.srt.entrypoints.weight_routes import WEIGHT_TENSOR_PATHS, add_weight_tensor_routes
+from sgl_jax.srt.entrypoints.weight_tensors import payload_limits
 from sgl_jax.srt.entrypoints.wire import JSON_WIRE, Payload
 from sgl_jax.srt.expert_load_plot import PlotUnavailableError, render_expert_load_png
 from sgl_jax.srt.managers import control
@@ -323,7 +324,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
                               param="model_path")
         return JSONResponse(dataclasses.asdict(out))
 
-    add_weight_tensor_routes(app, tm, args.max_weight_update_bytes)
+    add_weight_tensor_routes(app, tm, args.max_weight_update_bytes, payload_limits(
+        args.model_path, getattr(args, "max_safetensors_header_bytes", None)))
 
     @app.post("/pause_generation")
     async def pause_generation() -> Response:

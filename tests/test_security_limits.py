@@ -10,6 +10,7 @@ the log; a user key sees no path.
 from __future__ import annotations
 
 import json
+import re
 import struct
 import threading
 import time
@@ -31,7 +32,8 @@ MIB = 1 << 20
 @pytest.fixture(scope="module")
 def server(request):
     yield from server_fixture(
-        request, server_flags(admin_api_key=ADMIN, max_weight_update_bytes=256 * MIB),
+        request, server_flags(admin_api_key=ADMIN, max_weight_update_bytes=256 * MIB,
+                              log_requests=True),
         api_key=USER)
 
 
@@ -123,3 +125,37 @@ def test_duplicate_tensor_names_in_one_payload_are_400(server):
     res = server.post("/update_weights_from_tensor", data=payload, headers=OCTET)
     assert res.status_code == 400, res.text
     assert "twice" in res.json()["error"]["message"]
+
+
+# Control characters a log line must never carry raw (a newline only ends a line).
+RAW_CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029]")
+HOSTILE = "\nFAKE 12:00:00 ERROR forged line\x1b[2J\x1b[31m\x00\r\u2028\x85end"
+
+
+def test_client_input_reaches_the_log_escaped_and_bounded(server):
+    quoted = requests.utils.quote(HOSTILE, safe="")
+    long_tail = quoted * 150  # ~ 8 KB of request line, under h11's 16 KB limit
+    user = {"Authorization": f"Bearer {USER}"}
+    # Unauthenticated: the auth middleware logs the path of a refused request.
+    requests.get(f"{server.url}/{quoted}{long_tail}", timeout=30)
+    # Authenticated, refused by a handler (404 / 400 logged by the error handler).
+    requests.post(f"{server.url}/generate{quoted}{long_tail}", headers=user, timeout=30)
+    requests.post(f"{server.url}/v1/chat/completions", headers=user, timeout=30,
+                  json={"model": HOSTILE * 500, "messages": [{"role": "user", "content": "x"}]})
+    requests.post(f"{server.url}/generate", headers=user, timeout=30,
+                  data=b'{"text": "' + HOSTILE.encode() * 300)
+    # A rid of the client's choosing (refused: rids are 1..256 printable characters).
+    requests.post(f"{server.url}/generate", headers=user, timeout=60, json={
+        "input_ids": [1, 2, 3], "rid": HOSTILE * 300,
+        "sampling_params": {"max_new_tokens": 1}})
+    time.sleep(0.5)
+    log = server.log()
+    assert "forged line" in log  # the hostile inputs did reach the log
+    lines = log.split("\n")
+    bad = [line[:200] for line in lines if RAW_CONTROL.search(line)]
+    forged = [line[:200] for line in lines if line.startswith("FAKE")]
+    longest = max(len(line.encode()) for line in lines)
+    print(f"log: {len(lines)} lines, longest {longest} bytes, {len(bad)} with a raw control "
+          "character")
+    assert not bad and not forged
+    assert longest <= 4096

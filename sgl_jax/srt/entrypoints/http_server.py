@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sgl_jax.srt.entrypoints.http_connections import guarded_h11_protocol
+from sgl_jax.srt.entrypoints.http_connections import bound_access_log, guarded_h11_protocol
 from sgl_jax.srt.entrypoints.http_transport import (
     AuthMiddleware,
     ClientGone,
@@ -503,6 +503,7 @@ def run_server(server_args: ServerArgs) -> int:
         sock.close()
         raise
     ctx = ServerContext(server_args=server_args, tm=tm)
+    bound_access_log()
     config = uvicorn.Config(
         create_app(ctx), log_config=None, log_level=server_args.log_level,
         timeout_graceful_shutdown=3, lifespan="off",

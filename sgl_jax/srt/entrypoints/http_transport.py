@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sgl_jax.srt.bounded_text import MAX_MESSAGE_CHARS, log_safe
 from sgl_jax.srt.entrypoints.openai.protocol import (
     OpenAIError,
     describe_validation_error,
@@ -193,7 +194,8 @@ async def _stream(plan: Plan, gen: Generation, first: dict[str, Any]) -> AsyncIt
                 yield piece
     except Exception as e:  # the status line is sent: report the error in the stream
         status, body = _error_for(e)
-        logger.warning("stream ended with HTTP-equivalent %d: %s", status, body["error"]["message"])
+        logger.warning("stream ended with HTTP-equivalent %d: %s", status,
+                       log_safe(body["error"]["message"], MAX_MESSAGE_CHARS))
         for piece in payload_slices(frame(plan.wire.dumps(body))):
             yield piece
     finally:
@@ -286,14 +288,17 @@ def _error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
 
 async def handle_error(request: Request, exc: Exception) -> Response:
     if isinstance(exc, ClientGone):
-        logger.info("%s: client disconnected; its requests were aborted", request.url.path)
+        logger.info("%s: client disconnected; its requests were aborted",
+                    log_safe(request.url.path))
         return Response(status_code=499)
     status, body = _error_for(exc)
     if status == 500:
-        logger.error("%s -> 500: %r", request.url.path, exc, exc_info=exc)
+        logger.error("%s -> 500: %s", log_safe(request.url.path),
+                     log_safe(repr(exc), MAX_MESSAGE_CHARS), exc_info=exc)
     else:  # the client's problem, or a known engine state (503): worth a line, not an alarm
         level = logging.WARNING if status >= 500 else logging.INFO
-        logger.log(level, "%s -> %d: %s", request.url.path, status, body["error"]["message"])
+        logger.log(level, "%s -> %d: %s", log_safe(request.url.path), status,
+                   log_safe(body["error"]["message"], MAX_MESSAGE_CHARS))
     return JSONResponse(body, status_code=status)
 
 
@@ -375,7 +380,8 @@ class AuthMiddleware:
             refusal = self._refusal(scope)
             if refusal is not None:
                 status, body = refusal
-                logger.info("%s -> %d: %s", scope["path"], status, body["error"]["message"])
+                logger.info("%s -> %d: %s", log_safe(scope["path"]), status,
+                            log_safe(body["error"]["message"], MAX_MESSAGE_CHARS))
                 await JSONResponse(body, status_code=status)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -10,6 +10,7 @@ the log; a user key sees no path.
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 import threading
@@ -159,3 +160,23 @@ def test_client_input_reaches_the_log_escaped_and_bounded(server):
           "character")
     assert not bad and not forged
     assert longest <= 4096
+
+
+def _strings(value) -> list[str]:
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return [value] if isinstance(value, str) else []
+
+
+def test_server_info_shows_paths_to_the_admin_only(server):
+    user = requests.get(f"{server.url}/get_server_info", timeout=30,
+                        headers={"Authorization": f"Bearer {USER}"})
+    admin = requests.get(f"{server.url}/get_server_info", timeout=30, headers=ADMIN_HEADERS)
+    assert user.status_code == admin.status_code == 200
+    paths = [s for s in _strings(user.json()) if s.startswith("/") or os.path.exists(s)]
+    assert paths == [], paths
+    args = admin.json()["server_args"]
+    assert os.path.isdir(args["model_path"])  # the admin still sees where the model is
+    assert set(user.json()) == set(admin.json())  # the same fields, only paths hidden

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import IO
+from typing import IO, Any
 
 # The recorder directory's old default: a shared temporary directory, read as "the default"
 # so that a configuration that never chose a directory gets the private one.
@@ -52,3 +52,23 @@ def create_private(path: str) -> IO[bytes]:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     os.fchmod(fd, 0o600)  # whatever the umask
     return os.fdopen(fd, "wb")
+
+
+PATH_HIDDEN = "<hidden: a filesystem path, shown with the admin key>"
+
+
+def _is_path(value: str) -> bool:
+    return value.startswith(("/", "~", "./", "../")) or (
+        os.sep in value and os.path.exists(value))
+
+
+def without_paths(info: Any) -> Any:
+    """``info`` (JSON-like) with every string that names a filesystem path replaced by
+    ``PATH_HIDDEN``: what a non-admin client may see of the server's settings."""
+    if isinstance(info, dict):
+        return {k: without_paths(v) for k, v in info.items()}
+    if isinstance(info, list | tuple):
+        return [without_paths(v) for v in info]
+    if isinstance(info, str) and _is_path(info):
+        return PATH_HIDDEN
+    return info

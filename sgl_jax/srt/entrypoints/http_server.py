@@ -42,6 +42,7 @@ from sgl_jax.srt.entrypoints.http_transport import (
     ClientGone,
     Plan,
     handle_error,
+    is_admin_request,
     read_json,
     serve,
 )
@@ -67,6 +68,7 @@ from sgl_jax.srt.managers import control
 from sgl_jax.srt.managers.io_struct import GenerateReqInput
 from sgl_jax.srt.managers.tokenizer_manager import EngineDeadError, TokenizerManager
 from sgl_jax.srt.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from sgl_jax.srt.private_files import without_paths
 from sgl_jax.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -287,8 +289,11 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     @app.get("/get_server_info")
     @app.get("/server_info")
-    async def get_server_info() -> Response:
-        return JSONResponse(await tm.get_server_info())
+    async def get_server_info(request: Request) -> Response:
+        info = await tm.get_server_info()
+        # Filesystem paths (model, caches, dump directory) tell a user key holder about the
+        # host; the admin sees them.
+        return JSONResponse(info if is_admin_request(request) else without_paths(info))
 
     @app.get("/get_load")
     async def get_load() -> Response:

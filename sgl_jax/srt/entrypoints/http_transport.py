@@ -334,6 +334,15 @@ def parse_json(body: bytes, model: type[M]) -> M:
     return model.model_validate_json(text)
 
 
+ADMIN_SCOPE_KEY = "sgl_jax_admin"
+
+
+def is_admin_request(request: Request) -> bool:
+    """Whether the request holds the admin key (True on a server without keys, where every
+    client may use every route)."""
+    return bool(request.scope.get("state", {}).get(ADMIN_SCOPE_KEY, True))
+
+
 class AuthMiddleware:
     """The API keys (docs/security.md): ``Authorization: Bearer KEY`` on every path but the
     health checks when ``api_key`` is set, and on ``admin_paths`` the admin key when
@@ -363,6 +372,9 @@ class AuthMiddleware:
             key, self.admin_key)
         is_user = key is not None and self.api_key is not None and hmac.compare_digest(
             key, self.api_key)
+        # Read by routes that show more to the admin (/get_server_info's filesystem paths).
+        # Without an admin key, every key holder may use the admin routes: all are admins.
+        scope.setdefault("state", {})[ADMIN_SCOPE_KEY] = is_admin or self.admin_key is None
         if path in self.admin_paths and self.admin_key is not None:
             if is_admin:
                 return None

@@ -19,6 +19,7 @@ UNIT = [
     "tests/test_make_random_model.py",
     "tests/test_private_dumps.py",
     "tests/test_coordinator_bind.py",
+    "tests/test_step_channel_flood.py",
     "tests/test_reference_forward.py",
     "tests/test_radix_cache.py",
     "tests/test_paged_memory.py",

@@ -90,6 +90,7 @@ E2E = [
     "tests/test_score.py",
     "tests/test_weight_api_sglang.py",
     "tests/test_security_limits.py",
+    "tests/test_stream_backlog.py",
     "tests/test_weight_update_on_device.py",
     "tests/test_dp_scheduler.py",
     "tests/test_dp_attention_server.py",

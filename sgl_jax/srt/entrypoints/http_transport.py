@@ -42,7 +42,11 @@ from sgl_jax.srt.entrypoints.wire import (
 from sgl_jax.srt.managers.control import MemoryReleasedError
 from sgl_jax.srt.managers.io_struct import GenerateReqInput
 from sgl_jax.srt.managers.request_options import InvalidRequestError
-from sgl_jax.srt.managers.tokenizer_manager import EngineDeadError, TokenizerManager
+from sgl_jax.srt.managers.tokenizer_manager import (
+    EngineDeadError,
+    StreamBehindError,
+    TokenizerManager,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -271,6 +275,8 @@ def _error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
     if isinstance(exc, ValidationError):
         message, param = describe_validation_error(exc)
         return 400, error_body(message, param=param)
+    if isinstance(exc, StreamBehindError):  # the client did not read its stream
+        return 408, error_body(str(exc), code="stream_backlog")
     if isinstance(exc, EngineDeadError):
         return 503, error_body(str(exc), "server_error", code="engine_unavailable")
     if isinstance(exc, MemoryReleasedError):  # until /resume_memory_occupation

@@ -19,7 +19,7 @@ from sgl_jax.srt.managers.step_channel import (
     LeaderChannel,
     step_endpoint,
 )
-from sgl_jax.srt.utils import free_port
+from sgl_jax.testing import free_port_pair
 
 SECRET = b"s" * 32
 FLOOD_FRAMES = 100_000
@@ -91,7 +91,7 @@ def _leader_in_thread(addr: str, startup_timeout: float) -> tuple[threading.Thre
 
 
 def test_a_follower_joins_during_a_flood():
-    addr = f"127.0.0.1:{free_port()}"
+    addr = f"127.0.0.1:{free_port_pair()}"
     thread, out = _leader_in_thread(addr, startup_timeout=30)
     time.sleep(0.3)
     flooder = Flooder(addr)
@@ -119,7 +119,7 @@ def test_a_follower_joins_during_a_flood():
 
 
 def test_without_a_follower_the_start_up_timeout_fires_during_a_flood():
-    addr = f"127.0.0.1:{free_port()}"
+    addr = f"127.0.0.1:{free_port_pair()}"
     thread, out = _leader_in_thread(addr, startup_timeout=8)
     time.sleep(0.3)
     flooder = Flooder(addr)

@@ -173,8 +173,11 @@ def maybe_initialize_distributed(
         raise ValueError(
             f"nnodes={nnodes} needs dist_init_addr (host:port of node 0's coordinator)"
         )
+    # Node 0's coordinator listens on the address given, not on every interface (JAX's
+    # default, [::]:port): an engine told 10.0.0.5:port is not reachable on its other ones.
     jax.distributed.initialize(
-        coordinator_address=dist_init_addr, num_processes=nnodes, process_id=node_rank
+        coordinator_address=dist_init_addr, num_processes=nnodes, process_id=node_rank,
+        coordinator_bind_address=dist_init_addr if node_rank == 0 else None,
     )
     logger.info(
         "joined %d-node JAX job as node %d: %d local / %d global devices",

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from sgl_jax.srt.bounded_text import log_safe
 from sgl_jax.srt.routed_experts_output import RoutedExpertsOut
 
 logger = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ class _Recorder(RequestObserver):
         if self.log_requests:
             request_logger.info(
                 "request %s finished: prompt_tokens=%d completion_tokens=%d cached_tokens=%d "
-                "finish_reason=%s e2e_latency=%.3fs routed_experts_rows=%d", state.rid,
+                "finish_reason=%s e2e_latency=%.3fs routed_experts_rows=%d", log_safe(state.rid),
                 meta["prompt_tokens"], n, meta["cached_tokens"], kind,
                 meta.get("e2e_latency", now - state.created), p.routed_rows)
 
@@ -164,7 +165,7 @@ class _Recorder(RequestObserver):
             request_logger.info(
                 "request %s ended without its result (client gone or engine stopped): "
                 "completion_tokens>=%d finish_reason=abort e2e_latency=%.3fs "
-                "routed_experts_rows=%d", state.rid, p.tokens, latency, p.routed_rows)
+                "routed_experts_rows=%d", log_safe(state.rid), p.tokens, latency, p.routed_rows)
 
     def render(self, info: dict[str, Any], load: dict[str, Any] | None) -> bytes:
         if self.metrics is None:

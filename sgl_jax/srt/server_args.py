@@ -90,6 +90,14 @@ class ServerArgs:
         1 << 30, "Largest body of POST /update_weights_from_tensor (safetensors bytes, or JSON "
                  "with them in base64), refused with 413 before it is parsed. Other bodies "
                  "stay capped at 32 MiB.")
+    max_safetensors_header_bytes: int | None = _arg(
+        None, "Largest safetensors header POST /update_weights_from_tensor accepts, checked "
+              "from its first 8 bytes before any parsing (400 beyond it). Default: max(1 MiB, "
+              "1 KiB x the model's tensor count).")
+    max_stream_backlog: int = _arg(
+        4096, "Most outputs (one per decode step) a request may leave waiting for its caller. "
+              "A caller that leaves more unread (a stream whose client never reads) has its "
+              "request aborted (HTTP 408, code stream_backlog).")
     http_max_connections: int = _arg(
         2048, "Most open HTTP connections. A new connection beyond it closes the one that has "
               "waited longest for its headers (or itself, if every connection is busy), so a "
@@ -246,9 +254,10 @@ class ServerArgs:
     expert_distribution_recorder_buffer_size: int = _arg(
         1000, "per_pass: how many forward passes are kept; per_token: how many tokens. When "
               "full, the oldest are dropped (the dump says how many in 'dropped').")
-    expert_distribution_recorder_dir: str = _arg(
-        "/tmp", "Directory /dump_expert_distribution_record writes its .npz files to "
-                "(created if missing).")
+    expert_distribution_recorder_dir: str | None = _arg(
+        None, "Directory /dump_expert_distribution_record writes its .npz files to (created "
+              "if missing). Default: $XDG_CACHE_HOME/sgl_jax/expert_distribution "
+              "(~/.cache/...), mode 0700. Files are always created 0600.")
 
     # EPLB: expert-parallel load balancing with redundant experts (docs/expert_load.md)
     enable_eplb: bool = _arg(

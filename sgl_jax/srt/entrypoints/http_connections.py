@@ -28,6 +28,8 @@ import logging
 import h11
 from uvicorn.protocols.http.h11_impl import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE, H11Protocol
 
+from sgl_jax.srt.bounded_text import log_safe
+
 logger = logging.getLogger(__name__)
 
 
@@ -107,3 +109,19 @@ class _UnjoinedConnection(h11.Connection):
         if pieces is None:
             return None
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
+
+def _bound_access_args(record: logging.LogRecord) -> bool:
+    if isinstance(record.args, tuple):
+        record.args = tuple(log_safe(a) if isinstance(a, str) else a for a in record.args)
+    return True
+
+
+def bound_access_log() -> None:
+    """uvicorn's access line quotes the request target (no raw control character) but copies
+    all of it: every string argument of the line goes through ``log_safe`` (a path of a few
+    KB becomes 200 characters and a note of its length)."""
+    access = logging.getLogger("uvicorn.access")
+    if _bound_access_args not in access.filters:
+        access.addFilter(_bound_access_args)

@@ -36,12 +36,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sgl_jax.srt.entrypoints.http_connections import guarded_h11_protocol
+from sgl_jax.srt.entrypoints.http_connections import bound_access_log, guarded_h11_protocol
 from sgl_jax.srt.entrypoints.http_transport import (
     AuthMiddleware,
     ClientGone,
     Plan,
     handle_error,
+    is_admin_request,
     read_json,
     serve,
 )
@@ -61,12 +62,14 @@ from sgl_jax.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sgl_jax.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from sgl_jax.srt.entrypoints.openai.sglext import header_flag
 from sgl_jax.srt.entrypoints.weight_routes import WEIGHT_TENSOR_PATHS, add_weight_tensor_routes
+from sgl_jax.srt.entrypoints.weight_tensors import payload_limits
 from sgl_jax.srt.entrypoints.wire import JSON_WIRE, Payload
 from sgl_jax.srt.expert_load_plot import PlotUnavailableError, render_expert_load_png
 from sgl_jax.srt.managers import control
 from sgl_jax.srt.managers.io_struct import GenerateReqInput
 from sgl_jax.srt.managers.tokenizer_manager import EngineDeadError, TokenizerManager
 from sgl_jax.srt.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from sgl_jax.srt.private_files import without_paths
 from sgl_jax.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -289,8 +292,11 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
     @app.get("/get_server_info")
     @app.get("/server_info")
-    async def get_server_info() -> Response:
-        return JSONResponse(await tm.get_server_info())
+    async def get_server_info(request: Request) -> Response:
+        info = await tm.get_server_info()
+        # Filesystem paths (model, caches, dump directory) tell a user key holder about the
+        # host; the admin sees them.
+        return JSONResponse(info if is_admin_request(request) else without_paths(info))
 
     @app.get("/get_load")
     async def get_load() -> Response:
@@ -326,7 +332,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
                               param="model_path")
         return JSONResponse(dataclasses.asdict(out))
 
-    add_weight_tensor_routes(app, tm, args.max_weight_update_bytes)
+    add_weight_tensor_routes(app, tm, args.max_weight_update_bytes, payload_limits(
+        args.model_path, args.max_safetensors_header_bytes))
 
     @app.post("/pause_generation")
     async def pause_generation() -> Response:
@@ -504,6 +511,7 @@ def run_server(server_args: ServerArgs) -> int:
         sock.close()
         raise
     ctx = ServerContext(server_args=server_args, tm=tm)
+    bound_access_log()
     config = uvicorn.Config(
         create_app(ctx), log_config=None, log_level=server_args.log_level,
         timeout_graceful_shutdown=3, lifespan="off",

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sgl_jax.srt.bounded_text import MAX_MESSAGE_CHARS, log_safe
 from sgl_jax.srt.entrypoints.openai.protocol import (
     OpenAIError,
     describe_validation_error,
@@ -41,7 +42,11 @@ from sgl_jax.srt.entrypoints.wire import (
 from sgl_jax.srt.managers.control import MemoryReleasedError
 from sgl_jax.srt.managers.io_struct import GenerateReqInput
 from sgl_jax.srt.managers.request_options import InvalidRequestError
-from sgl_jax.srt.managers.tokenizer_manager import EngineDeadError, TokenizerManager
+from sgl_jax.srt.managers.tokenizer_manager import (
+    EngineDeadError,
+    StreamBehindError,
+    TokenizerManager,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +198,8 @@ async def _stream(plan: Plan, gen: Generation, first: dict[str, Any]) -> AsyncIt
                 yield piece
     except Exception as e:  # the status line is sent: report the error in the stream
         status, body = _error_for(e)
-        logger.warning("stream ended with HTTP-equivalent %d: %s", status, body["error"]["message"])
+        logger.warning("stream ended with HTTP-equivalent %d: %s", status,
+                       log_safe(body["error"]["message"], MAX_MESSAGE_CHARS))
         for piece in payload_slices(frame(plan.wire.dumps(body))):
             yield piece
     finally:
@@ -269,6 +275,8 @@ def _error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
     if isinstance(exc, ValidationError):
         message, param = describe_validation_error(exc)
         return 400, error_body(message, param=param)
+    if isinstance(exc, StreamBehindError):  # the client did not read its stream
+        return 408, error_body(str(exc), code="stream_backlog")
     if isinstance(exc, EngineDeadError):
         return 503, error_body(str(exc), "server_error", code="engine_unavailable")
     if isinstance(exc, MemoryReleasedError):  # until /resume_memory_occupation
@@ -286,14 +294,17 @@ def _error_for(exc: BaseException) -> tuple[int, dict[str, Any]]:
 
 async def handle_error(request: Request, exc: Exception) -> Response:
     if isinstance(exc, ClientGone):
-        logger.info("%s: client disconnected; its requests were aborted", request.url.path)
+        logger.info("%s: client disconnected; its requests were aborted",
+                    log_safe(request.url.path))
         return Response(status_code=499)
     status, body = _error_for(exc)
     if status == 500:
-        logger.error("%s -> 500: %r", request.url.path, exc, exc_info=exc)
+        logger.error("%s -> 500: %s", log_safe(request.url.path),
+                     log_safe(repr(exc), MAX_MESSAGE_CHARS), exc_info=exc)
     else:  # the client's problem, or a known engine state (503): worth a line, not an alarm
         level = logging.WARNING if status >= 500 else logging.INFO
-        logger.log(level, "%s -> %d: %s", request.url.path, status, body["error"]["message"])
+        logger.log(level, "%s -> %d: %s", log_safe(request.url.path), status,
+                   log_safe(body["error"]["message"], MAX_MESSAGE_CHARS))
     return JSONResponse(body, status_code=status)
 
 
@@ -329,6 +340,15 @@ def parse_json(body: bytes, model: type[M]) -> M:
     return model.model_validate_json(text)
 
 
+ADMIN_SCOPE_KEY = "sgl_jax_admin"
+
+
+def is_admin_request(request: Request) -> bool:
+    """Whether the request holds the admin key (True on a server without keys, where every
+    client may use every route)."""
+    return bool(request.scope.get("state", {}).get(ADMIN_SCOPE_KEY, True))
+
+
 class AuthMiddleware:
     """The API keys (docs/security.md): ``Authorization: Bearer KEY`` on every path but the
     health checks when ``api_key`` is set, and on ``admin_paths`` the admin key when
@@ -358,6 +378,9 @@ class AuthMiddleware:
             key, self.admin_key)
         is_user = key is not None and self.api_key is not None and hmac.compare_digest(
             key, self.api_key)
+        # Read by routes that show more to the admin (/get_server_info's filesystem paths).
+        # Without an admin key, every key holder may use the admin routes: all are admins.
+        scope.setdefault("state", {})[ADMIN_SCOPE_KEY] = is_admin or self.admin_key is None
         if path in self.admin_paths and self.admin_key is not None:
             if is_admin:
                 return None
@@ -375,7 +398,8 @@ class AuthMiddleware:
             refusal = self._refusal(scope)
             if refusal is not None:
                 status, body = refusal
-                logger.info("%s -> %d: %s", scope["path"], status, body["error"]["message"])
+                logger.info("%s -> %d: %s", log_safe(scope["path"]), status,
+                            log_safe(body["error"]["message"], MAX_MESSAGE_CHARS))
                 await JSONResponse(body, status_code=status)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -32,6 +32,7 @@ from sgl_jax.srt.entrypoints.http_transport import parse_json, read_body
 from sgl_jax.srt.entrypoints.openai.protocol import OpenAIError
 from sgl_jax.srt.entrypoints.weight_tensors import (
     DISTRIBUTED_UNSUPPORTED,
+    PayloadLimits,
     check_load_format,
     decode_serialized_named_tensors,
     parse_safetensors,
@@ -68,20 +69,21 @@ def _query_bool(request: Request, name: str, default: bool) -> bool:
     return value
 
 
-def _decode(body: bytes, content_type: str,
-            query: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def _decode(body: bytes, content_type: str, query: dict[str, Any],
+            limits: PayloadLimits) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The tensors and the update's options of one request (run in a worker thread)."""
     if content_type == "application/octet-stream":
         check_load_format(query.pop("load_format"))
-        return parse_safetensors(body, "the request body"), query
+        return parse_safetensors(body, "the request body", limits), query
     req = parse_json(body, UpdateWeightsFromTensorRequest)
     check_load_format(req.load_format)
     options = {"weight_version": req.weight_version,
                "abort_all_requests": req.abort_all_requests}
-    return decode_serialized_named_tensors(req.serialized_named_tensors), options
+    return decode_serialized_named_tensors(req.serialized_named_tensors, limits), options
 
 
-def add_weight_tensor_routes(app: FastAPI, tm: TokenizerManager, max_bytes: int) -> None:
+def add_weight_tensor_routes(app: FastAPI, tm: TokenizerManager, max_bytes: int,
+                             limits: PayloadLimits) -> None:
     # One upload at a time: a body (up to max_bytes) and its decoded tensors are held until
     # the update is applied, so a second one is refused before its body is read.
     uploading = asyncio.Lock()
@@ -101,8 +103,17 @@ def add_weight_tensor_routes(app: FastAPI, tm: TokenizerManager, max_bytes: int)
 
     async def _update(request: Request, content_type: str, query: dict[str, Any]) -> Response:
         body = await read_body(request, max_bytes)
-        arrays, options = await asyncio.to_thread(_decode, body, content_type, query)
+        refused: InvalidRequestError | None = None
+        try:
+            arrays, options = await asyncio.to_thread(_decode, body, content_type, query,
+                                                      limits)
+        except InvalidRequestError as e:
+            # A fresh error, raised outside this block: the original's traceback holds the
+            # decoding frames, and with them the refused body and whatever was built from it.
+            refused = InvalidRequestError(str(e), e.param)
         del body
+        if refused is not None:
+            raise refused
         if not arrays:
             raise InvalidRequestError("the payload holds no tensor", "serialized_named_tensors")
         out = await tm.control(control.UpdateWeightsFromArrays(arrays=arrays, **options))

@@ -18,7 +18,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import glob
+import json
+import os
+import struct
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import ml_dtypes
@@ -62,8 +67,98 @@ def _looks_like_pickle(payload: bytes) -> bool:
     return len(payload) >= 2 and payload[0] == 0x80 and 2 <= payload[1] <= 5
 
 
-def parse_safetensors(payload: bytes, what: str = "the payload") -> dict[str, np.ndarray]:
+@dataclass(frozen=True)
+class PayloadLimits:
+    """What one update may hold, checked on the header's bytes before the tensors are built.
+
+    A safetensors header is JSON the server must parse; a header of a million zero-size
+    tensors costs seconds of parsing and a million arrays while holding the GIL. No real
+    update names more tensors than the model has, so the count is capped by the model's own
+    tensor count, and the header's size by that count (generous bytes per entry)."""
+
+    max_tensors: int
+    max_header_bytes: int
+
+
+HEADER_BYTES_PER_TENSOR = 1024  # a name of a few hundred characters, dtype, shape, offsets
+MIN_HEADER_BYTES = 1 << 20
+FALLBACK_MAX_TENSORS = 100_000  # a model whose tensors could not be counted
+
+
+def checkpoint_tensor_count(model_path: str) -> int | None:
+    """How many tensors the checkpoint at ``model_path`` names (headers only; None if none)."""
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    try:
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                return len(json.load(f)["weight_map"])
+        count = 0
+        for path in glob.glob(os.path.join(model_path, "*.safetensors")):
+            with safetensors.safe_open(path, "numpy") as f:
+                count += len(f.keys())
+        return count or None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def payload_limits(model_path: str | None, max_header_bytes: int | None = None) -> PayloadLimits:
+    """The limits for a model; ``max_header_bytes`` (an operator's setting) overrides the
+    header size derived from the tensor count."""
+    from sgl_jax.srt.configs.model_config import resolve_model_path
+
+    try:
+        count = checkpoint_tensor_count(resolve_model_path(model_path))
+    except ValueError:
+        count = None
+    max_tensors = count or FALLBACK_MAX_TENSORS
+    header = max_header_bytes or max(MIN_HEADER_BYTES, HEADER_BYTES_PER_TENSOR * max_tensors)
+    return PayloadLimits(max_tensors=max_tensors, max_header_bytes=header)
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise InvalidRequestError(
+            f"the safetensors header names {short_repr(dup, 200)} twice (which to keep?)",
+            "serialized_named_tensors")
+    return out
+
+
+def check_header(payload: bytes, limits: PayloadLimits, what: str = "the payload") -> None:
+    """Refuse an oversize header, too many tensors or a name given twice, before
+    ``safetensors`` builds anything: the size is read from the first 8 bytes, the JSON is
+    parsed only once it is known to be small."""
+    if len(payload) < 8 or _looks_like_pickle(payload):
+        return  # parse_safetensors says what is wrong
+    (size,) = struct.unpack("<Q", payload[:8])
+    if size > len(payload) - 8:
+        return  # not a safetensors payload: parse_safetensors says so
+    if size > limits.max_header_bytes:
+        raise InvalidRequestError(
+            f"the safetensors header of {what} is {size} bytes; at most "
+            f"{limits.max_header_bytes} are accepted (--max-safetensors-header-bytes; the "
+            f"model has {limits.max_tensors} tensors)", "serialized_named_tensors")
+    try:
+        header = json.loads(payload[8:8 + size], object_pairs_hook=_no_duplicate_keys)
+    except InvalidRequestError:  # a ValueError too: not the case below
+        raise
+    except ValueError:
+        return  # not JSON: safetensors' own error is clearer
+    if isinstance(header, dict):
+        count = len(header) - ("__metadata__" in header)
+        if count > limits.max_tensors:
+            raise InvalidRequestError(
+                f"{what} holds {count} tensors; the model has {limits.max_tensors}",
+                "serialized_named_tensors")
+
+
+def parse_safetensors(payload: bytes, what: str = "the payload",
+                      limits: PayloadLimits | None = None) -> dict[str, np.ndarray]:
     """The tensors of one safetensors payload by name; InvalidRequestError if it is not one."""
+    if limits is not None:
+        check_header(payload, limits, what)
     try:
         entries = safetensors.deserialize(payload)
     except Exception as e:  # noqa: BLE001 - safetensors' own error types
@@ -94,7 +189,8 @@ def merged(named: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def decode_serialized_named_tensors(entries: list[str]) -> dict[str, np.ndarray]:
+def decode_serialized_named_tensors(entries: list[str], limits: PayloadLimits | None = None
+                                    ) -> dict[str, np.ndarray]:
     """SGLang's JSON field: base64 safetensors payloads, merged (no name in two of them)."""
     if not entries:
         raise InvalidRequestError("'serialized_named_tensors' is empty: give at least one "
@@ -107,7 +203,11 @@ def decode_serialized_named_tensors(entries: list[str]) -> dict[str, np.ndarray]
             raise InvalidRequestError(
                 f"serialized_named_tensors[{i}] is not standard base64; {SAFETENSORS_HINT}",
                 "serialized_named_tensors") from None
-        tensors += parse_safetensors(payload, f"serialized_named_tensors[{i}]").items()
+        tensors += parse_safetensors(payload, f"serialized_named_tensors[{i}]", limits).items()
+        del payload
+        if limits is not None and len(tensors) > limits.max_tensors:
+            raise InvalidRequestError(f"the payloads hold {len(tensors)} tensors; the model "
+                                      f"has {limits.max_tensors}", "serialized_named_tensors")
     return merged(tensors)
 
 

@@ -52,6 +52,8 @@ NODE_LOCAL_FLAGS = frozenset({
     "enable_metrics", "log_requests", "graceful_shutdown_timeout",
     "node_rank", "log_level", "startup_timeout", "compilation_cache_dir",
     "expert_distribution_recorder_dir", "init_expert_location", "node_secret_file",
+    "max_weight_update_bytes", "max_safetensors_header_bytes", "max_stream_backlog",
+    "tool_call_parser", "reasoning_parser", "return_input_ids", "return_output_ids",
 })
 
 

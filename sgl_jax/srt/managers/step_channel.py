@@ -69,6 +69,19 @@ def step_endpoint(dist_init_addr: str) -> tuple[str, int]:
     return host, int(port) + 1
 
 
+CHALLENGE_BUDGET = 2  # challenges a connection gets without a hello (a follower needs one)
+_MAX_DROPPED = 100_000  # connections remembered as ignored
+
+
+def _send_now(sock: zmq.Socket, frames: list[Any]) -> bool:
+    """Sends without waiting; False if the peer's queue is full or the peer is gone."""
+    try:
+        sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        return True
+    except zmq.ZMQError:  # EAGAIN: not reading; EHOSTUNREACH (ROUTER_MANDATORY): gone
+        return False
+
+
 class _StrangerLog:
     """Logs refused connections: the first ten, then one in a hundred (a stranger must not be
     able to flood the log)."""
@@ -241,46 +254,74 @@ class LeaderChannel:
         waiting) what does not verify; raises ValueError when a genuine follower differs."""
         deadline = time.monotonic() + startup_timeout
         peers: dict[int, bytes] = {}
+        # Rank 0 never blocks on a peer before it is trusted: every send is non-blocking, a
+        # connection gets CHALLENGE_BUDGET challenges without a hello, and a connection that
+        # was refused, spent its budget or does not read its replies is ignored from then on.
+        unanswered: dict[bytes, int] = {}
+        dropped: set[bytes] = set()
+
+        def drop(peer: bytes, frame: zmq.Frame | None, reason: str) -> None:
+            if len(dropped) >= _MAX_DROPPED:  # a bound on memory; sends stay non-blocking
+                dropped.clear()
+            dropped.add(peer)
+            unanswered.pop(peer, None)
+            self._refuse(sock, peer, frame, reason)
+
         while len(peers) < nnodes - 1:
             left = deadline - time.monotonic()
             if left <= 0 or not sock.poll(timeout=max(1, int(left * 1000))):
                 missing = sorted(set(range(1, nnodes)) - set(peers))
+                flood = (f"; {self.strangers.count} connection(s) were refused or dropped "
+                         "meanwhile (a stranger flooding the channel, or nodes with another "
+                         "secret: the log's 'refused connection' lines say from where)"
+                         if self.strangers.count else "")
                 raise TimeoutError(
                     f"follower node(s) {missing} did not join within {startup_timeout:g} s: "
                     "start the same command on every host with --node-rank set (and the same "
-                    "node secret)")
+                    f"node secret){flood}")
             frames = sock.recv_multipart(copy=False)
             peer, body = frames[0].bytes, [f.bytes for f in frames[1:]]
             first = frames[1] if len(frames) > 1 else None
-            if peer in peers.values():  # a follower that joined already: its heartbeats
+            if peer in peers.values() or peer in dropped:  # heartbeats; ignored strangers
                 continue
             if body == [ASK]:
-                sock.send_multipart([peer, CHALLENGE, self.nonce])
+                asked = unanswered.get(peer, 0)
+                if asked >= CHALLENGE_BUDGET:
+                    drop(peer, first, f"asked for the challenge {asked + 1} times without "
+                                      "a hello")
+                elif not _send_now(sock, [peer, CHALLENGE, self.nonce]):
+                    drop(peer, first, "does not read its replies")
+                else:
+                    unanswered[peer] = asked + 1
                 continue
             if len(body) != 2 or body[0] != HELLO:
-                self._refuse(sock, peer, first, "not a node of this job's step channel (sent "
-                             "something other than a hello)")
+                drop(peer, first, "not a node of this job's step channel (sent something "
+                                  "other than a hello)")
                 continue
+            unanswered.pop(peer, None)
             try:  # the tag first: nothing of a stranger is decoded
                 raw = node_auth.open_sealed(self.secret, node_auth.HELLO, self.nonce, body[1])
             except ValueError:
-                self._refuse(sock, peer, first, "its hello does not verify with this job's "
+                drop(peer, first, "its hello does not verify with this job's "
                              "node secret (a stranger, a node given another secret, or a "
                              "hello of another job)")
                 continue
             try:
                 rank, theirs, their_nonce = _parse_hello(node_wire.decode(raw))
             except ValueError as e:
-                self._refuse(sock, peer, first, f"its hello is malformed: {e}")
+                drop(peer, first, f"its hello is malformed: {e}")
                 continue
             errors = describe(fingerprint, theirs)
             if rank in peers or not 0 < rank < nnodes:
                 errors = [f"node rank {rank} is taken or out of range [1, {nnodes})"]
             answer = node_wire.encode({"nonce": their_nonce, "errors": errors})
-            sock.send_multipart([peer, WELCOME, node_auth.seal(
+            welcomed = _send_now(sock, [peer, WELCOME, node_auth.seal(
                 self.secret, node_auth.WELCOME, self.nonce, answer)])
             if errors:
                 raise ValueError(f"node {rank} differs from node 0: " + "; ".join(errors))
+            if not welcomed:  # a hello that verifies, from a peer that does not read
+                drop(peer, first, "does not read its replies")
+                continue
             peers[rank] = peer
             logger.info("follower node %d joined", rank)
         return {peers[r]: f"node {r}" for r in sorted(peers)}

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from sgl_jax.srt.bounded_text import log_safe
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.managers.control import (
     ControlOp,
@@ -67,6 +68,13 @@ class EngineDeadError(RuntimeError):
     """A child process died: nothing more can be served."""
 
 
+class StreamBehindError(RuntimeError):
+    """More than ``max_stream_backlog`` outputs (one a decode step) waited for the caller, as
+    when a client never reads its stream: the request was aborted (memory and a batch slot)."""
+
+
+
+
 @dataclass
 class ReqState:
     rid: str  # the caller's request id
@@ -87,6 +95,7 @@ class ReqState:
     # caller drops them: only for a caller that drops them soon (the binary HTTP route);
     # everyone else gets copies.
     borrow_arrays: bool = False
+    behind: bool = False  # dropped for not taking its outputs (StreamBehindError)
 
 
 class TokenizerManager:
@@ -101,6 +110,7 @@ class TokenizerManager:
         self.served_model_name = server_args.served_model_name or default_served_name(
             model_config.model_path)
         self._child_pids = child_pids or dict
+        self.max_stream_backlog = server_args.max_stream_backlog
         # --enable-metrics / --log-requests; a no-op object when both are off.
         self.observer: RequestObserver = create_observer(server_args, self.served_model_name)
         self.tokenizer = Tokenizer.from_pretrained(
@@ -362,7 +372,11 @@ class TokenizerManager:
                 state.event.clear()
                 if state.error is not None:
                     raise EngineDeadError(state.error)
-                while state.pending:
+                while state.pending or state.behind:
+                    if state.behind:  # checked at every piece: a stream resumes mid-loop
+                        state.pending.clear()
+                        raise StreamBehindError(f"request {state.rid} was aborted: more than "
+                                                f"{self.max_stream_backlog} outputs were unread")
                     piece = state.pending.popleft()
                     state.text += piece["text"]
                     state.output_ids += piece["output_ids"]
@@ -473,11 +487,28 @@ class TokenizerManager:
             state = self._by_key.get(rec.rid)
             if state is None:
                 continue  # aborted by its caller
+            if state.behind:
+                continue
+            if len(state.pending) >= self.max_stream_backlog:
+                self._drop_behind(state)
+                continue
             meta = self._meta_info(state, rec, out.weight_version)
             if self.observer.enabled:  # before the piece is handed over (it may end the wait)
                 self.observer.on_output(state, meta, rec)
             state.pending.append({"text": rec.text, "output_ids": rec.new_ids, "meta_info": meta})
             state.loop.call_soon_threadsafe(state.event.set)
+
+    def _drop_behind(self, state: ReqState) -> None:
+        """(Receiver thread.) Aborts it; its caller's wait raises StreamBehindError."""
+        state.behind = True
+        self._by_key.pop(state.key, None)
+        if self.states.get(state.rid) is state:
+            del self.states[state.rid]
+        if self.dead_reason is None:
+            self._send_obj(AbortReq(rid=state.key))
+        logger.warning("request %s aborted: its client left %d outputs unread",
+                       log_safe(state.rid), len(state.pending))
+        state.loop.call_soon_threadsafe(state.event.set)
 
     def _meta_info(self, state: ReqState, rec: ReqOutput, weight_version: str) -> dict[str, Any]:
         """A piece's ``meta_info``: counts, finish reason, and each payload's own keys."""

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sgl_jax.srt import private_files
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.forward_batch_info import ForwardMode
 from sgl_jax.srt.layers.moe.routing import RoutingSpec
@@ -62,7 +63,7 @@ class ExpertDistributionRecorder:
         self.num_experts = model_config.num_experts
         self.top_k = model_config.num_experts_per_tok
         self.buffer_size = int(buffer_size)
-        self.dump_dir = dump_dir or "/tmp"
+        self.dump_dir = dump_dir  # None: private_files.dump_dir's private default
         self.sharding = sharding
         self.abstract = abstract
         # Compiled for TPU: the counts by one-hot compares, not a scatter-add (_pass_counts).
@@ -276,10 +277,12 @@ class ExpertDistributionRecorder:
         """Writes the window so far as ``.npz``; returns its path. Recording goes on if it was
         on (a dump does not stop or reset the window)."""
         arrays = self.arrays()
-        folder = dump_dir or self.dump_dir
-        os.makedirs(folder, exist_ok=True)
+        # Per-token dumps hold request ids and their routing: files are 0600 wherever they go,
+        # in a 0700 directory of the user's cache unless a directory is configured.
+        folder = private_files.dump_dir(dump_dir or self.dump_dir, "expert_distribution")
         path = os.path.join(folder, f"expert_distribution_{self.mode}_{time.time_ns()}.npz")
-        np.savez(path, **arrays)
+        with private_files.create_private(path) as f:
+            np.savez(f, **arrays)
         return path
 
 

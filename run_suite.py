@@ -130,7 +130,9 @@ def main() -> int:
               file=sys.stderr)
         return 2
     extra = [a for a in args.pytest_args if a != "--"]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, *extra]
+    # The slowest tests are printed every time: CI's time budget is docs/development.md's.
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=15",
+           *files, *extra]
     print(f"run_suite: {args.suite} ({len(files)} files)\n$ {' '.join(cmd)}", flush=True)
     t0 = time.monotonic()
     code = subprocess.call(cmd, cwd=here)

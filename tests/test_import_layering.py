@@ -31,7 +31,7 @@ PACKAGE = "sgl_jax"
 # still applies.
 LAYERS: list[tuple[str, ...]] = [
     # Leaves: import nothing of sgl_jax (srt's __init__ is empty).
-    ("srt", "srt.bounded_text", "srt.sglang_fields", "srt.routed_experts_codec",
+    ("srt", "srt.bounded_text", "srt.private_files", "srt.sglang_fields", "srt.routed_experts_codec",
      "srt.expert_load_plot", "srt.tokenizer"),
     # What a model, a request and its outputs are (ModelConfig.from_hf, SamplingParams,
     # the routed-experts payload), and the observer of finished requests.

@@ -106,9 +106,13 @@ class SteppedScheduler:
         assert stats["free_req_slots"] == stats["total_req_slots"]
 
     def close(self) -> None:
-        for sock in (self.inputs, self.outputs, self.scheduler.recv_socket,
-                     self.scheduler.send_socket):
+        # The scheduler's own sockets and context too: left to the garbage collector, a
+        # context whose socket is still open blocks in term() (the scheduler and its rooms
+        # form a reference cycle, so the order they are collected in is not refcount's).
+        for sock in (self.inputs, self.outputs):
             sock.close(linger=0)
+        self.ctx.term()
+        self.scheduler.close()
         self.port_args.remove()
 
 

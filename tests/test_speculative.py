@@ -566,8 +566,10 @@ def test_nextn_output_rows_and_drafts_equal_the_reference(nextn_engine):
 
 def test_weight_updates_reach_the_mtp_draft(nextn_engine, tmp_path):
     """The MTP layer's tensors in a weight update update the NEXTN draft (they were logged and
-    skipped): with a new MTP layer, every request takes the verify steps the float64
-    simulation of the new layer takes, and the old layer's no longer."""
+    skipped, and such an update counted 0 parameters): the update counts the draft's
+    parameter, and every request takes the verify steps the float64 simulation of the new
+    layer takes. (A random MTP layer is almost never right, old or new, so the verify counts
+    alone cannot tell the two layers apart; the parameter count does.)"""
     from safetensors.numpy import load_file
 
     from sgl_jax.tools.reference_eagle import accept_length
@@ -585,19 +587,17 @@ def test_weight_updates_reach_the_mtp_draft(nextn_engine, tmp_path):
         if f.name != "model.safetensors":
             (changed / f.name).write_bytes(f.read_bytes())
     save_file({**tensors, name: new}, str(changed / "model.safetensors"))
-    before, after = NextnReference(reference(path)), NextnReference(reference(str(changed)))
+    after = NextnReference(reference(str(changed)))
     prompts = [repetitive(60 + i) for i in range(2)] + [prompt_ids(70, 90)]
-    params = {**GREEDY, "max_new_tokens": 24}
     out = nextn_engine.update_weights_from_arrays({name: new})
     try:
         assert out["num_parameters"] == 1
-        outs = nextn_engine.generate(input_ids=prompts, sampling_params=params)
-        steps = [o["meta_info"]["spec_verify_ct"] for o in outs]
-        for ids, o, n in zip(prompts, outs, steps, strict=True):
+        outs = nextn_engine.generate(input_ids=prompts,
+                                     sampling_params={**GREEDY, "max_new_tokens": 24})
+        for ids, o in zip(prompts, outs, strict=True):
             assert o["output_ids"] == reference_greedy(ids, 24, path=path)  # target unchanged
-            assert n == accept_length(after, ids, o["output_ids"], 3)[1]
-        assert steps != [accept_length(before, ids, o["output_ids"], 3)[1]
-                         for ids, o in zip(prompts, outs, strict=True)]
+            assert o["meta_info"]["spec_verify_ct"] == accept_length(
+                after, ids, o["output_ids"], 3)[1]
     finally:
         nextn_engine.update_weights_from_arrays({name: old})  # the module's engine as it was
 

@@ -189,6 +189,8 @@ def _absorb(out: Outcome, piece: dict[str, Any]) -> None:
         out.text += piece["text"]
         out.output_ids = (out.output_ids or []) + piece["output_ids"]
         meta = piece["meta_info"]
+    elif not piece.get("choices"):  # the chunk that carries the whole sglext
+        return
     else:
         choice = piece["choices"][0]
         out.text += choice["text"]

@@ -19,13 +19,14 @@ BACKLOG = 8
 
 @pytest.fixture(scope="module")
 def engine():
-    e = Engine(**engine_args(max_stream_backlog=BACKLOG))
+    e = Engine(**engine_args())
     yield e
     e.shutdown()
 
 
 def test_a_caller_that_never_reads_is_dropped(engine):
     tm = engine.tokenizer_manager
+    tm.max_stream_backlog = BACKLOG  # --max-stream-backlog, small for this one request
     chunks = engine.generate(input_ids=[5, 17, 99, 3], stream=True, rid="slow-reader",
                              sampling_params={"max_new_tokens": 400, "temperature": 0.0,
                                               "ignore_eos": True})

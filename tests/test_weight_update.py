@@ -211,7 +211,7 @@ def test_engine_update_from_arrays(fresh, second_ckpt):
     out = fresh.update_weights_from_arrays({one: tensors[one]})
     assert out["num_parameters"] == 1 and out["weight_version"] == "2"  # the counter goes on
     expert = "model.layers.1.mlp.experts.3.up_proj.weight"
-    with pytest.raises(ValueError, match="give all 16 experts"):
+    with pytest.raises(ValueError, match="give all 16 tensors"):
         fresh.update_weights_from_arrays({expert: tensors[expert]})
     with pytest.raises(ValueError, match=r"q_proj\.weight' has shape \(64, 3\)"):
         fresh.update_weights_from_arrays({one: tensors[one][:, :3]})

@@ -158,7 +158,7 @@ def test_bad_arrays_change_nothing(engine):
         "shape": ({**good, q: good[q][:, :3]}, r"q_proj\.weight' has shape \(64, 3\)"),
         "dtype": ({**good, q: good[q].astype(jnp.int32)}, "must be floating point"),
         "name": ({**good, "lm_head.bias": good[q]}, "unexpected"),
-        "half an expert stack": ({expert: good[expert]}, "give all 16 experts"),
+        "half an expert stack": ({expert: good[expert]}, "give all 16 tensors"),
     }
     for case, (arrays, message) in cases.items():
         with pytest.raises(ValueError, match=message):

@@ -400,7 +400,7 @@ def mtp_tensor_names(names: set[str], num_hidden_layers: int) -> list[str]:
     """The names of tensors of layers past ``num_hidden_layers``: a checkpoint's
     multi-token-prediction (MTP) layers (DeepSeek-V3, GLM-4.5), which the main model does
     not read (a NEXTN draft does)."""
-    return sorted(n for n in names if _layer_index(n) >= num_hidden_layers)
+    return sorted(n for n in names if isinstance(n, str) and _layer_index(n) >= num_hidden_layers)
 
 
 def _layer_index(name: str) -> int:

@@ -45,6 +45,7 @@ from sgl_jax.srt.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from sgl_jax.srt.managers.logprob_record import logprobs_meta_info
+from sgl_jax.srt.managers.prompt_groups import same_prompt_groups, split_routed_rows
 from sgl_jax.srt.managers.request_options import InvalidRequestError, RequestOptions
 from sgl_jax.srt.managers.shm_arena import is_borrowed
 from sgl_jax.srt.managers.transport import SideReceiver, recv_obj
@@ -254,8 +255,8 @@ class TokenizerManager:
             self.check_prompt_size(prompt)
         tokenized = await self.in_tokenizer_thread(lambda: [self.tokenize(p) for p in prompts])
         self._check_rids_free(tokenized)
-        groups = _same_prompt_groups(tokenized)
-        split_at = _split_routed_rows(tokenized, groups)
+        groups = same_prompt_groups(tokenized)
+        split_at = split_routed_rows(tokenized, groups)
         loop = asyncio.get_running_loop()
         keys: list[str] = []
         try:
@@ -571,34 +572,6 @@ class TokenizerManager:
         self._recv.close(linger=0)
         self._side.close()
         self._ctx.term()
-
-
-def _same_prompt_groups(tokenized: list[TokenizedGenerateReqInput]) -> list[list[int]]:
-    """Indices of the requests with the same prompt ids, grouped, in first-seen order."""
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, req in enumerate(tokenized):
-        groups.setdefault(tuple(req.input_ids), []).append(i)
-    return list(groups.values())
-
-
-def _split_routed_rows(
-    tokenized: list[TokenizedGenerateReqInput], groups: list[list[int]]
-) -> dict[int, int]:
-    """For ``routed_experts_split``: the first request of each prompt that asks returns the
-    prompt's rows apart (index -> where its rows split); the others of that prompt return
-    only their generated rows (their ``routed_experts_start_len`` becomes the prompt length,
-    so the prompt's rows are neither gathered nor sent again)."""
-    split_at: dict[int, int] = {}
-    for group in groups:
-        askers = [i for i in group if tokenized[i].options.routed_experts_split]
-        for j, i in enumerate(askers):
-            prompt_len = len(tokenized[i].input_ids)
-            if j == 0:
-                split_at[i] = prompt_len
-            else:
-                tokenized[i] = dataclasses.replace(tokenized[i], options=dataclasses.replace(
-                    tokenized[i].options, routed_experts_start_len=prompt_len))
-    return split_at
 
 
 def default_served_name(model_path: str) -> str:

@@ -30,16 +30,24 @@ def test_a_caller_that_never_reads_is_dropped(engine):
     chunks = engine.generate(input_ids=[5, 17, 99, 3], stream=True, rid="slow-reader",
                              sampling_params={"max_new_tokens": 400, "temperature": 0.0,
                                               "ignore_eos": True})
-    next(chunks)
-    state = tm.states["slow-reader"]
-    # Dropped: no longer a running request of the manager, its queue at the bound.
+    # The first read sends the request. On a loaded machine the receiver thread can queue
+    # BACKLOG outputs before the event loop hands the first one over, so that read may
+    # already be the one that says the stream fell behind; either way it is dropped.
+    state = None
+    try:
+        next(chunks)
+        state = tm.states["slow-reader"]
+    except StreamBehindError:
+        pass
+    # Dropped: no longer a running request of the manager.
     assert wait_until(lambda: "slow-reader" not in tm.states, timeout=60)
-    assert getattr(state, "behind", False)
-    assert len(state.pending) <= BACKLOG
     # The scheduler aborted it: the engine is idle again, long before 400 tokens.
     assert wait_until(lambda: engine.get_server_info().get("num_running_reqs", 0) == 0, 30)
-    with pytest.raises(StreamBehindError, match="outputs were unread"):
-        next(chunks)
+    if state is not None:
+        assert state.behind
+        assert len(state.pending) <= BACKLOG  # the queue stopped at the bound
+        with pytest.raises(StreamBehindError, match="outputs were unread"):
+            next(chunks)
     # The engine serves the next caller.
     out = engine.generate(input_ids=[5, 17, 99, 3],
                           sampling_params={"max_new_tokens": 4, "temperature": 0.0})

@@ -21,6 +21,7 @@ from sgl_jax.srt.server_args_checks import (
     DTYPES,
     EPLB_ALGORITHMS,
     EXPERT_DISTRIBUTION_MODES,
+    GRAMMAR_BACKENDS,
     LOAD_BALANCE_METHODS,
     LOG_LEVELS,
     MOE_BACKENDS,
@@ -62,6 +63,13 @@ class ServerArgs:
     reasoning_parser: str | None = _arg(
         None, "Split the model's <think>...</think> into reasoning_content. Default: none.",
         choices=REASONING_PARSERS)
+    grammar_backend: str = _arg(
+        "llguidance", "Constrained decoding (response_format, regex, ebnf, json_schema, "
+        "tool_choice required / named): llguidance, or none to refuse such requests.",
+        choices=GRAMMAR_BACKENDS)
+    constrained_json_disable_any_whitespace: bool = _arg(
+        False, "JSON from a json_schema / json_object constraint has no whitespace between "
+        "its tokens (compact output, fewer tokens).")
     return_input_ids: bool = _arg(
         False, "Put every chat response's prompt token ids in sglext.input_ids.")
     return_output_ids: bool = _arg(

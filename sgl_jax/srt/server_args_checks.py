@@ -25,6 +25,7 @@ SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "NEXTN")  # speculative/
 # entrypoints/openai/tool_parsers.py and reasoning_parsers.py (their registries' keys).
 TOOL_CALL_PARSERS = ("qwen25", "qwen3_coder", "glm45", "minimax-m2", "deepseekv3", "gpt-oss")
 REASONING_PARSERS = ("qwen3", "deepseek-r1")
+GRAMMAR_BACKENDS = ("llguidance", "none")  # constrained/
 
 
 def normalize_and_check(args: ServerArgs) -> None:

@@ -42,6 +42,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("srt.utils", "srt.forward_batch_info"),
     # Host memory: request and KV slots, the prefix tree, the routed-experts host table.
     ("srt.mem_cache",),
+    # Constrained decoding (llguidance): grammars and the scheduler's matchers.
+    ("srt.constrained",),
     # Building blocks of a model: attention, MoE, norms, rotary, the sampler.
     ("srt.layers",),
     # The model families, built from layers (registry: HF architecture -> class).

@@ -265,6 +265,8 @@ class ModelWorkerBatch:
     draft_next_ids: np.ndarray | None = None
     draft_scratch: np.ndarray | None = None
     verify_slots: np.ndarray | None = None  # EAGLE / NEXTN verify: [B, slot_width]
+    # Constrained decoding: [B, ceil(V / 32)] int32 packed allowed ids; None: no row is.
+    vocab_mask: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -318,7 +320,8 @@ def build_forward_batch(
         req_pool_indices=pad(mwb.req_pool_indices, padded_rows, no_req_slot),
         prefix_lens=pad(mwb.prefix_lens, padded_rows, 0),
         extend_lens=pad(mwb.extend_lens, padded_rows, 0),
-        sampling=SamplingMetadata.from_params(params, seeds, steps, sampled_rows, vocab_size),
+        sampling=SamplingMetadata.from_params(params, seeds, steps, sampled_rows, vocab_size,
+                                              vocab_mask=mwb.vocab_mask),
         forward_mode=mwb.forward_mode,
         # Extra rows are padded to the token bucket: one compiled variant per bucket.
         logprobs=None if logprobs is None else logprobs.padded(

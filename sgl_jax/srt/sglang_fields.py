@@ -136,14 +136,10 @@ FIELDS: tuple[SGLangField, ...] = (
     # -- OpenAI chat and completions, SGLang's extensions -------------------------------------
     _f("logit_bias", _OPENAI | {SAMPLING}, "logit bias is", {}),
     _f("min_tokens", _OPENAI, _MIN_LENGTH, 0),
-    _f("regex", _OPENAI | {SAMPLING}, _CONSTRAINED),
-    _f("ebnf", _OPENAI | {SAMPLING}, _CONSTRAINED),
-    _f("json_schema", frozenset({COMPLETION, SAMPLING}), _CONSTRAINED),
     _f("no_stop_trim", _OPENAI | {SAMPLING}, "keeping stop strings in the output is", False),
     # -- chat only ----------------------------------------------------------------------------
     _f("function_call", CHAT, _FUNCTIONS, "none"),
     _f("functions", CHAT, _FUNCTIONS, []),
-    _f("response_format", CHAT, "structured output is", {"type": "text"}),
     _f("metadata", CHAT, label=dict),  # OpenAI's stored-completion tags
     _f("safety_identifier", CHAT, label=str),
     _f("service_tier", CHAT, label=str),  # a billing tier, nothing to serve differently

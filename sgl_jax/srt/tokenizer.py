@@ -217,6 +217,10 @@ class Tokenizer:
         # decode to nothing, as in the tokenizers library.
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def backend_json(self) -> str:
+        """The ``tokenizers`` pipeline as its ``tokenizer.json`` text (for llguidance)."""
+        return self._tok.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 

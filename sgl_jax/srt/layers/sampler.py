@@ -130,6 +130,17 @@ def chunked_inverse_cdf(weights: jax.Array, u: jax.Array, most: int
     return (chunk * size + pos).astype(jnp.int32), total
 
 
+def apply_vocab_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """``logits`` [B, V] with every id whose bit is clear in the packed ``mask`` [B, W]
+    (int32, W >= ceil(V / 32); bit ``i % 32`` of word ``i // 32`` is id ``i``) set to -inf.
+    The mask is unpacked on the device (B * W words cross from the host, not B * V flags)."""
+    batch, vocab = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    bits = (mask.astype(jnp.uint32)[:, :, None] >> shifts) & 1  # [B, W, 32]
+    allowed = bits.reshape(batch, -1)[:, :vocab].astype(bool)
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def _row_uniforms(seeds: jax.Array, steps: jax.Array) -> jax.Array:
     """[B] float32 in [0, 1): one draw per row from fold_in(key(seed), step)."""
 

@@ -142,6 +142,8 @@ class TokenizedGenerateReqInput:
     sampling_params: SamplingParams
     stream: bool = False
     options: RequestOptions = field(default_factory=RequestOptions)  # validated
+    # Constrained decoding: the validated llguidance grammar (constrained/grammar.py).
+    grammar: str | None = None
 
 
 @dataclass

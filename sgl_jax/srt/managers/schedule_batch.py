@@ -70,6 +70,10 @@ class Req:
     # memory: EAGLE / NEXTN's next draft tokens live there.
     state_slot: int | None = None
     logprobs: LogprobRecord | None = None  # when it asked (return_logprob)
+    # Constrained decoding: its grammar, and its matcher's build until the matcher moves into
+    # its state slot (constrained/matchers.py).
+    grammar: str | None = None
+    grammar_build: Any = None
 
     def __post_init__(self) -> None:
         self.logprobs = LogprobRecord.for_request(self.options, self.origin_input_ids)
@@ -134,7 +138,8 @@ class ScheduleBatch:
                    [True] * len(reqs), drafts=plan.drafts, draft_scratch=plan.draft_scratch,
                    verify_first=plan.verify_first, verify_slots=plan.verify_slots)
 
-    def to_model_worker_batch(self) -> ModelWorkerBatch:
+    def to_model_worker_batch(self, vocab_mask: np.ndarray | None = None) -> ModelWorkerBatch:
+        """``vocab_mask``: the rows' packed allowed ids (constrained decoding), or None."""
         reqs = self.reqs
         prefix_lens = np.array([r.kv_len for r in reqs], np.int32)
         out_cache_loc = self.out_cache_loc
@@ -174,6 +179,7 @@ class ScheduleBatch:
             draft_next_ids=None if self.draft_scratch is None else self._draft_next_ids(),
             draft_scratch=self.draft_scratch,
             verify_slots=self.verify_slots,
+            vocab_mask=vocab_mask,
         )
 
     def _draft_next_ids(self) -> np.ndarray:

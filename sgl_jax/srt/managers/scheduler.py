@@ -21,6 +21,7 @@ import zmq
 from jax.sharding import Mesh
 
 from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.constrained.matchers import GrammarMatchers
 from sgl_jax.srt.forward_batch_info import ForwardMode
 from sgl_jax.srt.layers.moe.routed_experts_capturer import set_global_experts_capturer
 from sgl_jax.srt.managers.batch_policy import BatchPolicy
@@ -96,10 +97,12 @@ class Scheduler:
         self.verify = None if speculation is None else VerifySchedule(
             speculation, self.memory[0], self.context_len, self.runner.verify_slot_width)
         self.weights = WeightUpdateFlow(self.model_config, self.policy, self.node.control)
-        self.finish_checker = FinishChecker(
-            set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids),
-            self.context_len, self.tokenizer,
-        )
+        eos_ids = set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        self.grammar = GrammarMatchers.for_server(  # constrained decoding
+            server_args.grammar_backend, self.tokenizer, self.model_config.vocab_size,
+            sorted(eos_ids), self.memory.states)
+        self.finish_checker = FinishChecker(eos_ids, self.context_len, self.tokenizer,
+                                            self.grammar)
         self.seed_rng = np.random.default_rng(server_args.random_seed)
         self.num_generated_tokens = 0
         self.step_stats = StepStats()
@@ -150,6 +153,8 @@ class Scheduler:
         self.send_socket.close(linger=0)
         if self.side is not None:
             self.side.close()
+        if self.grammar is not None:
+            self.grammar.close()
         self.ctx.term()
 
     def run_step(self) -> ScheduleBatch | None:
@@ -175,6 +180,8 @@ class Scheduler:
             # A prompt's next chunk lays out its KV and draft scratch past those of its
             # previous chunk, which must be settled (its scratch freed) first.
             self.drain()
+        if self.pending is not None and GrammarMatchers.any_constrained(self.pending[0].reqs):
+            self.drain()  # a grammar's next mask needs the token in flight
         batch = self.policy.prefill(admit_new=self.weights.waiting is None) or self.decode()
         launched = (batch, self.launch_batch(batch)) if batch is not None else None
         if self.pending is not None:
@@ -243,8 +250,10 @@ class Scheduler:
         seed = params.seed if params.seed is not None else int(self.seed_rng.integers(2**63))
         req = Req(
             rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=params,
-            seed=seed, stream=msg.stream, options=msg.options,
+            seed=seed, stream=msg.stream, options=msg.options, grammar=msg.grammar,
         )
+        if self.grammar is not None:
+            self.grammar.prepare(req)
         # The prompt plus the first generated token, in whole pages.
         need = self.memory[0].kv_needed(0, len(req.origin_input_ids) + 1)  # ranks alike
         released = self.runner.released_memory()  # the tokenizer manager refuses these first
@@ -304,7 +313,8 @@ class Scheduler:
     # -- running and results --------------------------------------------------------------------
     def launch_batch(self, batch: ScheduleBatch) -> StepOutput:
         """Dispatches a step; the requests' accounting moves on as if it had run."""
-        mwb = batch.to_model_worker_batch()
+        mwb = batch.to_model_worker_batch(None if self.grammar is None else self.grammar.mask(
+            batch.reqs, batch.samples_output))
         out = self.node.run_batch(mwb, rids=[r.rid for r in batch.reqs])
         for req, n, samples in zip(batch.reqs, batch.extend_lens, batch.samples_output,
                                    strict=True):

@@ -29,6 +29,7 @@ import zmq
 
 from sgl_jax.srt.bounded_text import log_safe
 from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.constrained.grammar import compiler_for, request_grammar
 from sgl_jax.srt.managers.control import (
     ControlOp,
     ControlReply,
@@ -119,6 +120,10 @@ class TokenizerManager:
         )
         self.context_len = model_config.context_len
         self.vocab_size = model_config.vocab_size
+        self.grammars = compiler_for(  # constrained decoding (constrained/grammar.py)
+            server_args.grammar_backend, self.tokenizer, self.vocab_size,
+            [*model_config.eos_token_ids, *self.tokenizer.eos_token_ids],
+            not server_args.constrained_json_disable_any_whitespace)
         # Running requests by the caller's rid, and the same states by their per-submission key.
         # A caller may reuse a rid once its request ended here, while the scheduler may still
         # be sending the old request's last outputs (an abort is asynchronous): those carry the
@@ -232,9 +237,11 @@ class TokenizerManager:
             weights_enabled=self.server_args.enable_return_routed_expert_weights,
             vocab_size=self.vocab_size,
         )
+        grammar = request_grammar(self.grammars, params.constraint(),  # cached; off the loop
+                                  self.server_args.speculative_algorithm)
         return TokenizedGenerateReqInput(
             rid=obj.rid, input_ids=list(input_ids), sampling_params=params, stream=obj.stream,
-            options=options,
+            options=options, grammar=grammar,
         )
 
     # -- generation -----------------------------------------------------------------------------

@@ -5,7 +5,9 @@ A request that holds memory holds one state slot (``req.state_slot``), taken whe
 admitted and given back when it is released (finished, aborted or retracted), exactly like
 its request slot. Each kind of state registers a host table with one row per slot: the
 speculative draft tokens of EAGLE / NEXTN today; linear-attention conv and recurrent states
-(their device copies live with the KV cache) and grammar matchers are the next kinds.
+(their device copies live with the KV cache) are the next kind; grammar matchers
+(``constrained/matchers.py``) are objects in a table of dtype object, dropped when their slot
+is freed.
 
 ``snapshot`` copies every kind's row of a slot into a fresh slot that no request holds: what
 a prefix cache keeps for a state that cannot be recomputed from the tokens alone. A retracted
@@ -74,6 +76,9 @@ class RequestStateTable:
             raise RuntimeError(f"state slot {slot} freed while free")
         self._held[slot] = False
         self._free.append(slot)
+        for name, kind in self.kinds.items():
+            if kind.dtype == object:  # objects (grammar matchers) go with their owner
+                self._rows[name][slot] = kind.fill
 
     def snapshot(self, slot: int) -> int | None:
         """A new slot holding a copy of ``slot``'s every row (None when none is left); the

@@ -25,7 +25,7 @@ from sgl_jax.srt.layers.attention import AttentionMetadata, update_page_table
 from sgl_jax.srt.layers.logprobs import LogprobOutput, logprob_outputs
 from sgl_jax.srt.layers.moe.expert_distribution import ExpertDistributionRecorder
 from sgl_jax.srt.layers.moe.routed_experts_capturer import RoutedExpertsCapturer
-from sgl_jax.srt.layers.sampler import sample, vocab_chunks_for
+from sgl_jax.srt.layers.sampler import apply_vocab_mask, sample, vocab_chunks_for
 from sgl_jax.srt.models.backends import ModelBackends
 from sgl_jax.srt.speculative import device_inputs
 from sgl_jax.srt.speculative.eagle import accepted_counts, draft_step
@@ -116,6 +116,10 @@ class StepProgram:
             expert_state, expert_pass = self.recorder.record_step(expert_state, *ids)
         rows = batch.sampled_rows
         sampled_logits = logits[:rows]  # then, with logprobs, the input-logprob rows
+        if batch.sampling.vocab_mask is not None:  # constrained decoding
+            # Sampling and the sampled rows' logprobs see the masked logits (SGLang's order).
+            sampled_logits = apply_vocab_mask(sampled_logits, batch.sampling.vocab_mask)
+            logits = jnp.concatenate([sampled_logits, logits[rows:]])
         next_ids = sample(sampled_logits, batch.sampling,
                           vocab_chunks=vocab_chunks_for(self.platform))
         if not batch.forward_mode.is_verify:  # a verify step's: written with its drafts

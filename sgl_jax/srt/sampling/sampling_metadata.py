@@ -38,6 +38,10 @@ class SamplingMetadata:
     # word); both words so 63-bit user seeds do not collide modulo 2**32.
     seeds: jax.Array
     steps: jax.Array  # [B] int32: output index of the token being sampled
+    # Constrained decoding: [B, ceil(V / 32)] int32, bit i % 32 of word i // 32 set when id i
+    # is allowed (llguidance's layout); None (another compiled variant) when no row of the
+    # batch has a grammar.
+    vocab_mask: jax.Array | None = None
 
     @staticmethod
     def from_params(
@@ -46,11 +50,13 @@ class SamplingMetadata:
         steps: Sequence[int],
         padded_bs: int,
         vocab_size: int,
+        vocab_mask: np.ndarray | None = None,
     ) -> SamplingMetadata:
         """Host-side (numpy) construction; rows ``len(params):padded_bs`` are greedy padding.
 
         ``seeds`` are integers in [0, 2**64) (the host derives one for requests without a
         seed); ``steps`` are the per-request output indices of the token being sampled.
+        ``vocab_mask``: the requests' packed masks (rows of padding allow every id).
         """
         n = len(params)
         if not (len(seeds) == len(steps) == n):
@@ -77,7 +83,14 @@ class SamplingMetadata:
                 raise ValueError(f"seed must be in [0, 2**64), got {seed}")
             seed_words[i] = (seed >> 32, seed & 0xFFFFFFFF)
             step_arr[i] = steps[i]
+        mask = None
+        if vocab_mask is not None:
+            if vocab_mask.shape[0] != n:
+                raise ValueError(f"vocab_mask has {vocab_mask.shape[0]} rows for {n} requests")
+            mask = np.full((padded_bs, vocab_mask.shape[1]), -1, np.int32)
+            mask[:n] = vocab_mask
         return SamplingMetadata(
+            vocab_mask=mask,
             temperatures=temperatures,
             top_ps=top_ps,
             top_ks=top_ks,

@@ -9,6 +9,7 @@ and what is allowed, so the HTTP layer can hand it to the user as a 400 unchange
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 from dataclasses import dataclass
@@ -59,6 +60,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # Constrained decoding (at most one; constrained/grammar.py): a JSON schema (text), a
+    # regular expression, or an EBNF (GBNF / Lark) grammar the output must match.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     # ------------------------------------------------------------------ construction
 
@@ -139,6 +145,10 @@ class SamplingParams:
                              f"got {max(len(s) for s in stops)}")
         if self.seed is not None and not (0 <= self.seed < MAX_SEED):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        given = [k for k in _CONSTRAINT_FIELDS if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of {', '.join(_CONSTRAINT_FIELDS)}; got "
+                             f"{' and '.join(given)}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         for name, neutral in _UNSUPPORTED_NEUTRAL.items():
@@ -148,6 +158,11 @@ class SamplingParams:
                     f"{name} is not supported by this engine; only {neutral} is accepted, "
                     f"got {value}"
                 )
+
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, text) of the output constraint, if any (after ``verify``)."""
+        return next(((k, getattr(self, k)) for k in _CONSTRAINT_FIELDS
+                     if getattr(self, k) is not None), None)
 
     def normalize(self) -> SamplingParams:
         """Canonicalise in place (idempotent) and return self.
@@ -249,6 +264,16 @@ def _check_token_ids(name: str, value: Any) -> list[int] | None:
         raise ValueError(f"{name} must be a list of integers, got {_describe(value)}") from None
 
 
+def _check_grammar_text(name: str, value: Any) -> str | None:
+    """A constraint's text; a JSON schema may also come as an object (kept as its JSON)."""
+    if value is None or isinstance(value, str):
+        return value
+    if name == "json_schema" and isinstance(value, dict):
+        return json.dumps(value)
+    raise ValueError(f"{name} must be a string, got {_describe(value)}")
+
+
+_CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf")
 _FIELD_CHECKERS = {
     "max_new_tokens": _check_int,
     "temperature": _check_float,
@@ -264,9 +289,10 @@ _FIELD_CHECKERS = {
     "frequency_penalty": _check_float,
     "presence_penalty": _check_float,
     "repetition_penalty": _check_float,
+    **dict.fromkeys(_CONSTRAINT_FIELDS, _check_grammar_text),
 }
 # Fields whose None is a real value rather than "use the default" (here both mean the same, but
 # passing None through keeps from_dict's output equal to the input).
-_OPTIONAL_FIELDS = frozenset({"stop", "stop_token_ids", "seed"})
+_OPTIONAL_FIELDS = frozenset({"stop", "stop_token_ids", "seed", *_CONSTRAINT_FIELDS})
 
 assert set(_FIELD_CHECKERS) == {f.name for f in dataclasses.fields(SamplingParams)}

@@ -12,6 +12,7 @@ parameter.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -177,6 +178,11 @@ class OpenAISamplingRequest(_OpenAIOptions):
     user: str | None = None
     # SGLang's sglext: cached_tokens_details ({"device", "host"}) in the response's sglext.
     return_cached_tokens_details: bool = False
+    # Constrained decoding (SGLang's extensions; at most one): the output matches a JSON
+    # schema (text or object), a regular expression or an EBNF grammar.
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
         """SGLang sampling parameters; None values mean "engine default"."""
@@ -193,6 +199,9 @@ class OpenAISamplingRequest(_OpenAIOptions):
             "frequency_penalty": self.frequency_penalty,
             "presence_penalty": self.presence_penalty,
             "repetition_penalty": self.repetition_penalty,
+            "json_schema": self.json_schema,
+            "regex": self.regex,
+            "ebnf": self.ebnf,
         }
         return {k: v for k, v in params.items() if v is not None}
 
@@ -272,6 +281,28 @@ class NamedToolChoice(BaseModel):
     function: _FunctionName
 
 
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: text (no constraint), any JSON object, or JSON that
+    matches ``json_schema.schema``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    # {"name", "schema", "strict", "description"}: only "schema" is read.
+    json_schema: dict[str, Any] | None = None
+
+    def schema_text(self) -> str | None:
+        """The JSON schema the output must match (None for text)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        schema = (self.json_schema or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise InvalidRequestError("response_format type 'json_schema' needs "
+                                      "json_schema.schema (an object)", "response_format")
+        return json.dumps(schema)
+
+
 class ChatCompletionRequest(OpenAISamplingRequest, sglang_fields_model(sglang_fields.CHAT)):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -288,6 +319,7 @@ class ChatCompletionRequest(OpenAISamplingRequest, sglang_fields_model(sglang_fi
     # Tools rendered by the chat template; calls parsed from the text (--tool-call-parser).
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
     parallel_tool_calls: bool = True
     # With --reasoning-parser: <think>...</think> goes to reasoning_content (separate_reasoning),
     # streamed as it comes or, stream_reasoning false, in one piece when it ends.

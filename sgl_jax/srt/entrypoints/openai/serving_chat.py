@@ -12,7 +12,8 @@ come back in ``sglext`` (``return_input_ids_in_sglext`` / ``return_output_ids_in
 
 Tools: ``tools`` go to the chat template; with ``tool_choice`` "auto" (the default when tools
 are given) the text is parsed for calls by the ``--tool-call-parser`` (qwen25 when unset).
-"required" and a named function need constrained decoding, not available yet: a 400.
+"required" and a named function are enforced by a grammar of one call (tool_grammar.py).
+``response_format`` (json_object, json_schema) becomes the ``json_schema`` constraint.
 With a ``--reasoning-parser``, ``<think>...</think>`` goes to ``reasoning_content``.
 """
 
@@ -52,6 +53,7 @@ from sgl_jax.srt.entrypoints.openai.serving_completions import (
     stream_meta,
 )
 from sgl_jax.srt.entrypoints.openai.sglext import SglextOptions
+from sgl_jax.srt.entrypoints.openai.tool_grammar import tool_call_grammar
 from sgl_jax.srt.entrypoints.openai.tool_parsers import (
     StreamToolParser,
     ToolParser,
@@ -168,15 +170,32 @@ class OpenAIServingChat(OpenAIServing):
             if choice not in (None, "none", "auto"):
                 raise OpenAIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
             return None
-        if choice is not None and choice not in ("none", "auto"):
-            raise OpenAIError(
-                400, "tool_choice 'required' or a named function needs constrained decoding "
-                "(--grammar-backend), which this server does not have yet; use 'auto' or "
-                "'none'", param="tool_choice")
         if choice == "none":
             return None
         name = self.tm.server_args.tool_call_parser or "qwen25"
         return get_tool_parser(name, [t.model_dump() for t in req.tools])
+
+    def constraint(self, req: ChatCompletionRequest) -> dict[str, str]:
+        """The sampling parameters that constrain the output: ``response_format``'s schema,
+        or the grammar of a call that ``tool_choice`` requires (at most one of these, and
+        not with the json_schema / regex / ebnf fields)."""
+        asked = {k: getattr(req, k) for k in ("json_schema", "regex", "ebnf")
+                 if getattr(req, k) is not None}
+        schema = None if req.response_format is None else req.response_format.schema_text()
+        if schema is not None:
+            asked["response_format"] = schema
+        grammar = None
+        if req.tools and req.tool_choice is not None:
+            grammar = tool_call_grammar(req.tools, req.tool_choice,
+                                        self.tm.server_args.tool_call_parser or "qwen25")
+        if grammar is not None:
+            asked["tool_choice"] = grammar
+        if len(asked) > 1:
+            raise OpenAIError(400, f"give at most one output constraint; got {', '.join(asked)}",
+                              param=list(asked)[1])
+        if schema is not None:
+            return {"json_schema": schema}
+        return {"ebnf": grammar} if grammar is not None else {}
 
     async def plan(self, req: ChatCompletionRequest,
                    headers: dict[str, bool] | None = None) -> ChatPlan:
@@ -184,6 +203,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(req.model)
         options = chat_options(req.logprobs, req.top_logprobs)
         parser = self.tool_parser(req)
+        constraint = self.constraint(req)
         # The template only adds text: messages already longer than the bound never fit.
         self.tm.check_prompt_chars(sum(_content_chars(m.content) for m in req.messages),
                                    "messages")
@@ -198,6 +218,8 @@ class OpenAIServingChat(OpenAIServing):
             # The rest of the context (the manager rejects a prompt that leaves no room).
             max_new = max(self.tm.context_len - len(ids), 0)
         obj, rids, response_id = self.make_batch(req, [ids], [max_new], options)
+        for params in obj.sampling_params:
+            params.update(constraint)
         args, headers = self.tm.server_args, headers or {}
         ext = SglextOptions(
             input_ids=req.return_input_ids_in_sglext or headers.get("input_ids", False)

@@ -1,0 +1,1 @@
+"""Constrained decoding: grammars (llguidance) compiled per request, matched per step."""

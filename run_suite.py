@@ -73,6 +73,7 @@ E2E = [
     "tests/test_msgpack_route.py",
     "tests/test_openai_api.py",
     "tests/test_openai_sglext.py",
+    "tests/test_structured_output.py",
     "tests/test_reliability.py",
     "tests/test_weight_update.py",
     "tests/test_memory_occupation.py",

@@ -258,17 +258,6 @@ def test_tools_auto_and_none_are_accepted(client, stream):
         assert reason == want.choices[0].finish_reason
 
 
-@pytest.mark.parametrize("tool_choice", [
-    "required", {"type": "function", "function": {"name": "get_weather"}}],
-    ids=["required", "named"])
-def test_constrained_tool_choices_are_a_clear_400(client, tool_choice):
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=2,
-                                       tools=TOOLS, tool_choice=tool_choice)
-    assert "--grammar-backend" in caught.value.body["message"]
-    assert caught.value.body["param"] == "tool_choice"
-
-
 def test_docs_example_runs(server, info, reference):
     """docs/examples/openai_agentic_turns.py as written: its joined rows are the episode's."""
     import runpy

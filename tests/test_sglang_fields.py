@@ -173,8 +173,8 @@ def test_values_are_compared_with_their_json_type():
                                  "include_usage": True, "continuous_usage_stats": True}},
      "stream_options"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
-                             "response_format": {"type": "json_object"}}, "response_format"),
-    (CompletionRequest, {"prompt": "x", "regex": "[ab]+"}, "regex"),
+                             "reasoning_effort": "high"}, "reasoning_effort"),
+    (CompletionRequest, {"prompt": "x", "min_tokens": 3}, "min_tokens"),
 ])
 def test_asking_for_what_we_do_not_do_names_the_field(model, body, param):
     message, got = refused(model, body)

@@ -180,3 +180,50 @@ def test_apply_vocab_mask_matches_numpy():
     got = np.asarray(apply_vocab_mask(jnp.asarray(logits), jnp.asarray(mask)))
     np.testing.assert_array_equal(got, want)
     assert np.isfinite(got[0]).all()
+
+
+def test_required_tool_choice_for_a_parser_without_a_grammar_names_it():
+    from sgl_jax.srt.entrypoints.openai.protocol import OpenAIError, Tool
+    from sgl_jax.srt.entrypoints.openai.tool_grammar import tool_call_grammar
+
+    tools = [Tool.model_validate(t) for t in TOOLS]
+    assert tool_call_grammar(tools, "auto", "glm45") is None
+    with pytest.raises(OpenAIError, match="--tool-call-parser glm45"):
+        tool_call_grammar(tools, "required", "glm45")
+
+
+def test_matchers_live_in_state_slots_and_replay_after_release():
+    """A matcher is dropped with its slot; a retracted request's new matcher replays its
+    tokens and gives the same mask (checked against the first matcher's mask)."""
+    from types import SimpleNamespace
+
+    from sgl_jax.srt.constrained.grammar import GrammarCompiler, llg_tokenizer
+    from sgl_jax.srt.constrained.matchers import GRAMMAR_MATCHERS, GrammarMatchers
+    from sgl_jax.srt.mem_cache.request_state import RequestStateTable
+    from sgl_jax.srt.tokenizer import Tokenizer
+    from sgl_jax.testing import ensure_test_model
+
+    tok = Tokenizer.from_pretrained(ensure_test_model())
+    lt = llg_tokenizer(tok, len(tok) + 40, tok.eos_token_ids)  # a padded model vocabulary
+    grammar = GrammarCompiler(lt).compile("regex", "(cat|dog)s?!")
+    states = RequestStateTable(4)
+    matchers = GrammarMatchers(lt, states)
+    req = SimpleNamespace(grammar=grammar, grammar_build=None, state_slot=states.alloc(),
+                          output_ids=[])
+    matchers.prepare(req)
+    first = matchers.mask([req], [True])
+    allowed = np.flatnonzero(np.unpackbits(first[0].view(np.uint8), bitorder="little"))
+    assert {tok.decode([int(i)]) for i in allowed} <= {"c", "ca", "cat", "d", "do", "dog",
+                                                        "cats", "dogs"}
+    assert allowed.max() < len(tok)  # the padding ids are never allowed
+    for t in tok.encode("dog", add_special_tokens=False):
+        req.output_ids.append(t)
+        assert matchers.advance(req, t) == (None, False)
+    before = matchers.mask([req], [True])
+    states.free(req.state_slot)
+    assert states.rows(GRAMMAR_MATCHERS)[req.state_slot] is None
+    req.state_slot = states.alloc()
+    np.testing.assert_array_equal(matchers.mask([req], [True]), before)
+    error, _ = matchers.advance(req, tok.encode("x", add_special_tokens=False)[0])
+    assert error is not None and "refused" in error
+    matchers.close()

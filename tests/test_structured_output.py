@@ -227,3 +227,33 @@ def test_matchers_live_in_state_slots_and_replay_after_release():
     error, _ = matchers.advance(req, tok.encode("x", add_special_tokens=False)[0])
     assert error is not None and "refused" in error
     matchers.close()
+
+
+def test_streamed_required_tool_call(client):
+    chunks = [c for c in client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=64, temperature=1.0, seed=4, stream=True) if c.choices]
+    calls = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert calls[0].function.name == "get_weather"
+    arguments = "".join(d.function.arguments or "" for d in calls)
+    assert matches(json.loads(arguments), TOOLS[0]["function"]["parameters"])
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks).strip()
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_constraints_refused_by_name_without_a_backend_or_with_speculation():
+    from sgl_jax.srt.constrained.grammar import GrammarCompiler, llg_tokenizer, request_grammar
+    from sgl_jax.srt.tokenizer import Tokenizer
+    from sgl_jax.testing import ensure_test_model
+
+    tok = Tokenizer.from_pretrained(ensure_test_model())
+    compiler = GrammarCompiler(llg_tokenizer(tok, len(tok), tok.eos_token_ids))
+    assert request_grammar(compiler, None, "EAGLE") is None
+    with pytest.raises(ValueError, match="regex.*--grammar-backend none"):
+        request_grammar(None, ("regex", "a"), None)
+    with pytest.raises(ValueError, match="json_schema.*--speculative-algorithm NGRAM"):
+        request_grammar(compiler, ("json_schema", "{}"), "NGRAM")
+    with pytest.raises(ValueError, match="at most 65536"):
+        compiler.compile("regex", "a" * 70_000)
+    assert compiler.compile("regex", "ab") is compiler.compile("regex", "ab")  # cached

@@ -157,6 +157,12 @@ def test_tool_choice_required_and_named(client):
     ({"regex": "a", "ebnf": 'root ::= "a"'}, ["at most one"]),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      ["nope"]),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}},
+     ["response_format does not compile", "foo"]),
+    ({"response_format": {"type": "json_schema"}}, ["json_schema.schema"]),
+    ({"response_format": {"type": "json_object"}, "regex": "a"}, ["at most one"]),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}],
+      "tool_choice": "required"}, ["tool_choice does not compile", "foo"]),
 ])
 def test_bad_grammar_is_400_and_server_serves(client, body, words):
     with pytest.raises(openai.BadRequestError) as err:

@@ -131,12 +131,12 @@ def compiler_for(backend: str, tokenizer: Tokenizer, vocab_size: int, eos_ids: l
 
 
 def request_grammar(compiler: GrammarCompiler | None, constraint: tuple[str, str] | None,
-                    speculative_algorithm: str | None) -> str | None:
+                    speculative_algorithm: str | None, field: str | None = None) -> str | None:
     """The validated grammar of a request's ``constraint`` ((kind, text) or None); a
-    ValueError naming the field when the server cannot honour it."""
+    ValueError naming ``field`` (default: the kind) when the server cannot honour it."""
     if constraint is None:
         return None
-    field = constraint[0]
+    field = field or constraint[0]
     if compiler is None:
         raise ValueError(f"{field}: constrained decoding is off on this server "
                          "(--grammar-backend none)")
@@ -144,4 +144,4 @@ def request_grammar(compiler: GrammarCompiler | None, constraint: tuple[str, str
         raise ValueError(f"{field}: constrained decoding does not run with speculative "
                          f"decoding (--speculative-algorithm {speculative_algorithm}); send "
                          "the request to a server without it")
-    return compiler.compile(*constraint)
+    return compiler.compile(*constraint, field)

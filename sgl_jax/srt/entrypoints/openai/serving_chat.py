@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from sgl_jax.srt.constrained.grammar import request_grammar
 from sgl_jax.srt.entrypoints.openai.logprobs import (
     chat_logprobs,
     chat_options,
@@ -197,6 +198,20 @@ class OpenAIServingChat(OpenAIServing):
             return {"json_schema": schema}
         return {"ebnf": grammar} if grammar is not None else {}
 
+    def check_constraint(self, req: ChatCompletionRequest, constraint: dict[str, str]) -> None:
+        """Compiles (and caches) a constraint the chat fields made, so that its errors name
+        those fields ("response_format", "tool_choice") rather than the sampling parameter
+        it becomes; in the tokenizer threads."""
+        field = ("response_format" if "json_schema" in constraint and req.json_schema is None
+                 else "tool_choice" if "ebnf" in constraint and req.ebnf is None else None)
+        if field is None:
+            return  # the request's own field: checked by name with the sampling parameters
+        try:
+            request_grammar(self.tm.grammars, (*constraint.items(),)[0],
+                            self.tm.server_args.speculative_algorithm, field)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param=field) from None
+
     async def plan(self, req: ChatCompletionRequest,
                    headers: dict[str, bool] | None = None) -> ChatPlan:
         """``headers``: the ``x-sglext-return-*`` flags (``input_ids``, ``output_ids``)."""
@@ -204,6 +219,8 @@ class OpenAIServingChat(OpenAIServing):
         options = chat_options(req.logprobs, req.top_logprobs)
         parser = self.tool_parser(req)
         constraint = self.constraint(req)
+        if constraint:
+            await self.tm.in_tokenizer_thread(self.check_constraint, req, constraint)
         # The template only adds text: messages already longer than the bound never fit.
         self.tm.check_prompt_chars(sum(_content_chars(m.content) for m in req.messages),
                                    "messages")

@@ -72,8 +72,10 @@ def matches(value: object, schema: dict) -> bool:
 
 @pytest.fixture(scope="module")
 def server(request):
+    # A small KV cache admitted optimistically: test_retraction_replays_the_matcher retracts.
     yield from server_fixture(request, server_flags(
-        constrained_json_disable_any_whitespace=True))
+        constrained_json_disable_any_whitespace=True, max_total_tokens=384,
+        schedule_conservativeness=0.0))
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +149,25 @@ def test_tool_choice_required_and_named(client):
     assert call.function.name == "get_time"
     assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
     assert out.choices[0].finish_reason == "tool_calls"
+
+
+def test_retraction_replays_the_matcher(server):
+    """Eight constrained requests that outgrow the KV cache together: some are retracted
+    and resume with a rebuilt matcher (replaying their tokens); every output still matches."""
+    pattern = r"(ab|cd|ef){30,40}\."
+    before = server.get("/get_server_info").json()["num_retractions"]
+    r = requests.post(server.url + "/generate", json={
+        "input_ids": [[5 + i, 6, 7, 8] * 10 for i in range(8)],
+        "sampling_params": [{"max_new_tokens": 64, "temperature": 1.0, "seed": i,
+                             "regex": pattern} for i in range(8)]}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert server.get("/get_server_info").json()["num_retractions"] > before
+    for out in r.json():
+        text, reason = out["text"], out["meta_info"]["finish_reason"]["type"]
+        if reason == "stop":
+            assert re.fullmatch(pattern, text), text
+        else:  # cut at 64 tokens: a prefix of a match
+            assert reason == "length" and re.fullmatch(r"((ab|cd|ef)*)(a|c|e)?", text), text
 
 
 @pytest.mark.parametrize("body, words", [

@@ -284,3 +284,7 @@ def test_constraints_refused_by_name_without_a_backend_or_with_speculation():
     with pytest.raises(ValueError, match="at most 65536"):
         compiler.compile("regex", "a" * 70_000)
     assert compiler.compile("regex", "ab") is compiler.compile("regex", "ab")  # cached
+    from sgl_jax.srt.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="grammar_backend='xgrammar'; use one of llguidance"):
+        ServerArgs(grammar_backend="xgrammar")

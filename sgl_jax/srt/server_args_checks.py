@@ -120,6 +120,9 @@ def normalize_and_check(args: ServerArgs) -> None:
         if args.ep_expert_mapping:
             fail("enable_eplb and ep_expert_mapping are exclusive (EPLB places the experts; "
                  "give an initial placement with init_expert_location)")
+    if args.grammar_backend not in GRAMMAR_BACKENDS:
+        fail(f"grammar_backend={args.grammar_backend!r}; use one of "
+             f"{', '.join(GRAMMAR_BACKENDS)} (xgrammar needs torch: not offered)")
     if args.load_balance_method not in LOAD_BALANCE_METHODS:
         fail(f"load_balance_method={args.load_balance_method!r}; use one of "
              f"{', '.join(LOAD_BALANCE_METHODS)}")

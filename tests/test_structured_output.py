@@ -288,3 +288,16 @@ def test_constraints_refused_by_name_without_a_backend_or_with_speculation():
 
     with pytest.raises(ValueError, match="grammar_backend='xgrammar'; use one of llguidance"):
         ServerArgs(grammar_backend="xgrammar")
+
+
+def test_sampling_params_constraint_fields():
+    from sgl_jax.srt.sampling.sampling_params import SamplingParams
+
+    params = SamplingParams.from_dict({"json_schema": {"type": "integer"}})
+    params.verify(512)
+    assert params.constraint() == ("json_schema", '{"type": "integer"}')
+    assert SamplingParams().constraint() is None
+    with pytest.raises(ValueError, match="at most one of json_schema, regex, ebnf"):
+        SamplingParams.from_dict({"regex": "a", "ebnf": 'root ::= "a"'}).verify(512)
+    with pytest.raises(ValueError, match="regex must be a string"):
+        SamplingParams.from_dict({"regex": 3})

@@ -122,6 +122,17 @@ def test_regex_and_ebnf(client):
     assert re.fullmatch(r"ans=[0-9]{2}", out.choices[0].text), out.choices[0].text
 
 
+def test_top_logprobs_leave_out_forbidden_ids(client):
+    out = client.chat.completions.create(
+        model="default", messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True,
+        top_logprobs=3, extra_body={"regex": "(ok|no)"})
+    assert out.choices[0].message.content in ("ok", "no")
+    for entry in out.choices[0].logprobs.content:
+        assert 1 <= len(entry.top_logprobs) <= 3
+        assert all(t.logprob is not None and t.logprob <= 0 for t in entry.top_logprobs)
+        assert entry.top_logprobs[0].logprob == entry.logprob  # greedy: the top one
+
+
 def test_json_object(client):
     out = client.chat.completions.create(
         model="default", messages=MESSAGES, max_tokens=200, temperature=0,

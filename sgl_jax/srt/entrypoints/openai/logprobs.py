@@ -87,9 +87,15 @@ def _by_text(top: list) -> dict[str, float]:
     """Top entries keyed by token text, as OpenAI's legacy format has them; tokens whose text
     is the same (e.g. partial UTF-8 bytes) keep the most likely one's logprob."""
     out: dict[str, float] = {}
-    for logprob, _, text in top:
+    for logprob, _, text in _possible(top):
         out.setdefault(text, logprob)
     return out
+
+
+def _possible(top: list | None) -> list:
+    """Top entries without the ids a grammar forbade (logprob -inf): OpenAI allows fewer
+    than the asked number, and -inf is not a JSON number."""
+    return [e for e in top or [] if e[0] is not None and e[0] != float("-inf")]
 
 
 def _chat_entry(logprob: float, text: str) -> dict[str, Any]:
@@ -101,6 +107,6 @@ def chat_logprobs(meta: dict[str, Any]) -> dict[str, Any]:
     tokens, tops = _positions(meta, ("output",))
     return {"content": [
         {**_chat_entry(logprob, text),
-         "top_logprobs": [_chat_entry(lp, t) for lp, _, t in top or []]}
+         "top_logprobs": [_chat_entry(lp, t) for lp, _, t in _possible(top)]}
         for (logprob, _, text), top in zip(tokens, tops, strict=True)
     ]}

@@ -173,6 +173,23 @@ def test_passes_over_windows_of_the_local_assignments(routing, shards, factor, e
     assert rel_err(got, local_reference(case)) < REL_TOL
 
 
+def test_passes_with_a_bias_column(unset_is_nan):
+    """gpt-oss's experts read ``[x, 1]`` against ``[E, H + 1, I]`` gate/up weights (the bias
+    as one more input row) and write ``[T, H]``: under EP, where the sums are carried over
+    passes, the carry is the output's width, not x's (a [T, H + 1] carry failed to compile
+    at gpt-oss-120b's widths). A zero bias row gives the plain layer's result."""
+    case = local_case(29, 47, "random", 16)
+    tokens = case["x"].shape[0]
+    x = np.concatenate([case["x"], np.ones((tokens, 1), case["x"].dtype)], axis=1)
+    biased = {k: np.concatenate([case[k], np.zeros_like(case[k][:, :1])], axis=1)
+              for k in ("w_gate", "w_up")}
+    backend = gmm.GmmExperts(shards=8, capacity_factor=0.5)  # several passes
+    got = np.asarray(jax.jit(backend)(x, case["local_ids"], case["topk_weights"],
+                                      biased["w_gate"], biased["w_up"], case["w_down"]))
+    assert got.shape == case["x"].shape
+    assert rel_err(got, local_reference(case)) < REL_TOL
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shards,factor", [(4, 1.25), (8, 0.5), (16, 0.25)])
 def test_passes_with_fetched_rows(monkeypatch, unset_is_nan, dtype, shards, factor):

@@ -370,7 +370,8 @@ def gmm_experts(
         return p + 1, mark_varying(one_pass(p * rows_pad, out, out_dtype, p > 0), *operands)
 
     # The first pass never reads the carried sums: allocated, not initialised (on TPU).
-    unset = mark_varying(jax.lax.empty((num_tokens, x.shape[1]), out_dtype), *operands)
+    # [T, H] by the down weights: x may be wider (gpt-oss's [x, 1] carries the gate/up bias).
+    unset = mark_varying(jax.lax.empty((num_tokens, w_down.shape[2]), out_dtype), *operands)
     return jax.lax.while_loop(lambda c: c[0] < passes, step, (jnp.int32(0), unset))[1]
 
 

@@ -180,6 +180,41 @@ def test_special_markers_become_tokens(tok, lt):
     assert m.is_accepting()
 
 
+HARMONY = ["<|channel|>", "<|constrain|>", "<|message|>", "<|call|>"]
+
+
+def test_harmony_markers_as_special_tokens_round_trip(tmp_path):
+    """A tokenizer holding harmony's markers as special tokens (gpt-oss's): the grammar names
+    them, a walk writes each as its one token, and the text decoded with
+    ``skip_special_tokens: false`` (what serving_chat asks for then) parses as a valid call."""
+    import shutil
+
+    src = ensure_test_model()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{src}/{name}", tmp_path / name)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    spec["added_tokens"] += [{"id": 512 + i, "content": m, "single_word": False,
+                              "lstrip": False, "rstrip": False, "normalized": False,
+                              "special": True} for i, m in enumerate(HARMONY)]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tok = Tokenizer.from_pretrained(str(tmp_path))
+    special = special_markers(tok)
+    assert special == {m: 512 + i for i, m in enumerate(HARMONY)}
+    lt = llg_tokenizer(tok, len(tok), list(tok.eos_token_ids))
+    tools = [Tool.model_validate(t) for t in TOOLS]
+    grammar = GrammarCompiler(lt).compile(
+        "ebnf", tool_call_grammar(tools, "required", "gpt-oss", special))
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    rng = np.random.default_rng(1)
+    for _ in range(WALKS):
+        ids = _walk(lt, grammar, rng, set(tok.eos_token_ids))
+        assert set(special.values()) <= set(ids)
+        _, calls = get_tool_parser("gpt-oss", TOOLS).parse(
+            tok.decode(ids, skip_special_tokens=False))
+        (call,) = calls
+        assert matches(json.loads(call.arguments), schemas[call.name])
+
+
 def test_a_name_no_tool_has_is_400():
     tools = [Tool.model_validate(t) for t in TOOLS]
     assert tool_call_grammar(tools, "auto", "glm45") is None

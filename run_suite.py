@@ -17,6 +17,7 @@ import time
 
 UNIT = [
     "tests/test_tool_parsers.py",
+    "tests/test_tool_grammars.py",
     "tests/test_reasoning_parsers.py",
     "tests/test_make_random_model.py",
     "tests/test_private_dumps.py",

@@ -220,16 +220,6 @@ def test_apply_vocab_mask_matches_numpy():
     assert np.isfinite(got[0]).all()
 
 
-def test_required_tool_choice_for_a_parser_without_a_grammar_names_it():
-    from sgl_jax.srt.entrypoints.openai.protocol import OpenAIError, Tool
-    from sgl_jax.srt.entrypoints.openai.tool_grammar import tool_call_grammar
-
-    tools = [Tool.model_validate(t) for t in TOOLS]
-    assert tool_call_grammar(tools, "auto", "glm45") is None
-    with pytest.raises(OpenAIError, match="--tool-call-parser glm45 does not have"):
-        tool_call_grammar(tools, "required", "glm45")
-
-
 def test_matchers_live_in_state_slots_and_replay_after_release():
     """A matcher is dropped with its slot; a retracted request's new matcher replays its
     tokens and gives the same mask (checked against the first matcher's mask)."""
@@ -314,43 +304,4 @@ def test_sampling_params_constraint_fields():
         SamplingParams.from_dict({"regex": 3})
 
 
-@pytest.mark.parametrize("parser, good, bad", [
-    ("qwen25",
-     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
-     '</tool_call>',
-     ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 9}}\n'
-      '</tool_call>', '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>']),
-    ("qwen3_coder",
-     "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
-     "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
-     ["<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
-      "<parameter=days>\n12\n</parameter>\n</function>\n</tool_call>",
-      "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n</function>"
-      "\n</tool_call>"]),
-])
-def test_tool_call_grammars_accept_their_parsers_markup(parser, good, bad):
-    """Each parser's call grammar accepts a well-formed call (which the parser reads back)
-    and refuses one whose name or arguments break the tool's schema."""
-    import llguidance
-
-    from sgl_jax.srt.constrained.grammar import GrammarCompiler, llg_tokenizer
-    from sgl_jax.srt.entrypoints.openai.protocol import Tool
-    from sgl_jax.srt.entrypoints.openai.tool_grammar import tool_call_grammar
-    from sgl_jax.srt.entrypoints.openai.tool_parsers import get_tool_parser
-    from sgl_jax.srt.tokenizer import Tokenizer
-    from sgl_jax.testing import ensure_test_model
-
-    tok = Tokenizer.from_pretrained(ensure_test_model())
-    lt = llg_tokenizer(tok, len(tok), tok.eos_token_ids)
-    grammar = GrammarCompiler(lt).compile(
-        "ebnf", tool_call_grammar([Tool.model_validate(t) for t in TOOLS], "required", parser))
-
-    def accepted(text: str) -> bool:
-        m = llguidance.LLMatcher(lt, grammar, log_level=0)
-        return m.consume_tokens(tok.encode(text, add_special_tokens=False)) and m.is_accepting()
-
-    assert accepted(good)
-    assert not any(accepted(b) for b in bad)
-    _, calls = get_tool_parser(parser, TOOLS).parse(good)
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
-        ("get_weather", {"city": "Paris", "days": 3})]
+# The tool-call grammars of every parser, unit-tested: tests/test_tool_grammars.py.

@@ -19,6 +19,7 @@ With a ``--reasoning-parser``, ``<think>...</think>`` goes to ``reasoning_conten
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any
 
 from pydantic import BaseModel
@@ -54,7 +55,7 @@ from sgl_jax.srt.entrypoints.openai.serving_completions import (
     stream_meta,
 )
 from sgl_jax.srt.entrypoints.openai.sglext import SglextOptions
-from sgl_jax.srt.entrypoints.openai.tool_grammar import tool_call_grammar
+from sgl_jax.srt.entrypoints.openai.tool_grammar import special_markers, tool_call_grammar
 from sgl_jax.srt.entrypoints.openai.tool_parsers import (
     StreamToolParser,
     ToolParser,
@@ -155,6 +156,11 @@ class ChatPlan(OpenAIPlan):
 class OpenAIServingChat(OpenAIServing):
     id_prefix = "chatcmpl"
 
+    @cached_property
+    def special_markers(self) -> dict[str, int]:
+        """The tool-call markers the served tokenizer holds as special tokens."""
+        return special_markers(self.tm.tokenizer)
+
     def prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         messages = [m.model_dump() for m in req.messages]
         tools = None
@@ -188,7 +194,8 @@ class OpenAIServingChat(OpenAIServing):
         grammar = None
         if req.tools and req.tool_choice is not None:
             grammar = tool_call_grammar(req.tools, req.tool_choice,
-                                        self.tm.server_args.tool_call_parser or "qwen25")
+                                        self.tm.server_args.tool_call_parser or "qwen25",
+                                        self.special_markers)
         if grammar is not None:
             asked["tool_choice"] = grammar
         if len(asked) > 1:
@@ -237,6 +244,10 @@ class OpenAIServingChat(OpenAIServing):
         obj, rids, response_id = self.make_batch(req, [ids], [max_new], options)
         for params in obj.sampling_params:
             params.update(constraint)
+            if "ebnf" in constraint and req.ebnf is None and self.special_markers:
+                # A call grammar may write markers as special tokens: the parser needs them
+                # in the text.
+                params["skip_special_tokens"] = False
         args, headers = self.tm.server_args, headers or {}
         ext = SglextOptions(
             input_ids=req.return_input_ids_in_sglext or headers.get("input_ids", False)

@@ -187,7 +187,7 @@ class DeepSeekV3Parser(ToolParser):
         return calls or None
 
 
-_HARMONY_CALL = re.compile(r"\s*([A-Za-z_][\w.]*)\s*(?:<\|constrain\|>\s*json\s*)?<\|message\|>(.*)",
+_HARMONY_CALL = re.compile(r"\s*([A-Za-z_][\w.-]*)\s*(?:<\|constrain\|>\s*json\s*)?<\|message\|>(.*)",
                            re.S)
 
 

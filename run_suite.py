@@ -81,6 +81,7 @@ E2E = [
     "tests/test_deterministic.py",
     "tests/test_families.py",
     "tests/test_families_2026.py",
+    "tests/test_qwen35_engine.py",
     "tests/test_qwen35_config.py",
     "tests/test_gated_delta.py",
     "tests/test_expert_distribution.py",

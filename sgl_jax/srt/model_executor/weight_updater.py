@@ -163,7 +163,8 @@ class WeightUpdater:
         t0 = time.perf_counter()
         # The last step's outputs (the KV cache) ready: no step reads the parameters any
         # more. (Not every live array: in the trainer's process those are the trainer's too.)
-        jax.block_until_ready([a for a in self.runner.kv_caches if isinstance(a, jax.Array)])
+        jax.block_until_ready([a for a in jax.tree.leaves(self.runner.kv_caches)
+                               if isinstance(a, jax.Array)])
         update = OnDeviceUpdate(self.runner, arrays, measure_memory)
         error = None
         try:

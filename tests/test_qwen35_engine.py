@@ -11,18 +11,31 @@ layer; routers redrawn until every selection gap clears 1e-3) is served by an En
   routed-expert row equal the reference's;
 - the same long prompt again after the slot was used (a fresh request starts from zero
   states, whatever its slot's previous owner left);
+- the released form (``Qwen3_5MoeForConditionalGeneration``: ``text_config``,
+  ``model.language_model.*`` names, fused experts, vision and MTP tensors) loads the same
+  parameters; a weight update given in that form is read the same way, and MTP tensors in an
+  update are refused by name;
 - the refusals by name (speculative decoding, TP) and the prefix cache turned off.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import os
+import shutil
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
 
 from sgl_jax import Engine
 from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.distributed import make_mesh
+from sgl_jax.srt.model_loader.loader import load_model
 from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.server_args_checks import check_for_linear_attention
 from sgl_jax.testing import engine_args
@@ -97,3 +110,68 @@ def test_refusals_name_the_flag(checkpoint):
     args = ServerArgs(model_path=checkpoint)
     check_for_linear_attention(args, cfg.linear_layers, cfg.family)
     assert args.disable_radix_cache
+
+
+def released_tensors(path: str) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors as the released form names them: ``model.language_model.*``,
+    experts fused (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]), plus a vision and
+    an MTP tensor (which the language model does not read)."""
+    cfg = ModelConfig.from_hf(path)
+    flat = load_file(os.path.join(path, "model.safetensors"))
+    out: dict[str, np.ndarray] = {}
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}.mlp.experts."
+        e = range(cfg.num_experts)
+        out[p + "gate_up_proj"] = np.stack([np.concatenate(
+            [flat.pop(f"{p}{i}.gate_proj.weight"), flat.pop(f"{p}{i}.up_proj.weight")])
+            for i in e])
+        out[p + "down_proj"] = np.stack([flat.pop(f"{p}{i}.down_proj.weight") for i in e])
+    out.update(flat)
+    out = {("model.language_model." + n[len("model."):] if n.startswith("model.") else n): a
+           for n, a in out.items()}
+    out["model.visual.patch_embed.proj.weight"] = np.ones((4, 3), np.float32)
+    out["mtp.fc.weight"] = np.ones((4, 4), np.float32)
+    return out
+
+
+@pytest.fixture(scope="module")
+def released(checkpoint, tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("qwen35_released"))
+    for name in os.listdir(checkpoint):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(checkpoint, name), path)
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        text = json.load(f)
+    config = {"architectures": ["Qwen3_5MoeForConditionalGeneration"],
+              "model_type": "qwen3_5_moe", "text_config": text,
+              "vision_config": {"depth": 1}, "tie_word_embeddings": text.get(
+                  "tie_word_embeddings", False)}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file(released_tensors(checkpoint), os.path.join(path, "model.safetensors"))
+    return path
+
+
+def test_released_form_loads_the_same_parameters(checkpoint, released):
+    mesh = make_mesh(jax.devices()[:1], 1, 1)
+    models = [load_model(ModelConfig.from_hf(p), mesh, jnp.float32)
+              for p in (checkpoint, released)]
+    flat, rel = ([np.asarray(x) for x in jax.tree.leaves(nnx.state(m, nnx.Param))]
+                 for m in models)
+    assert len(flat) == len(rel)
+    for a, b in zip(flat, rel, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_update_in_released_form_and_mtp_refused(engine, checkpoint):
+    arrays = {n: a for n, a in released_tensors(checkpoint).items()
+              if n.startswith("model.language_model.layers.0.")}
+    done = engine.update_weights_from_arrays(arrays)
+    assert done["num_parameters"] > 0
+    ids = prompt_ids(302, 30)
+    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": NEW_TOKENS,
+                                                          "temperature": 0.0},
+                          return_routed_experts=True)
+    _check(out, ids, checkpoint)  # the same values: the same tokens and rows
+    with pytest.raises(ValueError, match="MTP.*mtp.fc.weight"):
+        engine.update_weights_from_arrays({"mtp.fc.weight": np.ones((4, 4), np.float32)})

@@ -9,6 +9,8 @@ layer; routers redrawn until every selection gap clears 1e-3) is served by an En
   from the first chunk to the second, and the first chunk spanning more than the delta rule's
   64-token chunk) and a 23-token one, batched, then decoded greedily: every token and every
   routed-expert row equal the reference's;
+- four requests in a KV pool too small for them: decode retracts, and the resumed requests
+  (their states rebuilt by a prefill from position 0) still match;
 - the same long prompt again after the slot was used (a fresh request starts from zero
   states, whatever its slot's previous owner left);
 - the released form (``Qwen3_5MoeForConditionalGeneration``: ``text_config``,
@@ -49,7 +51,8 @@ NEW_TOKENS = 5
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("qwen35") / "tiny-qwen3.5-moe")
-    write_random_model(path, "tiny-qwen3.5-moe", seed=0)
+    # Seed 4: its routers clear the 1e-3 gap in 7 draws (seed 0 needs 29: ~15 s more).
+    write_random_model(path, "tiny-qwen3.5-moe", seed=4)
     return path
 
 
@@ -58,26 +61,28 @@ def _reference(path: str) -> Qwen35Reference:
     return Qwen35Reference(path)
 
 
-def reference_greedy(path: str, ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
-    """Greedy tokens by full float64 forwards, and the routed rows of prompt + output[:-1]."""
-    ref, seq = _reference(path), list(ids)
-    for _ in range(n):
-        seq.append(int(np.argmax(ref.forward(seq).logits[-1])))
-    return seq[len(ids):], ref.forward(seq[:-1]).topk_ids
+def reference_check(path: str, ids: list[int], output_ids: list[int]) -> tuple[list[int], np.ndarray]:
+    """One float64 forward of prompt + output[:-1]: the greedy token after each prefix ending
+    at or past the prompt's last token, and every position's routed rows. Equal greedy tokens
+    at every position mean the output is the reference's greedy continuation."""
+    out = _reference(path).forward(list(ids) + list(output_ids[:-1]))
+    return np.argmax(out.logits[len(ids) - 1:], axis=1).tolist(), out.topk_ids
 
 
 @pytest.fixture(scope="module")
 def engine(checkpoint):
     eng = Engine(**engine_args(model_path=checkpoint, enable_return_routed_experts=True,
                                chunked_prefill_size=96, precompile_token_paddings=[32, 96],
-                               precompile_bs_paddings=[1, 2]))
+                               precompile_bs_paddings=[1, 4], max_total_tokens=256,
+                               schedule_conservativeness=0.0))
     yield eng
     eng.shutdown()
 
 
-def _check(out: dict, ids: list[int], path: str) -> None:
+def _check(out: dict, ids: list[int], path: str, new_tokens: int = NEW_TOKENS) -> None:
     cfg = ModelConfig.from_hf(path)
-    tokens, rows = reference_greedy(path, ids, NEW_TOKENS)
+    assert len(out["output_ids"]) == new_tokens
+    tokens, rows = reference_check(path, ids, out["output_ids"])
     assert out["output_ids"] == tokens
     got = decoded_rows(out, cfg.num_hidden_layers, cfg.num_experts_per_tok)
     assert got.shape == rows.shape
@@ -86,7 +91,7 @@ def _check(out: dict, ids: list[int], path: str) -> None:
 
 def test_chunked_prefill_then_decode_matches_reference(engine, checkpoint):
     long_prompt, short_prompt = prompt_ids(300, 150), prompt_ids(301, 23)
-    params = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0}
+    params = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
     outs = engine.generate(input_ids=[long_prompt, short_prompt], sampling_params=params,
                            return_routed_experts=True)
     for out, ids in zip(outs, (long_prompt, short_prompt), strict=True):
@@ -97,6 +102,22 @@ def test_chunked_prefill_then_decode_matches_reference(engine, checkpoint):
                             return_routed_experts=True)
     assert again["meta_info"].get("cached_tokens", 0) == 0
     _check(again, long_prompt, checkpoint)
+    assert_no_leak(engine)
+
+
+def test_retraction_rebuilds_the_states(engine, checkpoint):
+    """A KV pool of 256 tokens for 4 requests of ~100: decode retracts; a retracted request
+    resumes by prefilling every token it has (prefix 0), which rebuilds its states."""
+    before = engine.get_server_info()["num_retractions"]
+    prompts = [prompt_ids(80 + i, 30 + 5 * i) for i in range(4)]
+    lens = [70, 60, 65, 55]
+    outs = engine.generate(
+        input_ids=prompts, return_routed_experts=True,
+        sampling_params=[{"temperature": 0.0, "ignore_eos": True, "max_new_tokens": n}
+                         for n in lens])
+    assert engine.get_server_info()["num_retractions"] > before
+    for ids, n, out in zip(prompts, lens, outs, strict=True):
+        _check(out, ids, checkpoint, n)
     assert_no_leak(engine)
 
 
@@ -170,7 +191,8 @@ def test_update_in_released_form_and_mtp_refused(engine, checkpoint):
     assert done["num_parameters"] > 0
     ids = prompt_ids(302, 30)
     out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": NEW_TOKENS,
-                                                          "temperature": 0.0},
+                                                          "temperature": 0.0,
+                                                          "ignore_eos": True},
                           return_routed_experts=True)
     _check(out, ids, checkpoint)  # the same values: the same tokens and rows
     with pytest.raises(ValueError, match="MTP.*mtp.fc.weight"):

@@ -83,6 +83,7 @@ E2E = [
     "tests/test_families_2026.py",
     "tests/test_qwen35_engine.py",
     "tests/test_qwen35_config.py",
+    "tests/test_gated_delta_packed.py",
     "tests/test_gated_delta.py",
     "tests/test_expert_distribution.py",
     "tests/test_eplb_engine.py",

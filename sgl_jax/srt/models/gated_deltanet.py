@@ -27,6 +27,7 @@ from flax import nnx
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.layers.attention import AttentionMetadata
 from sgl_jax.srt.layers.linear_attention import gated_delta
+from sgl_jax.srt.layers.linear_attention.packed import prefill_packed
 from sgl_jax.srt.models.common import param
 
 # Tokens per chunk of the chunked delta rule in a prefill (a multiple of 8; the within-chunk
@@ -83,9 +84,10 @@ class GatedDeltaNet(nnx.Module):
             fresh = meta.prefix_lens == 0  # a request's first chunk: start from zeros
             conv = jnp.where(fresh[:, None, None], jnp.zeros_like(conv), conv)
             rec = jnp.where(fresh[:, None, None, None], jnp.zeros_like(rec), rec)
-            y, conv, rec = gated_delta.prefill_ragged(
-                p, self.dims, x, meta.extend_starts, meta.extend_lens, conv, rec,
-                max_len=x.shape[0], chunk=PREFILL_CHUNK)
+            # Each row's tokens packed into whole chunks: at most T / C + B chunks a step
+            # (gated_delta.prefill_ragged would pad every row to the bucket's T tokens).
+            y, conv, rec = prefill_packed(p, self.dims, x, meta.extend_starts,
+                                          meta.extend_lens, conv, rec, chunk=PREFILL_CHUNK)
         conv_table = conv_table.at[slots].set(conv.astype(conv_table.dtype))
         rec_table = rec_table.at[slots].set(rec.astype(rec_table.dtype))
         return y, (conv_table, rec_table)

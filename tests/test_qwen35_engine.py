@@ -17,7 +17,9 @@ layer; routers redrawn until every selection gap clears 1e-3) is served by an En
   ``model.language_model.*`` names, fused experts, vision and MTP tensors) loads the same
   parameters; a weight update given in that form is read the same way, and MTP tensors in an
   update are refused by name;
-- the refusals by name (speculative decoding, TP) and the prefix cache turned off.
+- tp 2 x ep 2 on fake CPU devices (a ModelRunner in a subprocess): a prompt in two chunks
+  batched with a short one, then batched decode: tokens and rows equal the reference's;
+- the refusals by name (speculative decoding, DP attention) and the prefix cache turned off.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ import functools
 import json
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -37,13 +42,18 @@ from safetensors.numpy import load_file, save_file
 from sgl_jax import Engine
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.distributed import make_mesh
+from sgl_jax.srt.forward_batch_info import ForwardMode
+from sgl_jax.srt.model_executor.model_runner import ModelRunner
 from sgl_jax.srt.model_loader.loader import load_model
 from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.server_args_checks import check_for_linear_attention
-from sgl_jax.testing import engine_args
+from sgl_jax.testing import engine_args, fake_devices_flags
 from sgl_jax.tools.make_random_model import write_random_model
 from sgl_jax.tools.reference_qwen35 import Qwen35Reference
 from tests.engine_utils import assert_no_leak, decoded_rows, prompt_ids
+from tests.model_driver import ModelDriver
+
+REPO = Path(__file__).absolute().parents[1]
 
 NEW_TOKENS = 5
 
@@ -124,7 +134,8 @@ def test_retraction_rebuilds_the_states(engine, checkpoint):
 def test_refusals_name_the_flag(checkpoint):
     cfg = ModelConfig.from_hf(checkpoint)
     for flags, flag in (({"speculative_algorithm": "NGRAM"}, "--speculative-algorithm"),
-                        ({"tp_size": 2}, "--tp-size")):
+                        ({"dp_size": 2, "enable_dp_attention": True, "ep_size": 2},
+                         "--dp-size")):
         args = ServerArgs(model_path=checkpoint, **flags)
         with pytest.raises(ValueError, match=f"{flag}.*qwen3_5_moe"):
             check_for_linear_attention(args, cfg.linear_layers, cfg.family)
@@ -197,3 +208,47 @@ def test_update_in_released_form_and_mtp_refused(engine, checkpoint):
     _check(out, ids, checkpoint)  # the same values: the same tokens and rows
     with pytest.raises(ValueError, match="MTP.*mtp.fc.weight"):
         engine.update_weights_from_arrays({"mtp.fc.weight": np.ones((4, 4), np.float32)})
+
+
+# -- tp 2 x ep 2 on fake CPU devices (one worker process) -------------------------------------
+def _worker(path: str, out: str) -> None:
+    """Two requests on a tp 2 x ep 2 runner: the long one's first chunk alone, its second
+    chunk with the short prompt, then batched decode; saves each request's tokens and rows."""
+    args = ServerArgs(model_path=path, tp_size=2, ep_size=2, max_running_requests=4,
+                      chunked_prefill_size=96, precompile_token_paddings=[96],
+                      precompile_bs_paddings=[4], max_total_tokens=512,
+                      enable_return_routed_experts=True)
+    driver = ModelDriver(ModelRunner(args, ModelConfig.from_hf(path)))
+    long_prompt, short_prompt = prompt_ids(300, 150), prompt_ids(301, 23)
+    a, b = driver.new_seq(), driver.new_seq()
+    _, rows_a = driver.step(ForwardMode.EXTEND, [a], [long_prompt[:96]])
+    _, rows = driver.step(ForwardMode.EXTEND, [a, b], [long_prompt[96:], short_prompt])
+    rows_a, rows_b = rows_a + [rows[0]], [rows[1]]
+    tokens: list[list[int]] = [[], []]
+    for _ in range(NEW_TOKENS):
+        nxt = [int(t) for t in driver.last_next_ids]
+        tokens[0].append(nxt[0])
+        tokens[1].append(nxt[1])
+        _, rows = driver.step(ForwardMode.DECODE, [a, b], [[nxt[0]], [nxt[1]]])
+        rows_a.append(rows[0])
+        rows_b.append(rows[1])
+    np.savez(out, tokens=np.asarray(tokens), rows_a=np.concatenate(rows_a[:-1]),
+             rows_b=np.concatenate(rows_b[:-1]))
+
+
+def test_tp2_ep2_matches_reference(checkpoint, tmp_path):
+    out = str(tmp_path / "tp2ep2.npz")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": fake_devices_flags(4)}
+    proc = subprocess.run([sys.executable, "-m", "tests.test_qwen35_engine", checkpoint, out],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with np.load(out) as got:
+        for ids, tokens, rows in ((prompt_ids(300, 150), got["tokens"][0], got["rows_a"]),
+                                  (prompt_ids(301, 23), got["tokens"][1], got["rows_b"])):
+            want_tokens, want_rows = reference_check(checkpoint, ids, tokens.tolist())
+            assert tokens.tolist() == want_tokens
+            np.testing.assert_array_equal(rows, want_rows)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])

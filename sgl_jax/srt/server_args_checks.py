@@ -240,7 +240,8 @@ def check_for_linear_attention(args: ServerArgs, linear_layers: tuple[bool, ...]
                                family: str) -> None:
     """The options a model with linear-attention (Gated DeltaNet) layers runs with, checked
     once its config is read (``launch_engine``, the runner). ``ValueError`` naming the flag for
-    what is not supported yet; prefix reuse is turned off (``disable_radix_cache``), logged:
+    what is not supported yet (--tp-size / --ep-size are: the linear layers and the attention
+    are replicated, the experts split); prefix reuse is turned off (``disable_radix_cache``), logged:
     a cached prefix's KV does not give the linear layers' states at its end (they are a
     function of every earlier token, not stored per position), so a hit would be wrong."""
     if not any(linear_layers):
@@ -250,12 +251,12 @@ def check_for_linear_attention(args: ServerArgs, linear_layers: tuple[bool, ...]
             f"--speculative-algorithm {args.speculative_algorithm} is not supported for "
             f"{family} (linear-attention layers): a rejected draft token would advance the "
             "recurrent states; drop --speculative-algorithm")
-    for flag, value in (("--tp-size", args.tp_size), ("--ep-size", args.ep_size),
-                        ("--dp-size (DP attention)", args.dp_size),
+    for flag, value in (("--dp-size (DP attention)", args.dp_size),
                         ("--nnodes", args.nnodes)):
         if value != 1:
             raise ValueError(f"{flag} {value} is not supported for {family} "
-                             "(linear-attention layers) yet: serve it on one device")
+                             "(linear-attention layers) yet: use --tp-size / --ep-size on one "
+                             "node")
     if args.enable_eplb:
         raise ValueError(f"--enable-eplb is not supported for {family} (linear-attention "
                          "layers) yet; drop it")

@@ -49,8 +49,8 @@ class GatedDeltaNet(nnx.Module):
         dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
         conv, kernel = config.linear_conv_dim, config.linear_conv_kernel_dim
         self.dims = gated_delta.GatedDeltaDims(hk, hv, dk, dv, config.rms_norm_eps)
-        # Replicated over "tensor": in_proj_qkv's rows are [q | k | v] parts, so a head split
-        # needs a per-part shard (the engine refuses tp > 1 for this family for now).
+        # Replicated over "tensor" (every device computes the layer whole under --tp-size):
+        # in_proj_qkv's rows are [q | k | v] parts, so a head split needs a per-part shard.
         self.in_proj_qkv = _hf("in_proj_qkv.weight", (conv, hidden), dtype)
         self.in_proj_z = _hf("in_proj_z.weight", (hv * dv, hidden), dtype)
         self.in_proj_b = _hf("in_proj_b.weight", (hv, hidden), dtype)

@@ -34,7 +34,8 @@ class GatedAttention(nnx.Module):
     """GQA whose ``q_proj`` gives, per head, ``[query | gate]`` (``attn_output_gate``): the
     attention output (heads concatenated) is multiplied by sigmoid(gate) before ``o_proj``.
     q and k get a (1 + w) RMSNorm per head, then rotate-half RoPE on their first
-    ``rotary_dim`` dims."""
+    ``rotary_dim`` dims. Its weights are replicated (under --tp-size every device computes
+    the attention whole; the KV cache stays split by head, as GSPMD places it)."""
 
     def __init__(self, config: ModelConfig, dtype: jnp.dtype) -> None:
         hidden, heads, kv_heads, hd = (config.hidden_size, config.num_attention_heads,

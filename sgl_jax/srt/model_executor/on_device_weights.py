@@ -82,7 +82,6 @@ class OnDeviceUpdate:
                  measure_memory: bool = False) -> None:
         self.runner = runner
         self.measure_memory = measure_memory  # costs a scan of every live array
-        self.arrays = arrays
         self.source: Any = ArraySource(arrays)  # (mapped for the family in ``check``)
         self.state = jax.tree.unflatten(runner.param_treedef, runner.param_leaves)
         self.params: list[_Param] = []

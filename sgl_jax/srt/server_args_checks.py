@@ -6,6 +6,7 @@ made (its ``__post_init__``): it fills the defaults that depend on other options
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -237,3 +238,34 @@ def _check_speculative(args: ServerArgs, fail: Any) -> None:
     if (args.speculative_algorithm == "NGRAM"
             or args.expert_distribution_recorder_mode == "per_token"):
         args.disable_overlap_schedule = True
+
+
+def check_for_linear_attention(args: ServerArgs, linear_layers: tuple[bool, ...],
+                               family: str) -> None:
+    """The options a model with linear-attention (Gated DeltaNet) layers runs with, checked
+    once its config is read (``launch_engine``, the runner). ``ValueError`` naming the flag for
+    what is not supported yet (--tp-size / --ep-size are: the linear layers and the attention
+    are replicated, the experts split); prefix reuse is turned off (``disable_radix_cache``), logged:
+    a cached prefix's KV does not give the linear layers' states at its end (they are a
+    function of every earlier token, not stored per position), so a hit would be wrong."""
+    if not any(linear_layers):
+        return
+    if args.speculative_algorithm is not None:
+        raise ValueError(
+            f"--speculative-algorithm {args.speculative_algorithm} is not supported for "
+            f"{family} (linear-attention layers): a rejected draft token would advance the "
+            "recurrent states; drop --speculative-algorithm")
+    for flag, value in (("--dp-size (DP attention)", args.dp_size),
+                        ("--nnodes", args.nnodes)):
+        if value != 1:
+            raise ValueError(f"{flag} {value} is not supported for {family} "
+                             "(linear-attention layers) yet: use --tp-size / --ep-size on one "
+                             "node")
+    if args.enable_eplb:
+        raise ValueError(f"--enable-eplb is not supported for {family} (linear-attention "
+                         "layers) yet; drop it")
+    if not args.disable_radix_cache:
+        logging.getLogger(__name__).info(
+            "%s has linear-attention layers: prefix caching is off (a cached prefix's KV does "
+            "not give those layers' states at its end)", family)
+        args.disable_radix_cache = True

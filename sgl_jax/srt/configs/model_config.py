@@ -39,10 +39,11 @@ MAX_LAYERS = 1024  # num_hidden_layers: released MoE models have < 100
 SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM",
     "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "GptOssForCausalLM",
+    "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
 )
-# Read by ModelConfig (and the float64 reference) but not yet served by the engine: Qwen3.5-MoE's
-# Gated DeltaNet layers need per-request state slots in the step (models/registry.py refuses).
-CONFIG_ONLY_ARCHITECTURES = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")
+# Read by ModelConfig but not served by the engine (none at the moment; Qwen3.5-MoE was until
+# its Gated DeltaNet states were wired into the step).
+CONFIG_ONLY_ARCHITECTURES: tuple[str, ...] = ()
 
 
 def resolve_model_path(model_path: str | None) -> str:

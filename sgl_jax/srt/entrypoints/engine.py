@@ -53,6 +53,7 @@ from sgl_jax.srt.managers.request_options import RequestOptions
 from sgl_jax.srt.managers.tokenizer_manager import EngineDeadError, TokenizerManager
 from sgl_jax.srt.sampling.sampling_params import SamplingParams
 from sgl_jax.srt.server_args import PortArgs, ServerArgs
+from sgl_jax.srt.server_args_checks import check_for_linear_attention
 from sgl_jax.srt.utils import EngineStartupError, configure_logging
 
 if TYPE_CHECKING:
@@ -159,6 +160,9 @@ def launch_engine(server_args: ServerArgs,
     """Starts the child processes (or, single-process, the threads: on ``mesh`` if given)
     and the tokenizer manager that talks to them."""
     model_config = ModelConfig.from_hf(server_args.model_path, server_args.context_length)
+    # Refusals by flag, and no prefix cache, for linear-attention layers (before any child
+    # process gets the args).
+    check_for_linear_attention(server_args, model_config.linear_layers, model_config.family)
     port_args = PortArgs.new()
     t0 = time.perf_counter()
     procs: EngineWorkers

@@ -20,3 +20,12 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.weight[...], self.eps)
+
+
+class RMSNormPlusOne(RMSNorm):
+    """RMSNorm computing ``x * (1 + w)`` (Qwen3.5-MoE's decoder, final and q/k norms). The
+    parameter holds the checkpoint's ``w`` as is (initialised around 0), so loads and weight
+    updates need no conversion."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, 1.0 + self.weight[...].astype(jnp.float32), self.eps)

@@ -58,6 +58,7 @@ from sgl_jax.srt.layers.moe.expert_distribution import ExpertDistributionRecorde
 from sgl_jax.srt.layers.moe.experts import create_moe_backend
 from sgl_jax.srt.layers.moe.placement import ExpertPlacement
 from sgl_jax.srt.mem_cache.memory_pool import ReqToTokenPool
+from sgl_jax.srt.model_executor import linear_state
 from sgl_jax.srt.model_executor.eplb_manager import EplbManager
 from sgl_jax.srt.model_executor.kv_memory import (
     KvLayout,
@@ -80,6 +81,7 @@ from sgl_jax.srt.model_executor.step_program import StepOutput, StepProgram
 from sgl_jax.srt.model_loader.loader import abstract_model, load_model
 from sgl_jax.srt.models.backends import ModelBackends
 from sgl_jax.srt.server_args import ServerArgs
+from sgl_jax.srt.server_args_checks import check_for_linear_attention
 from sgl_jax.srt.speculative import device_inputs
 from sgl_jax.srt.speculative.eagle import EagleDraft, draft_config, load_draft
 from sgl_jax.srt.speculative.nextn import MtpDraft, load_mtp, mtp_config
@@ -115,6 +117,7 @@ class ModelRunner:
                 server_args.dist_init_addr, server_args.nnodes, server_args.node_rank
             )
             devices = select_devices(jax.devices(), server_args.device_indexes)
+        check_for_linear_attention(server_args, model_config.linear_layers, model_config.family)
         check_parallel_layout(model_config, server_args.tp_size, server_args.ep_size, len(devices))
         self.mesh = (check_mesh(mesh, server_args.tp_size, server_args.ep_size) if mesh is not None
                      else make_mesh(devices, server_args.tp_size, server_args.ep_size))
@@ -184,7 +187,10 @@ class ModelRunner:
         self.param_leaves, self.param_treedef = jax.tree.flatten(params)
         self.load_seconds = time.perf_counter() - t0
 
-        kv_layers = model_config.num_hidden_layers + (1 if self.draft_steps else 0)
+        # Linear-attention layers (Qwen3.5-MoE) have state tables instead of KV pages.
+        hybrid = any(model_config.linear_layers)
+        kv_layers = ((linear_state.kv_layers(model_config) if hybrid
+                      else model_config.num_hidden_layers) + (1 if self.draft_steps else 0))
         self.max_total_tokens = resolve_max_total_tokens(
             server_args.max_total_tokens, self.max_running_requests, self.context_len,
             self.page_size, kv_bytes_per_token(model_config, self.dtype, kv_layers))
@@ -194,7 +200,10 @@ class ModelRunner:
         self.token_to_kv_pool_allocator = self.kv_allocators[0]
         # The slot each rank's padded tokens write (slot 0 without DP attention).
         self.padding_slots = [a.padding_slot for a in self.kv_allocators]
-        self.kv_caches = layout.kv_caches(model_config, kv_layers, self.dtype, self.mesh, abstract)
+        self.kv_caches = (
+            linear_state.hybrid_caches(layout, model_config, self.dtype, self.mesh, abstract,
+                                       self.max_running_requests + 1) if hybrid
+            else layout.kv_caches(model_config, kv_layers, self.dtype, self.mesh, abstract))
         replicated = NamedSharding(self.mesh, PartitionSpec())
         # Request slot max_running_requests is the padding rows' spare row, in both tables.
         self.no_req_slot = self.max_running_requests
@@ -276,7 +285,7 @@ class ModelRunner:
     def memory_report(self) -> dict[str, int]:
         return {
             "parameters": sum(nbytes(x) for x in self.param_leaves),
-            "kv_cache": sum(nbytes(kv) for kv in self.kv_caches),
+            "kv_cache": sum(nbytes(kv) for kv in jax.tree.leaves(self.kv_caches)),
             "page_table": nbytes(self.req_to_page),
             **self.capturer.memory_report(),
         }
@@ -290,7 +299,9 @@ class ModelRunner:
         """Frees the device arrays of ``tags``: "kv_cache" (contents dropped), "weights"
         (kept in host memory). No step may run until they are resumed."""
         if "kv_cache" in tags:
-            self.kv_caches = self._memory.release("kv_cache", self.kv_caches, keep=False)
+            # (A list of arrays, or with linear layers of arrays and state-table pairs.)
+            leaves, self._kv_treedef = jax.tree.flatten(self.kv_caches)
+            self.kv_caches = self._memory.release("kv_cache", leaves, keep=False)
         if "weights" in tags:
             self.param_leaves = self._memory.release("weights", self.param_leaves, keep=True)
 
@@ -300,7 +311,8 @@ class ModelRunner:
         if "weights" in tags:
             self.param_leaves = self._memory.resume("weights")
         if "kv_cache" in tags:
-            self.kv_caches = self._memory.resume("kv_cache")
+            self.kv_caches = jax.tree.unflatten(self._kv_treedef,
+                                                self._memory.resume("kv_cache"))
 
     def released_memory(self) -> frozenset[str]:
         return self._memory.released()

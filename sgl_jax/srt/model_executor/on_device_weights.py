@@ -44,6 +44,7 @@ from sgl_jax.srt.model_loader.loader import (
     is_stacked_experts,
     plan_params,
 )
+from sgl_jax.srt.model_loader.qwen35_names import family_source
 
 
 @dataclass
@@ -81,7 +82,7 @@ class OnDeviceUpdate:
                  measure_memory: bool = False) -> None:
         self.runner = runner
         self.measure_memory = measure_memory  # costs a scan of every live array
-        self.source = ArraySource(arrays)
+        self.source: Any = ArraySource(arrays)  # (mapped for the family in ``check``)
         self.state = jax.tree.unflatten(runner.param_treedef, runner.param_leaves)
         self.params: list[_Param] = []
         self.host_bytes = 0
@@ -91,6 +92,7 @@ class OnDeviceUpdate:
     def check(self) -> None:
         runner = self.runner
         cfg = runner.model_config
+        self.source = family_source(cfg.family, self.source, updating=True)
         plan = plan_params(cfg, self.state, runner.expert_placement, self.source, partial=True)
         with no_host_transfers():
             for path, var, names, transpose in plan:

@@ -41,6 +41,7 @@ from sgl_jax.srt.model_loader.loader import (
     mtp_tensor_names,
     read_params,
 )
+from sgl_jax.srt.model_loader.qwen35_names import family_source
 from sgl_jax.srt.speculative.nextn import mtp_config, read_mtp_params
 
 logger = logging.getLogger(__name__)
@@ -137,7 +138,9 @@ class WeightUpdater:
         """Every parameter from the checkpoint at ``model_path``; returns the count."""
         def read() -> tuple[list, int]:
             check_compatible(self.runner.model_config, model_path)
-            return self._read(SafetensorsCheckpoint(model_path), partial=False)
+            family = self.runner.model_config.family
+            return self._read(family_source(family, SafetensorsCheckpoint(model_path)),
+                              partial=False)
         return self._replace(model_path, read)
 
     def update_from_arrays(self, arrays: dict[str, Any], measure_memory: bool = False) -> int:
@@ -153,9 +156,15 @@ class WeightUpdater:
         if not mtp and all(isinstance(a, jax.Array) for a in arrays.values()):
             return self._update_on_device(arrays, measure_memory)
         count = self._replace(ArraySource.where,
-                              lambda: self._read(ArraySource(arrays), partial=True))
+                              lambda: self._read(self._array_source(arrays), partial=True))
         self.host_bytes = sum(a.nbytes for a in arrays.values() if isinstance(a, np.ndarray))
         return count
+
+    def _array_source(self, arrays: dict[str, Any]) -> Any:
+        """The arrays as the model reads them (Qwen3.5-MoE: its names mapped, MTP tensors
+        refused by name: ``model_loader/qwen35_names.py``)."""
+        return family_source(self.runner.model_config.family, ArraySource(arrays),
+                             updating=True)
 
     def _update_on_device(self, arrays: dict[str, jax.Array], measure_memory: bool) -> int:
         """Checks everything, agrees the outcome with the other nodes (one node in practice:
@@ -163,7 +172,8 @@ class WeightUpdater:
         t0 = time.perf_counter()
         # The last step's outputs (the KV cache) ready: no step reads the parameters any
         # more. (Not every live array: in the trainer's process those are the trainer's too.)
-        jax.block_until_ready([a for a in self.runner.kv_caches if isinstance(a, jax.Array)])
+        jax.block_until_ready([a for a in jax.tree.leaves(self.runner.kv_caches)
+                               if isinstance(a, jax.Array)])
         update = OnDeviceUpdate(self.runner, arrays, measure_memory)
         error = None
         try:

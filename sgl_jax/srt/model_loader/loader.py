@@ -32,6 +32,7 @@ from sgl_jax.srt.layers.moe.ep_moe import ExpertLocation, apply_placement, layer
 from sgl_jax.srt.layers.moe.placement import ExpertPlacement, replica_tables
 from sgl_jax.srt.model_loader import fused_experts
 from sgl_jax.srt.model_loader.fused_experts import FUSED
+from sgl_jax.srt.model_loader.qwen35_names import family_source
 from sgl_jax.srt.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -240,7 +241,8 @@ def load_model(
     abstract = nnx.eval_shape(lambda: model_cls(config, dtype))
     graphdef, state = nnx.split(abstract)
     placement = _checked_placement(config, placement, mesh.shape["expert"])
-    pure = read_params(config, state, mesh, placement, SafetensorsCheckpoint(config.model_path))
+    source = family_source(config.family, SafetensorsCheckpoint(config.model_path))
+    pure = read_params(config, state, mesh, placement, source)
     if placement.dynamic:
         pure.update(location_values(config, state, mesh, placement))
     for path, var in _flat_params(state):

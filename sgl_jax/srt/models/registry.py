@@ -11,23 +11,24 @@ from sgl_jax.srt.models.gpt_oss import GptOssForCausalLM
 from sgl_jax.srt.models.minimax_m2 import MiniMaxM2ForCausalLM
 from sgl_jax.srt.models.mixtral import MixtralForCausalLM
 from sgl_jax.srt.models.qwen2_moe import Qwen2MoeForCausalLM
+from sgl_jax.srt.models.qwen3_5_moe import (
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+)
 from sgl_jax.srt.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[nnx.Module]] = {
     cls.__name__: cls
     for cls in (Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM,
                 DeepseekV3ForCausalLM, Glm4MoeForCausalLM, MiniMaxM2ForCausalLM,
-                GptOssForCausalLM)
+                GptOssForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration)
 }
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES)
 
 
 def get_model_class(architecture: str) -> type[nnx.Module]:
     if architecture in CONFIG_ONLY_ARCHITECTURES:
-        raise ValueError(
-            f"{architecture} (Qwen3.5-MoE) is not served yet: its config, float64 reference and "
-            "Gated DeltaNet layer exist, but the per-request linear-attention state slots are "
-            "not wired into the engine step")
+        raise ValueError(f"{architecture} is read by ModelConfig but not served yet")
     try:
         return _MODELS[architecture]
     except KeyError:

@@ -1,0 +1,93 @@
+"""Qwen3.5-MoE's Gated DeltaNet (linear attention) mixer over the engine's per-request states.
+
+The layer's math is ``layers/linear_attention/gated_delta.py`` (pure functions of the params,
+the tokens and the two states); this module holds the weights under their Hugging Face names
+and moves the states between the step and the layer's state tables:
+
+* ``conv`` ``[S + 1, conv_dim, K - 1]`` (model dtype) and ``recurrent`` ``[S + 1, Hv, dk, dv]``
+  (float32), one row per request slot (``batch.req_pool_indices``, the slot a request holds
+  for exactly as long as its ``req.state_slot``), row ``S`` the padding rows' scratch row;
+  they ride in the step's donated ``kv_caches`` list in place of a KV array (the runner builds
+  them: ``model_executor/linear_state.py``).
+* An extend row whose ``prefix_lens`` is 0 starts a request: its states are zeros whatever its
+  slot's row holds (a slot's previous owner). Prefix reuse is off for these models, so a row
+  with a prefix is exactly a later chunk of the same request (chunked prefill), which
+  continues from the states the previous chunk wrote.
+
+Weights are kept in the checkpoint's orientation (``[out, in]``; ``conv1d.weight`` as
+``[conv_dim, 1, K]``): the pure functions take them so, and loads and updates copy them as is.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.layers.attention import AttentionMetadata
+from sgl_jax.srt.layers.linear_attention import gated_delta
+from sgl_jax.srt.layers.linear_attention.packed import prefill_packed
+from sgl_jax.srt.models.common import param
+
+# Tokens per chunk of the chunked delta rule in a prefill (a multiple of 8; the within-chunk
+# solve is C x C per head).
+PREFILL_CHUNK = 64
+
+LinearState = tuple[jax.Array, jax.Array]  # (conv [S + 1, C, K - 1], recurrent [S + 1, Hv, dk, dv])
+
+
+def _hf(name: str, shape: tuple[int, ...], dtype: jnp.dtype) -> nnx.Param:
+    """A replicated parameter read as is (not transposed) from ``linear_attn.<name>``."""
+    return param(shape, dtype, (None,) * len(shape), (name, False))
+
+
+class GatedDeltaNet(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype: jnp.dtype) -> None:
+        hidden = config.hidden_size
+        hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+        dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+        conv, kernel = config.linear_conv_dim, config.linear_conv_kernel_dim
+        self.dims = gated_delta.GatedDeltaDims(hk, hv, dk, dv, config.rms_norm_eps)
+        # Replicated over "tensor" (every device computes the layer whole under --tp-size):
+        # in_proj_qkv's rows are [q | k | v] parts, so a head split needs a per-part shard.
+        self.in_proj_qkv = _hf("in_proj_qkv.weight", (conv, hidden), dtype)
+        self.in_proj_z = _hf("in_proj_z.weight", (hv * dv, hidden), dtype)
+        self.in_proj_b = _hf("in_proj_b.weight", (hv, hidden), dtype)
+        self.in_proj_a = _hf("in_proj_a.weight", (hv, hidden), dtype)
+        self.conv1d = _hf("conv1d.weight", (conv, 1, kernel), dtype)
+        self.dt_bias = _hf("dt_bias", (hv,), dtype)
+        self.A_log = _hf("A_log", (hv,), dtype)
+        self.norm = _hf("norm.weight", (dv,), dtype)  # the gated output norm: w itself
+        self.out_proj = _hf("out_proj.weight", (hidden, hv * dv), dtype)
+
+    def params(self) -> gated_delta.GatedDeltaParams:
+        return gated_delta.GatedDeltaParams(
+            in_proj_qkv=self.in_proj_qkv[...], in_proj_z=self.in_proj_z[...],
+            in_proj_b=self.in_proj_b[...], in_proj_a=self.in_proj_a[...],
+            conv1d=self.conv1d[...][:, 0, :], dt_bias=self.dt_bias[...], A_log=self.A_log[...],
+            norm=self.norm[...], out_proj=self.out_proj[...])
+
+    def __call__(self, x: jax.Array, slots: jax.Array, meta: AttentionMetadata,
+                 state: LinearState) -> tuple[jax.Array, LinearState]:
+        """x ``[T, hidden]`` (normed) -> (``[T, hidden]``, the updated state tables).
+        ``slots`` ``[B]``: each batch row's state row (padding rows: the scratch row)."""
+        conv_table, rec_table = state
+        conv, rec = conv_table[slots], rec_table[slots]
+        p = self.params()
+        if meta.is_decode:  # one token per row, tokens in row order
+            if x.shape[0] != slots.shape[0]:
+                raise ValueError(f"a decode step has one token per row: {x.shape[0]} tokens, "
+                                 f"{slots.shape[0]} rows")
+            y, conv, rec = gated_delta.decode(p, self.dims, x, conv, rec)
+        else:
+            fresh = meta.prefix_lens == 0  # a request's first chunk: start from zeros
+            conv = jnp.where(fresh[:, None, None], jnp.zeros_like(conv), conv)
+            rec = jnp.where(fresh[:, None, None, None], jnp.zeros_like(rec), rec)
+            # Each row's tokens packed into whole chunks: at most T / C + B chunks a step
+            # (gated_delta.prefill_ragged would pad every row to the bucket's T tokens).
+            y, conv, rec = prefill_packed(p, self.dims, x, meta.extend_starts,
+                                          meta.extend_lens, conv, rec, chunk=PREFILL_CHUNK)
+        conv_table = conv_table.at[slots].set(conv.astype(conv_table.dtype))
+        rec_table = rec_table.at[slots].set(rec.astype(rec_table.dtype))
+        return y, (conv_table, rec_table)

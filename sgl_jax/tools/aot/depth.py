@@ -11,8 +11,12 @@ from sgl_jax.tools.aot.hlo.breakdown import scale_classes
 
 
 def with_pattern(cfg: Any, pattern: tuple[bool, ...]) -> Any:
-    """The config with ``len(pattern)`` decoder layers, layer i MoE iff ``pattern[i]``."""
-    return dataclasses.replace(cfg, num_hidden_layers=len(pattern), moe_layers=tuple(pattern))
+    """The config with ``len(pattern)`` decoder layers, layer i MoE iff ``pattern[i]``.
+    Per-layer attention kinds (gpt-oss's sliding layers) keep the model's own order, cut to
+    the slice's depth: with an even A and B, half of each slice slides, as in the model."""
+    n = len(pattern)
+    return dataclasses.replace(cfg, num_hidden_layers=n, moe_layers=tuple(pattern),
+                               sliding_layers=cfg.sliding_layers[:n])
 
 
 def slice_patterns(cfg: Any, a: int, b: int) -> list[tuple[bool, ...]]:

@@ -36,19 +36,23 @@ def resolve_config_path(spec: str) -> tuple[str, dict]:
 
 def resolve_attention_backend(cfg: Any, requested: str | None) -> str:
     """pallas for GQA (the TPU default); native for MLA, which JAX's ragged paged attention
-    kernel cannot run (it reads separate K/V heads, not a latent row)."""
-    if cfg.attention != "mla":
+    kernel cannot run (it reads separate K/V heads, not a latent row), and for attention
+    sinks (gpt-oss), which it has no sink logit for."""
+    if cfg.attention == "mla":
+        why = (f"{cfg.architecture}'s multi-head latent attention (MLA: one latent KV row per "
+               "token; JAX's ragged paged attention kernel reads separate K/V heads)")
+    elif cfg.attention_sinks:
+        why = (f"{cfg.architecture}'s attention sinks (JAX's ragged paged attention kernel has "
+               "no sink logit)")
+    else:
         return requested or "pallas"
     if requested == "pallas":
         raise ReportError(
-            f"--attention-backend pallas cannot run {cfg.architecture}'s multi-head latent "
-            "attention (MLA: one latent KV row per token; JAX's ragged paged attention kernel "
-            "reads separate K/V heads). Omit --attention-backend (MLA models default to "
-            "native) or pass --attention-backend native"
+            f"--attention-backend pallas cannot run {why}. Omit --attention-backend (such "
+            "models default to native) or pass --attention-backend native"
         )
     if requested is None:
-        logger.info("%s uses multi-head latent attention: --attention-backend native",
-                    cfg.architecture)
+        logger.info("--attention-backend native: %s", why)
     return "native"
 
 

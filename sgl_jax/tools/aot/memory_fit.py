@@ -11,13 +11,15 @@ from sgl_jax.tools.aot.topology import GiB
 
 
 def max_requests_that_fit(free_bytes: float, kv_per_token: float, context_len: int,
-                          dp: int) -> int:
+                          dp: int, state_per_request: float = 0.0) -> int:
     """Largest GLOBAL number of requests at ``context_len`` positions whose KV fits in
     ``free_bytes`` per device: each attention rank holds its own requests' KV (``dp`` ranks,
-    1 without DP), a device ``kv_per_token`` bytes per token of its rank's requests."""
+    1 without DP), a device ``kv_per_token`` bytes per token of its rank's requests, plus
+    ``state_per_request`` (Qwen3.5's linear-attention states, replicated: a slot's row in
+    every linear layer's tables)."""
     if free_bytes <= 0:
         return 0
-    return dp * int(free_bytes // (kv_per_token * context_len))
+    return dp * int(free_bytes // (kv_per_token * context_len + state_per_request))
 
 
 def check_fit(params: int, kv: int, hbm: float, cfg: Any, args: argparse.Namespace,

@@ -23,15 +23,16 @@ def max_requests_that_fit(free_bytes: float, kv_per_token: float, context_len: i
 
 
 def check_fit(params: int, kv: int, hbm: float, cfg: Any, args: argparse.Namespace,
-              kv_per_token: float) -> None:
+              kv_per_token: float, state_per_request: float = 0.0) -> None:
     if params + kv <= hbm:
         return
     free = hbm - params
     if free > 0:
         # Global requests: with DP each rank holds its own requests' KV.
-        max_bs = max_requests_that_fit(free, kv_per_token, args.context_len, args.dp_size)
+        max_bs = max_requests_that_fit(free, kv_per_token, args.context_len, args.dp_size,
+                                       state_per_request)
         rank_bs = -(-max(args.decode_bs) // args.dp_size)
-        max_ctx = int(free // (kv_per_token * rank_bs))
+        max_ctx = max(0, int((free / rank_bs - state_per_request) // kv_per_token))
         kv_hint = (
             f"at --context-len {args.context_len} at most {max_bs} requests fit next to the "
             f"parameters (or --decode-bs {max(args.decode_bs)} at --context-len <= {max_ctx})"

@@ -10,6 +10,7 @@ import os
 from sgl_jax.tools.aot.accounting import (
     full_attention_layers,
     kv_bytes_per_token_per_device,
+    linear_state_bytes_per_request,
     shard_bytes,
 )
 from sgl_jax.tools.aot.buckets import Bucket, dp_buckets, extend_buckets
@@ -69,7 +70,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         "cache %.2f GiB, HBM %.2f GiB", args.topology, len(devices), kind, chip.name,
         args.tp_size, args.ep_size, args.dp_size, params / GiB, kv / GiB, hbm / GiB,
     )
-    check_fit(params, kv, hbm, cfg, args, kv_per_token)
+    check_fit(params, kv, hbm, cfg, args, kv_per_token,
+              linear_state_bytes_per_request(cfg, itemsize))
     args.resolved_moe_backend = full.backends.moe.name
 
     buckets = dp_buckets(args.decode_bs, args.prefill_tokens, args.prefill_requests,

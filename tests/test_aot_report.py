@@ -26,10 +26,11 @@ from sgl_jax.tools.aot.accounting import (
     ideal_flops,
     kernel_cost_per_call,
     kv_bytes_per_token_per_device,
+    linear_state_bytes_per_request,
 )
 from sgl_jax.tools.aot.buckets import Bucket, dp_buckets
 from sgl_jax.tools.aot.cli import parse_args
-from sgl_jax.tools.aot.depth import slice_patterns
+from sgl_jax.tools.aot.depth import slice_patterns, with_pattern
 from sgl_jax.tools.aot.hlo.collectives import collective_bytes
 from sgl_jax.tools.aot.memory_fit import max_requests_that_fit
 from sgl_jax.tools.aot.tables import format_verify_notes
@@ -425,3 +426,63 @@ def test_dp_accounting() -> None:
     assert per_op == {"all-reduce": psum + tensor, "all-gather": gather,
                       "collective-permute": permute, "reduce-scatter": scatter}
     assert total == psum + tensor + gather + permute + scatter
+
+
+def test_qwen35_accounting() -> None:
+    # Qwen3.5-35B-A3B: 40 layers, 3 Gated DeltaNet then 1 full attention, 10 times. Figures
+    # written out from the config's widths, independently of accounting.py's formulas.
+    q = bundled("qwen3.5-35b-a3b")
+    assert q.linear_layers == (True, True, True, False) * 10
+    h, conv = 2048, 2 * 16 * 128 + 32 * 128
+    linear = h * conv + h * 4096 + 2 * h * 32 + conv * 4 + 4096 * h
+    full = h * (2 * 16 * 256 + 2 * 2 * 256) + 16 * 256 * h  # q_proj gives [query | gate]
+    moe = h * 256 + 8 * 3 * h * 512 + 3 * h * 512 + h
+    layers, head = active_params_per_token(q)
+    assert layers == 30 * linear + 10 * full + 40 * moe and head == h * 248320
+    assert 2.9e9 < layers + head < 3.0e9  # "A3B" (the input embeddings are not counted)
+    # KV only in the 10 full-attention layers (2 KV heads of 256, K and V, bf16, split over
+    # tp 2); the states: float32 [32, 128, 128] + conv [8192, 3] bf16 in each of 30 layers.
+    assert kv_bytes_per_token_per_device(q, 2, 2) == 10 * 2 * 2 * 256 * 2 / 2
+    assert linear_state_bytes_per_request(q, 2) == 30 * (32 * 128 * 128 * 4 + conv * 3 * 2)
+    # Ideal decode FLOPs: projections, LM head, attention in full layers over the context,
+    # the delta rule's 6 * Hv * dk * dv per token in linear layers.
+    b = Bucket("decode", 64, 64, 64, 1, 4095)
+    attention = 16 * 4 * 256 * b.q_kv_pairs * 10
+    recurrence = 6 * 32 * 128 * 128 * 64 * 30
+    assert ideal_flops(q, b) == 2 * layers * 64 + 2 * head * 64 + attention + recurrence
+    # Truncated slices keep the 3 : 1 mix (A, B multiples of 4).
+    cut = with_pattern(q, (True,) * 8)
+    assert cut.linear_layers == (True, True, True, False) * 2
+    assert kv_bytes_per_token_per_device(cut, 2, 2) == 2 * 2 * 2 * 256 * 2 / 2
+    # A request's states count against the batch that fits: 16 GB free at 4096 tokens.
+    per_request = 4096 * kv_bytes_per_token_per_device(q, 2, 2) + linear_state_bytes_per_request(q, 2)
+    assert max_requests_that_fit(16e9, kv_bytes_per_token_per_device(q, 2, 2), 4096, 1,
+                                 linear_state_bytes_per_request(q, 2)) == int(16e9 // per_request)
+
+
+@needs_libtpu
+def test_qwen35_report_json(tmp_path: Path) -> None:
+    # Qwen3.5-MoE at small widths, 4 layers (3 linear, 1 full): compiles with the state
+    # tables in the caches; KV per token counts the one full-attention layer only.
+    config = json.loads((CONFIGS / "qwen3.5-35b-a3b" / "config.json").read_text())
+    config.update(num_hidden_layers=4, layer_types=config["layer_types"][:4], hidden_size=512,
+                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                  shared_expert_intermediate_size=256, num_attention_heads=4, head_dim=128,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                  linear_value_head_dim=64, vocab_size=8192)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    proc = run_tool(
+        "--model-config", str(tmp_path), "--topology", "v5e:2x2", "--tp-size", "2",
+        "--decode-bs", "8", "--prefill-tokens", "0", "--context-len", "512", "--json",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [r] = json.loads(proc.stdout)
+    assert r["family"] == "qwen3_5_moe" and r["linear_layers"] == 3
+    assert r["kv_bytes_per_token_per_device"] == 1 * 2 * 2 * 128 * 2 / 2
+    state = 3 * (4 * 64 * 64 * 4 + (2 * 2 * 64 + 4 * 64) * 3 * 2)
+    assert r["linear_state_bytes_per_request"] == state
+    assert r["linear_state_bytes_per_step_per_device"] == 2 * 8 * state
+    # The kernel ran in the one full-attention layer; the states are in the cache bytes.
+    assert r["kernel_flops"] > 0
+    assert r["kv_cache_bytes_per_device"] > 9 * state
+    assert r["compiled_flops"] > 0 and r["ideal_flops"] > 0

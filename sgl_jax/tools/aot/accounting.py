@@ -20,12 +20,57 @@ def attention_params(cfg: Any) -> int:
     h, heads = cfg.hidden_size, cfg.num_attention_heads
     if cfg.attention != "mla":
         d = cfg.head_dim
-        return h * (heads + 2 * cfg.num_key_value_heads) * d + heads * d * h
+        # attn_output_gate (Qwen3.5): q_proj gives [query | gate] per head, twice the rows.
+        q = heads * d * (2 if cfg.attn_output_gate else 1)
+        return h * (q + 2 * cfg.num_key_value_heads * d) + heads * d * h
     q_out = heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
     q = h * q_out if cfg.q_lora_rank is None else h * cfg.q_lora_rank + cfg.q_lora_rank * q_out
     kv_a = h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     kv_b = cfg.kv_lora_rank * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
     return q + kv_a + kv_b + heads * cfg.v_head_dim * h
+
+
+def linear_attention_params(cfg: Any) -> int:
+    """Per-token parameters of one Gated DeltaNet layer (Qwen3.5): in_proj_qkv (``hidden *
+    conv_dim``), in_proj_z (``hidden * Hv * dv``), in_proj_b and in_proj_a (``hidden * Hv``
+    each), the depthwise causal conv (``conv_dim * K``: ``2 * K`` FLOPs per channel and token)
+    and out_proj (``Hv * dv * hidden``)."""
+    h, hv = cfg.hidden_size, cfg.linear_num_value_heads
+    value = hv * cfg.linear_value_head_dim
+    conv = cfg.linear_conv_dim
+    return h * conv + h * value + 2 * h * hv + conv * cfg.linear_conv_kernel_dim + value * h
+
+
+def linear_layer_count(cfg: Any) -> int:
+    return sum(cfg.linear_layers)
+
+
+def full_attention_layers(cfg: Any) -> int:
+    """Layers with a KV cache and a paged attention call (all but the linear ones)."""
+    return cfg.num_hidden_layers - linear_layer_count(cfg)
+
+
+def recurrence_flops_per_token(cfg: Any) -> int:
+    """FLOPs of one token's gated delta rule in one linear layer, per the recurrent form:
+    per value head ``2 * dk * dv`` each for the readout ``S^T k``, the rank-1 update
+    ``k (beta (v - S^T k))^T`` and the output ``S^T q`` (the decay ``g * S``, ``dk * dv``
+    multiplies, and the chunked form's extra work at prefill are not counted: the ideal is
+    the recurrence itself)."""
+    if not cfg.linear_layers:
+        return 0
+    return 6 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+
+
+def linear_state_bytes_per_request(cfg: Any, itemsize: int) -> int:
+    """Bytes one request's states take in all linear layers: the float32 recurrent state
+    ``Hv * dk * dv * 4`` and the conv state ``conv_dim * (K - 1)`` (model dtype) per layer.
+    A decode step reads and writes them once: twice this (``state_bytes_per_decode_step``)."""
+    if not cfg.linear_layers:
+        return 0
+    recurrent = (cfg.linear_num_value_heads * cfg.linear_key_head_dim
+                 * cfg.linear_value_head_dim * 4)
+    conv = cfg.linear_conv_dim * (cfg.linear_conv_kernel_dim - 1) * itemsize
+    return linear_layer_count(cfg) * (recurrent + conv)
 
 
 def moe_params(cfg: Any) -> int:
@@ -41,8 +86,11 @@ def moe_params(cfg: Any) -> int:
 def active_params_per_token(cfg: Any) -> tuple[int, int]:
     """(per-token parameters of all decoder layers, LM head parameters)."""
     attn, moe = attention_params(cfg), moe_params(cfg)
+    linear = linear_attention_params(cfg) if cfg.linear_layers else 0
     dense = 3 * cfg.hidden_size * cfg.intermediate_size
-    layers = sum(attn + (moe if is_moe else dense) for is_moe in cfg.moe_layers)
+    kinds = cfg.linear_layers or (False,) * cfg.num_hidden_layers
+    layers = sum((linear if is_linear else attn) + (moe if is_moe else dense)
+                 for is_moe, is_linear in zip(cfg.moe_layers, kinds, strict=True))
     return layers, cfg.hidden_size * cfg.vocab_size
 
 
@@ -55,17 +103,24 @@ def attention_flops_per_pair(cfg: Any) -> int:
     return 4 * cfg.head_dim
 
 
+def ideal_attention_flops(cfg: Any, b: Bucket) -> int:
+    """Exact causal attention over the context in the full-attention layers, plus the gated
+    delta rule's recurrence in the linear ones."""
+    full = (cfg.num_attention_heads * attention_flops_per_pair(cfg) * b.q_kv_pairs
+            * full_attention_layers(cfg))
+    return full + recurrence_flops_per_token(cfg) * b.tokens * linear_layer_count(cfg)
+
+
 def ideal_flops(cfg: Any, b: Bucket) -> int:
     layers, head = active_params_per_token(cfg)
-    attention = (cfg.num_attention_heads * attention_flops_per_pair(cfg) * b.q_kv_pairs
-                 * cfg.num_hidden_layers)
-    return 2 * layers * b.tokens + 2 * head * b.sampled + attention
+    return 2 * layers * b.tokens + 2 * head * b.sampled + ideal_attention_flops(cfg, b)
 
 
 def kv_bytes_per_token_per_device(cfg: Any, tp: int, itemsize: int) -> float:
-    """KV cache bytes of one token (all layers) on one device: split over tp by head for GQA;
-    MLA's latent row (``kv_lora + qk_rope`` values per layer) is replicated, whatever tp."""
-    per_token = cfg.num_hidden_layers * cfg.kv_cache_heads * cfg.kv_cache_head_dim * itemsize
+    """KV cache bytes of one token (all full-attention layers; linear layers keep no KV) on
+    one device: split over tp by head for GQA; MLA's latent row (``kv_lora + qk_rope`` values
+    per layer) is replicated, whatever tp."""
+    per_token = full_attention_layers(cfg) * cfg.kv_cache_heads * cfg.kv_cache_head_dim * itemsize
     return per_token / tp if cfg.kv_cache_sharded else float(per_token)
 
 

@@ -185,7 +185,8 @@ def compile_native_attention(runner: Any, b: Bucket, cfg: Any) -> tuple[float, f
     # the ranks) on the rank's rows and its shard of the cache: compile that call (the
     # cache's rows of one rank, replicated over the ranks here; heads as the step splits them).
     tokens, rows = b.compiled_tokens // b.dp, b.rows // b.dp
-    kv = runner.kv_caches[0]
+    # The first full-attention layer's KV array (a linear layer's entry is its state tables).
+    kv = next(x for x in runner.kv_caches if not isinstance(x, tuple))
     if b.dp > 1:
         spec = tuple(kv.sharding.spec) + (None,) * (len(kv.shape) - len(kv.sharding.spec))
         kv = jax.ShapeDtypeStruct((kv.shape[0] // b.dp, *kv.shape[1:]), kv.dtype,

@@ -12,11 +12,14 @@ from sgl_jax.tools.aot.hlo.breakdown import scale_classes
 
 def with_pattern(cfg: Any, pattern: tuple[bool, ...]) -> Any:
     """The config with ``len(pattern)`` decoder layers, layer i MoE iff ``pattern[i]``.
-    Per-layer attention kinds (gpt-oss's sliding layers) keep the model's own order, cut to
-    the slice's depth: with an even A and B, half of each slice slides, as in the model."""
+    Per-layer attention kinds (gpt-oss's sliding layers, Qwen3.5's linear-attention layers)
+    keep the model's own order, cut to the slice's depth: with an even A and B, half of each
+    gpt-oss slice slides; with A and B multiples of 4, each Qwen3.5 slice has the model's 3
+    linear : 1 full mix."""
     n = len(pattern)
     return dataclasses.replace(cfg, num_hidden_layers=n, moe_layers=tuple(pattern),
-                               sliding_layers=cfg.sliding_layers[:n])
+                               sliding_layers=cfg.sliding_layers[:n],
+                               linear_layers=cfg.linear_layers[:n])
 
 
 def slice_patterns(cfg: Any, a: int, b: int) -> list[tuple[bool, ...]]:

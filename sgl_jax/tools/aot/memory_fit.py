@@ -11,25 +11,28 @@ from sgl_jax.tools.aot.topology import GiB
 
 
 def max_requests_that_fit(free_bytes: float, kv_per_token: float, context_len: int,
-                          dp: int) -> int:
+                          dp: int, state_per_request: float = 0.0) -> int:
     """Largest GLOBAL number of requests at ``context_len`` positions whose KV fits in
     ``free_bytes`` per device: each attention rank holds its own requests' KV (``dp`` ranks,
-    1 without DP), a device ``kv_per_token`` bytes per token of its rank's requests."""
+    1 without DP), a device ``kv_per_token`` bytes per token of its rank's requests, plus
+    ``state_per_request`` (Qwen3.5's linear-attention states, replicated: a slot's row in
+    every linear layer's tables)."""
     if free_bytes <= 0:
         return 0
-    return dp * int(free_bytes // (kv_per_token * context_len))
+    return dp * int(free_bytes // (kv_per_token * context_len + state_per_request))
 
 
 def check_fit(params: int, kv: int, hbm: float, cfg: Any, args: argparse.Namespace,
-              kv_per_token: float) -> None:
+              kv_per_token: float, state_per_request: float = 0.0) -> None:
     if params + kv <= hbm:
         return
     free = hbm - params
     if free > 0:
         # Global requests: with DP each rank holds its own requests' KV.
-        max_bs = max_requests_that_fit(free, kv_per_token, args.context_len, args.dp_size)
+        max_bs = max_requests_that_fit(free, kv_per_token, args.context_len, args.dp_size,
+                                       state_per_request)
         rank_bs = -(-max(args.decode_bs) // args.dp_size)
-        max_ctx = int(free // (kv_per_token * rank_bs))
+        max_ctx = max(0, int((free / rank_bs - state_per_request) // kv_per_token))
         kv_hint = (
             f"at --context-len {args.context_len} at most {max_bs} requests fit next to the "
             f"parameters (or --decode-bs {max(args.decode_bs)} at --context-len <= {max_ctx})"

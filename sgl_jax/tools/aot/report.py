@@ -7,7 +7,12 @@ import argparse
 import logging
 import os
 
-from sgl_jax.tools.aot.accounting import kv_bytes_per_token_per_device, shard_bytes
+from sgl_jax.tools.aot.accounting import (
+    full_attention_layers,
+    kv_bytes_per_token_per_device,
+    linear_state_bytes_per_request,
+    shard_bytes,
+)
 from sgl_jax.tools.aot.buckets import Bucket, dp_buckets, extend_buckets
 from sgl_jax.tools.aot.compile_step import (
     Compiled,
@@ -33,6 +38,7 @@ logger = logging.getLogger("aot_report")
 
 def run(args: argparse.Namespace) -> list[dict]:
     prepare_environment()
+    import jax
     import jax.numpy as jnp
 
     from sgl_jax.srt.configs.model_config import ModelConfig
@@ -55,7 +61,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     full = build_runner(args, model_dir, cfg, devices)
     params = sum(shard_bytes(x) for x in full.param_leaves)
-    kv = sum(shard_bytes(x) for x in full.kv_caches)
+    kv = sum(shard_bytes(x) for x in jax.tree.leaves(full.kv_caches))  # + linear states
     itemsize = jnp.dtype(full.dtype).itemsize
     kv_per_token = kv_bytes_per_token_per_device(cfg, args.tp_size, itemsize)
     hbm = chip.hbm_bytes * share
@@ -64,7 +70,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         "cache %.2f GiB, HBM %.2f GiB", args.topology, len(devices), kind, chip.name,
         args.tp_size, args.ep_size, args.dp_size, params / GiB, kv / GiB, hbm / GiB,
     )
-    check_fit(params, kv, hbm, cfg, args, kv_per_token)
+    check_fit(params, kv, hbm, cfg, args, kv_per_token,
+              linear_state_bytes_per_request(cfg, itemsize))
     args.resolved_moe_backend = full.backends.moe.name
 
     buckets = dp_buckets(args.decode_bs, args.prefill_tokens, args.prefill_requests,
@@ -101,7 +108,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                     if args.dump_hlo else None)
             c = compile_bucket(runner, b, kind, args.breakdown, args.top_ops, dump)
             if args.resolved_attention_backend == "native":
-                c.kernel_calls = float(len(pattern))  # one attention loop per layer
+                # one attention loop per full-attention layer (linear layers have none)
+                c.kernel_calls = float(full_attention_layers(with_pattern(cfg, pattern)))
                 if b not in native_counted:  # independent of depth
                     native_counted[b] = compile_native_attention(runner, b, cfg)
                 c.native_counted_flops, c.native_counted_bytes = native_counted[b]

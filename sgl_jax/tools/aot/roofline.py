@@ -8,12 +8,13 @@ from typing import Any
 
 from sgl_jax.tools.aot.accounting import (
     active_params_per_token,
-    attention_flops_per_pair,
     dispatch_bytes_per_moe_layer,
     grouped_matmul_excess_flops,
+    ideal_attention_flops,
     ideal_flops,
     kernel_cost_per_call,
     kv_bytes_per_token_per_device,
+    linear_state_bytes_per_request,
 )
 from sgl_jax.tools.aot.buckets import Bucket
 from sgl_jax.tools.aot.compile_step import Compiled
@@ -34,8 +35,7 @@ def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_de
     flops_pd = c.flops - native_flops + kernel_flops
     bytes_pd = c.bytes - native_bytes + kernel_bytes
     ideal = ideal_flops(cfg, b)
-    ideal_attention = (cfg.num_attention_heads * attention_flops_per_pair(cfg) * b.q_kv_pairs
-                       * cfg.num_hidden_layers)
+    ideal_attention = ideal_attention_flops(cfg, b)
     peak_flops, bandwidth = chip.bf16_flops * share, chip.hbm_bandwidth * share
     t_compute, t_memory = flops_pd / peak_flops, bytes_pd / bandwidth
     roofline = max(t_compute, t_memory)
@@ -49,9 +49,15 @@ def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_de
     compiled_bytes = (bytes_pd - kernel_bytes) * n_dev + kernel_bytes * n_dev * b.rank_load
     kv_per_token = kv_bytes_per_token_per_device(cfg, args.tp_size, itemsize)
     hbm = chip.hbm_bytes * share
-    # One read of the device's parameters and of its rank's requests' context (decode's
-    # floor; every expert is read at these batch sizes).
-    min_bytes = params + b.rank_requests * b.context_len * kv_per_token
+    # Linear-attention layers (Qwen3.5): each request's conv and recurrent states, read and
+    # written once per step; the tables are replicated, so every device moves all of its
+    # rank's requests' states.
+    state_req = linear_state_bytes_per_request(cfg, itemsize)
+    state_step = 2 * b.rank_requests * state_req
+    # One read of the device's parameters and of its rank's requests' context, plus the
+    # linear states' read and write (decode's floor; every expert is read at these batch
+    # sizes).
+    min_bytes = params + b.rank_requests * b.context_len * kv_per_token + state_step
     n_moe = sum(cfg.moe_layers)
     dispatch = dispatch_bytes_per_moe_layer(b.compiled_tokens, cfg.hidden_size,
                                             cfg.num_experts_per_tok, itemsize, args.tp_size,
@@ -79,6 +85,9 @@ def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_de
         "compiled_slices": args.compiled_slices,
         "active_params_per_token": sum(active_params_per_token(cfg)),
         "kv_bytes_per_token_per_device": kv_per_token,
+        "linear_layers": sum(cfg.linear_layers),
+        "linear_state_bytes_per_request": state_req,
+        "linear_state_bytes_per_step_per_device": state_step,
         "compiled_flops": compiled_flops,
         "xla_flops": c.flops * n_dev,
         "kernel_flops": kernel_flops * n_dev * b.rank_load,
@@ -112,9 +121,10 @@ def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_de
         # Largest global batch at this context whose KV fits next to the parameters, and
         # next to everything else this bucket's compiled step holds (its temporaries, ...).
         "max_requests_fit": max_requests_that_fit(hbm - params, kv_per_token,
-                                                  args.context_len, args.dp_size),
+                                                  args.context_len, args.dp_size, state_req),
         "max_requests_fit_with_step": max_requests_that_fit(hbm - (peak - kv), kv_per_token,
-                                                            args.context_len, args.dp_size),
+                                                            args.context_len, args.dp_size,
+                                                            state_req),
         "roofline_ms": roofline * 1e3,
         "compute_ms": t_compute * 1e3,
         "memory_ms": t_memory * 1e3,

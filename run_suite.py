@@ -2,7 +2,13 @@
 """Runs a named test suite through pytest and prints a summary.
 
     python run_suite.py            # the default suite (what CI runs)
-    python run_suite.py unit|e2e|all [-- extra pytest args]
+    python run_suite.py unit|e2e|all [--jobs N] [-- extra pytest args]
+
+The unit files run in N pytest-xdist workers (a file to a worker; default 2 where
+pytest-xdist is installed and the machine has 2 cores or more): they check results, and the
+few with a deadline (a start-up timeout firing, a sender not blocking) leave it generous. The
+end-to-end files run one at a time after them: engines and servers under load, streams,
+drains and timeouts, where a second worker would only add noise.
 
 Exits non-zero if any test fails or if the suite ran no test at all.
 """
@@ -10,6 +16,7 @@ Exits non-zero if any test fails or if the suite ran no test at all.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import subprocess
 import sys
@@ -113,11 +120,31 @@ SUITES = {"unit": UNIT, "e2e": E2E, "all": UNIT + E2E}
 DEFAULT = "all"
 
 
+def default_jobs() -> int:
+    if importlib.util.find_spec("xdist") is None:
+        return 1
+    return min(2, os.cpu_count() or 1)
+
+
+def run_pytest(files: list[str], extra: list[str], jobs: int, here: str) -> int:
+    # The slowest tests are printed every time: CI's time budget is docs/development.md's.
+    workers = ["-n", str(jobs), "--dist", "loadfile"] if jobs > 1 else []
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=15",
+           *workers, *files, *extra]
+    print(f"$ {' '.join(cmd)}", flush=True)
+    return subprocess.call(cmd, cwd=here)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("suite", nargs="?", default=DEFAULT, choices=sorted(SUITES))
-    parser.add_argument("pytest_args", nargs=argparse.REMAINDER, help="passed to pytest after --")
-    args = parser.parse_args()
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="pytest-xdist workers for the unit files (default: 2 when "
+                             "pytest-xdist is installed and there are 2 cores or more)")
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    extra = argv[split + 1:]  # pytest's own arguments, after --
     here = os.path.dirname(os.path.abspath(__file__))
     files = [f for f in SUITES[args.suite] if os.path.exists(os.path.join(here, f))]
     missing = sorted(set(SUITES[args.suite]) - set(files))
@@ -133,17 +160,24 @@ def main() -> int:
         print(f"run_suite: test files in no suite: {unlisted}; add them to UNIT or E2E",
               file=sys.stderr)
         return 2
-    extra = [a for a in args.pytest_args if a != "--"]
-    # The slowest tests are printed every time: CI's time budget is docs/development.md's.
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=15",
-           *files, *extra]
-    print(f"run_suite: {args.suite} ({len(files)} files)\n$ {' '.join(cmd)}", flush=True)
+    jobs = default_jobs() if args.jobs is None else max(1, args.jobs)
+    if jobs > 1 and importlib.util.find_spec("xdist") is None:
+        print("run_suite: --jobs needs pytest-xdist (pip install -e '.[test]')", file=sys.stderr)
+        return 2
+    unit = [f for f in files if f in UNIT]
+    e2e = [f for f in files if f not in UNIT]
+    print(f"run_suite: {args.suite} ({len(unit)} unit files in {jobs} worker(s), then "
+          f"{len(e2e)} end-to-end files)", flush=True)
     t0 = time.monotonic()
-    code = subprocess.call(cmd, cwd=here)
+    codes = [run_pytest(group, extra, group_jobs, here)
+             for group, group_jobs in ((unit, jobs), (e2e, 1)) if group]
     took = time.monotonic() - t0
-    if code == 5:
+    # pytest's 5: no test collected (e.g. a -k that matched nothing in one of the groups).
+    if all(code == 5 for code in codes):
         print(f"run_suite: suite '{args.suite}' ran no test", file=sys.stderr)
         return 1
+    failed = [code for code in codes if code not in (0, 5)]
+    code = failed[0] if failed else 0
     status = "passed" if code == 0 else f"FAILED (pytest exit {code})"
     print(f"run_suite: suite '{args.suite}' {status} in {took:.0f}s", flush=True)
     return code

@@ -95,6 +95,20 @@ def test_json_schema_response_format(client):
         assert matches(json.loads(choice.message.content), SCHEMA), choice.message.content
 
 
+def test_streamed_json_schema(client):
+    """Streamed, the pieces join into the same kind of document, and the stream ends with
+    finish_reason "stop" once the grammar is complete."""
+    chunks = list(client.chat.completions.create(
+        model="default", messages=MESSAGES, max_tokens=96, temperature=1.0, seed=7,
+        stream=True, response_format={"type": "json_schema",
+                                      "json_schema": {"name": "person", "schema": SCHEMA}}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices
+                and c.choices[0].finish_reason]
+    assert finishes == ["stop"], finishes
+    assert matches(json.loads(text), SCHEMA), text
+
+
 def test_json_schema_on_completions_and_generate(client, server):
     out = client.completions.create(model="default", prompt="Person:", max_tokens=96,
                                     temperature=1.0, seed=5, n=2,

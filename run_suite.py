@@ -5,10 +5,9 @@
     python run_suite.py unit|e2e|all [--jobs N] [-- extra pytest args]
 
 The unit files run in N pytest-xdist workers (a file to a worker; default 2 where
-pytest-xdist is installed and the machine has 2 cores or more): they check results, and the
-few with a deadline (a start-up timeout firing, a sender not blocking) leave it generous. The
-end-to-end files run one at a time after them: engines and servers under load, streams,
-drains and timeouts, where a second worker would only add noise.
+pytest-xdist is installed and the machine has 2 cores or more): they check results and time
+nothing. The end-to-end files run one at a time after them: engines and servers, streams,
+drains, heartbeats and timeouts, which a busy second worker could starve.
 
 Exits non-zero if any test fails or if the suite ran no test at all.
 """
@@ -28,8 +27,6 @@ UNIT = [
     "tests/test_reasoning_parsers.py",
     "tests/test_make_random_model.py",
     "tests/test_private_dumps.py",
-    "tests/test_coordinator_bind.py",
-    "tests/test_step_channel_flood.py",
     "tests/test_reference_forward.py",
     "tests/test_radix_cache.py",
     "tests/test_paged_memory.py",
@@ -55,9 +52,7 @@ UNIT = [
     "tests/test_sglang_fields.py",
     "tests/test_routed_experts_transport.py",
     "tests/test_output_records.py",
-    "tests/test_side_channel.py",
     "tests/test_finish_cast.py",
-    "tests/test_shm_arena.py",
     "tests/test_native_attention.py",
     "tests/test_expert_load_tool.py",
     "tests/test_eplb.py",
@@ -67,6 +62,13 @@ UNIT = [
     "tests/test_import_layering.py",
 ]
 E2E = [
+    # Timed or networked, though they start no engine: a start-up timeout under a flood,
+    # a sender that must not block, a coordinator's bind, servers with an arena. Serial,
+    # like every end-to-end file, so that a busy second worker cannot starve them.
+    "tests/test_coordinator_bind.py",
+    "tests/test_step_channel_flood.py",
+    "tests/test_side_channel.py",
+    "tests/test_shm_arena.py",
     "tests/test_engine.py",
     "tests/test_trained_model.py",
     "tests/test_train_eagle.py",

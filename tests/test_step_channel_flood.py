@@ -100,13 +100,18 @@ def test_a_follower_joins_during_a_flood():
         flooder.thread.join(30)
         time.sleep(4.0)  # rank 0 has read most of the flood (and answered what it could)
         t = time.monotonic()
-        follower = FollowerChannel(addr, 1, {"k": "v"}, 10, 15, lambda why: None, SECRET)
+        follower_fatal: list[str] = []
+        follower = FollowerChannel(addr, 1, {"k": "v"}, 10, 15, follower_fatal.append, SECRET)
         joined = time.monotonic() - t
         thread.join(20)
         print(f"flood of {flooder.sent} frames; follower joined in {joined:.2f}s")
         assert "leader" in out, out.get("error")
         out["leader"].publish("expert_recorder", "start")
+        # Bounded: a channel that died (a side fell silent for its timeout while the flood
+        # was read) is a failure that says why, not a test waiting forever.
+        assert follower.io.main_end.poll(30_000), (follower_fatal, out.get("fatal"))
         assert follower.receive() == ("expert_recorder", "start", "")
+        assert not follower_fatal and not out.get("fatal"), (follower_fatal, out.get("fatal"))
         out["leader"].close()
         assert follower.receive() is None  # goodbye: both ends stop their threads
         follower.io.thread.join(5)

@@ -102,6 +102,9 @@ class _StrangerLog:
                            "%s", peer.hex(), address, self.count, reason)
 
 
+FRAMES_PER_TURN = 256  # frames _IoThread._receive takes before it sends again
+
+
 class _IoThread:
     """Owns one TCP socket: relays between it and the main thread's inproc pair, heartbeats,
     and watches the peers."""
@@ -145,9 +148,14 @@ class _IoThread:
         return ", ".join(self.names[p] for p in (peers or self.peers))
 
     def _receive(self) -> None:
-        """Takes what the socket holds: heartbeats refresh their peer; on a follower, rank 0's
-        other messages go to the main thread. Rank 0 hears only its followers' heartbeats."""
-        while self.sock.poll(0):
+        """Takes what the socket holds, at most ``FRAMES_PER_TURN`` frames: heartbeats refresh
+        their peer; on a follower, rank 0's other messages go to the main thread. Rank 0 hears
+        only its followers' heartbeats. The bound keeps a stranger's flood from holding the
+        loop: heartbeats and the main thread's messages go out between turns, so the
+        followers never fall silent while rank 0 reads (and refuses) a flood."""
+        for _ in range(FRAMES_PER_TURN):
+            if not self.sock.poll(0):
+                return
             frames = self.sock.recv_multipart(copy=False)
             if self.router:
                 peer = frames[0].bytes

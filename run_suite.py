@@ -53,6 +53,7 @@ UNIT = [
     "tests/test_routed_experts_transport.py",
     "tests/test_output_records.py",
     "tests/test_finish_cast.py",
+    "tests/test_shm_arena.py",  # servers, but only exactness is checked
     "tests/test_native_attention.py",
     "tests/test_expert_load_tool.py",
     "tests/test_eplb.py",
@@ -63,12 +64,11 @@ UNIT = [
 ]
 E2E = [
     # Timed or networked, though they start no engine: a start-up timeout under a flood,
-    # a sender that must not block, a coordinator's bind, servers with an arena. Serial,
-    # like every end-to-end file, so that a busy second worker cannot starve them.
+    # a sender that must not block, a coordinator's bind. Serial, like every end-to-end
+    # file, so that a busy second worker cannot starve them.
     "tests/test_coordinator_bind.py",
     "tests/test_step_channel_flood.py",
     "tests/test_side_channel.py",
-    "tests/test_shm_arena.py",
     "tests/test_engine.py",
     "tests/test_trained_model.py",
     "tests/test_train_eagle.py",

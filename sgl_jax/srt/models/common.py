@@ -17,6 +17,7 @@ here; multi-head latent attention in ``deepseek_v3.py``).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -463,12 +464,20 @@ class MoeModel(nnx.Module):
                 jnp.take(self.embed_tokens[...], ids, axis=0), P(DATA_AXIS, None))
         else:
             h = jnp.take(self.embed_tokens[...], batch.input_ids, axis=0)
-        new_caches, layer_routing = [], []
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            h, kv, routing = layer(h, batch, meta, kv, backends)
-            new_caches.append(kv)
-            layer_routing.append(routing)
-        return h, new_caches, layer_routing
+        return run_layers(self.layers, h, batch, meta, kv_caches, backends)
+
+
+def run_layers(layers: Any, h: jax.Array, batch: ForwardBatch, meta: AttentionMetadata,
+               caches: list, backends: ModelBackends) -> tuple[jax.Array, list, list]:
+    """The decoder layers in order, each with its own cache entry (a KV array, or a
+    linear-attention layer's states): the hidden states, the new caches, each layer's
+    routing."""
+    new_caches, layer_routing = [], []
+    for layer, cache in zip(layers, caches, strict=True):
+        h, cache, routing = layer(h, batch, meta, cache, backends)
+        new_caches.append(cache)
+        layer_routing.append(routing)
+    return h, new_caches, layer_routing
 
 
 class MoeForCausalLM(nnx.Module):

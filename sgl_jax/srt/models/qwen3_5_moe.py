@@ -26,7 +26,7 @@ from sgl_jax.srt.layers.moe.routing import LayerRouting
 from sgl_jax.srt.layers.norm import RMSNormPlusOne
 from sgl_jax.srt.layers.rotary import apply_rotary
 from sgl_jax.srt.models.backends import ModelBackends
-from sgl_jax.srt.models.common import MoeForCausalLM, SparseMoeBlock, param
+from sgl_jax.srt.models.common import MoeForCausalLM, SparseMoeBlock, param, run_layers
 from sgl_jax.srt.models.gated_deltanet import GatedDeltaNet
 
 
@@ -112,12 +112,7 @@ class Qwen35Model(nnx.Module):
         if backends.dp_attention:  # refused at start-up (model_executor/linear_state.py)
             raise ValueError("Qwen3.5-MoE does not run with --enable-dp-attention")
         h = jnp.take(self.embed_tokens[...], batch.input_ids, axis=0)
-        new_caches, layer_routing = [], []
-        for layer, cache in zip(self.layers, caches, strict=True):
-            h, cache, routing = layer(h, batch, meta, cache, backends)
-            new_caches.append(cache)
-            layer_routing.append(routing)
-        return h, new_caches, layer_routing
+        return run_layers(self.layers, h, batch, meta, caches, backends)
 
 
 class Qwen3_5MoeForCausalLM(MoeForCausalLM):  # noqa: N801 (the Hugging Face class name)

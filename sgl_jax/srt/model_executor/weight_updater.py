@@ -138,8 +138,8 @@ class WeightUpdater:
         """Every parameter from the checkpoint at ``model_path``; returns the count."""
         def read() -> tuple[list, int]:
             check_compatible(self.runner.model_config, model_path)
-            family = self.runner.model_config.family
-            return self._read(family_source(family, SafetensorsCheckpoint(model_path)),
+            config = self.runner.model_config
+            return self._read(family_source(config, SafetensorsCheckpoint(model_path)),
                               partial=False)
         return self._replace(model_path, read)
 
@@ -163,7 +163,7 @@ class WeightUpdater:
     def _array_source(self, arrays: dict[str, Any]) -> Any:
         """The arrays as the model reads them (Qwen3.5-MoE: its names mapped, MTP tensors
         refused by name: ``model_loader/qwen35_names.py``)."""
-        return family_source(self.runner.model_config.family, ArraySource(arrays),
+        return family_source(self.runner.model_config, ArraySource(arrays),
                              updating=True)
 
     def _update_on_device(self, arrays: dict[str, jax.Array], measure_memory: bool) -> int:

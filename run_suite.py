@@ -93,6 +93,7 @@ E2E = [
     "tests/test_families.py",
     "tests/test_families_2026.py",
     "tests/test_qwen35_engine.py",
+    "tests/test_qwen35_speculative.py",
     "tests/test_qwen35_config.py",
     "tests/test_gated_delta_packed.py",
     "tests/test_gated_delta.py",

@@ -241,6 +241,7 @@ class ModelRunner:
                                       sequence_parallel_tokens=(
                                           server_args.sequence_parallel_min_tokens),
                                       one_hot_lookups=one_hot_lookups,
+                                      verify_width=self.verify_tokens,
                                       moe_all_to_all=(
                                           ragged_collective(self.platform)
                                           if server_args.moe_dispatch == "ragged_all_to_all"

@@ -92,7 +92,8 @@ class Qwen35DecoderLayer(nnx.Module):
                  backends: ModelBackends) -> tuple[jax.Array, Any, LayerRouting]:
         x = self.input_layernorm(h)
         if self.is_linear:
-            out, cache = self.linear_attn(x, batch.req_pool_indices, meta, cache)
+            width = backends.verify_width if batch.forward_mode.is_verify else 0
+            out, cache = self.linear_attn(x, batch.req_pool_indices, meta, cache, width)
         else:
             out, cache = self.self_attn(x, batch, meta, cache, backends)
         h = h + out

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from sgl_jax import Engine
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.testing import engine_args
 from sgl_jax.tools.make_random_model import write_random_model
+from sgl_jax.tools.reference_eagle import accept_length
+from sgl_jax.tools.reference_qwen35_mtp import Qwen35MtpReference
 from tests.engine_utils import assert_no_leak, decoded_rows, prompt_ids
 from tests.test_qwen35_engine import _reference, reference_check
 
@@ -66,11 +69,17 @@ def guessable(path: str, seed: int, n: int) -> list[int]:
     return p + _greedy(path, p, 4) + p
 
 
-def _run(engine: Engine, path: str) -> list[dict]:
+def PROMPTS(path: str) -> list[list[int]]:  # noqa: N802 (a constant, computed once)
     # NGRAM accepts 3, 2, 2 and 1 leading drafts on the first four, none on the last.
-    prompts = [guessable(path, s, n) for s, n in ((34, 8), (19, 8), (21, 4), (3, 4))]
-    prompts.append(prompt_ids(50, 21))
-    lens = [12, 9, 8, 7, 10]
+    return [guessable(path, s, n) for s, n in ((34, 8), (19, 8), (21, 4), (3, 4))] + [
+        prompt_ids(50, 21)]
+
+
+LENS = [12, 9, 8, 7, 10]
+
+
+def _run(engine: Engine, path: str) -> list[dict]:
+    prompts, lens = PROMPTS(path), LENS
     outs = engine.generate(input_ids=prompts, return_routed_experts=True,
                            sampling_params=[{**GREEDY, "max_new_tokens": n} for n in lens])
     for ids, n, out in zip(prompts, lens, outs, strict=True):
@@ -91,3 +100,90 @@ def test_ngram_rollback_matches_reference(ngram, checkpoint):
     steps = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
     generated = sum(len(o["output_ids"]) - 1 for o in outs)
     assert generated > steps, "no draft was accepted"
+
+
+@pytest.fixture(scope="module")
+def nextn(checkpoint):
+    eng = _engine(checkpoint, "NEXTN")
+    yield eng
+    eng.shutdown()
+
+
+def _mtp(path: str) -> Qwen35MtpReference:
+    return Qwen35MtpReference(_reference(path), path)
+
+
+def test_nextn_matches_reference(nextn, checkpoint):
+    """The MTP draft of random weights is mostly wrong: every rejected draft must leave the
+    linear states as the accepted tokens did; each request takes the verify steps a float64
+    simulation of the MTP chain takes."""
+    outs = _run(nextn, checkpoint)
+    for ids, out in zip(PROMPTS(checkpoint), outs, strict=True):
+        assert out["meta_info"]["spec_verify_ct"] == accept_length(
+            _mtp(checkpoint), ids, out["output_ids"], 3)[1]
+
+
+def echo_update(path: str) -> dict[str, np.ndarray]:
+    """MTP tensors that make the draft propose the target's own greedy token at the kept
+    position again (the last token, repeated): ``fc`` passes the normed hidden state through,
+    the layer adds nothing (``o_proj`` and every expert's ``down_proj`` zero), the norms'
+    ``w`` 0; so the draft's logits are the target's, scaled. A target that repeats a token
+    then accepts drafts."""
+    cfg = ModelConfig.from_hf(path)
+    h, p = cfg.hidden_size, "mtp.layers.0."
+    fc = np.zeros((h, 2 * h), np.float32)
+    fc[:, h:] = np.eye(h, dtype=np.float32)
+    out = {"mtp.fc.weight": fc, "mtp.pre_fc_norm_hidden.weight": np.zeros(h, np.float32),
+           "mtp.norm.weight": np.zeros(h, np.float32),
+           p + "self_attn.o_proj.weight": np.zeros(
+               (h, cfg.num_attention_heads * cfg.head_dim), np.float32),
+           p + "mlp.shared_expert.down_proj.weight": np.zeros(
+               (h, cfg.shared_expert_intermediate_size), np.float32)}
+    for e in range(cfg.num_experts):
+        out[f"{p}mlp.experts.{e}.down_proj.weight"] = np.zeros(
+            (h, cfg.moe_intermediate_size), np.float32)
+    return out
+
+
+def test_update_of_mtp_tensors_changes_the_draft(nextn, checkpoint):
+    """An update's ``mtp.*`` tensors update the draft: after the echo update, a prompt whose
+    greedy continuation repeats a token accepts drafts (the random draft accepted none), in
+    the verify steps the float64 simulation of the new layer takes; a misnamed MTP tensor is
+    refused by name and changes nothing."""
+    ids = prompt_ids(119, 8)  # its greedy continuation: 308, 222, 222, 222, ...
+    params = {**GREEDY, "max_new_tokens": 10}
+    before = nextn.generate(input_ids=ids, sampling_params=params)
+    original = {n: a for n, a in load_file(f"{checkpoint}/model.safetensors").items()
+                if n in echo_update(checkpoint)}
+    with pytest.raises(ValueError, match=r"q_prj\.weight"):
+        nextn.update_weights_from_arrays({"mtp.layers.0.self_attn.q_prj.weight":
+                                          np.zeros((4, 4), np.float32)})
+    update = echo_update(checkpoint)
+    done = nextn.update_weights_from_arrays(update)
+    try:
+        assert done["num_parameters"] == 6  # fc, 2 norms, o_proj, the experts' and shared down
+        after = nextn.generate(input_ids=ids, sampling_params=params)
+        assert after["output_ids"] == before["output_ids"] == _greedy(checkpoint, ids, 10)
+        echo = _mtp(checkpoint)
+        echo.w.update({n[len("mtp."):]: a.astype(np.float64) for n, a in update.items()})
+        steps = after["meta_info"]["spec_verify_ct"]
+        assert steps == accept_length(echo, ids, after["output_ids"], 3)[1]
+        assert steps < before["meta_info"]["spec_verify_ct"] == 9  # drafts now accepted
+    finally:
+        nextn.update_weights_from_arrays(original)  # the module's engine as it was
+
+
+def test_mtp_tensors_refused_without_a_nextn_draft(ngram, checkpoint):
+    with pytest.raises(ValueError, match=r"MTP layers.*mtp\.fc\.weight.*NEXTN"):
+        ngram.update_weights_from_arrays(
+            {"mtp.fc.weight": load_file(f"{checkpoint}/model.safetensors")["mtp.fc.weight"]})
+
+
+def test_nextn_refused_without_mtp_layers(tmp_path):
+    from sgl_jax.srt.speculative.nextn import mtp_config
+
+    path = str(tmp_path / "no-mtp")
+    write_random_model(path, "tiny-qwen3.5-moe", {"mtp_num_hidden_layers": 0}, check_routing=False)
+    assert not any(n.startswith("mtp.") for n in load_file(f"{path}/model.safetensors"))
+    with pytest.raises(ValueError, match="NEXTN.*no MTP layer.*mtp_num_hidden_layers"):
+        mtp_config(ModelConfig.from_hf(path))

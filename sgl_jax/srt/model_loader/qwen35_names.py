@@ -5,9 +5,10 @@ A view over a source (a checkpoint or arrays by name) that gives the model's nam
 * ``model.language_model.X`` (the released ``Qwen3_5MoeForConditionalGeneration``) is read as
   ``model.X`` (the text-only form's names, which pass unchanged);
 * ``model.visual.*`` (the vision tower) is not part of the language model: left out, logged;
-* ``mtp.*`` (the multi-token-prediction layers; no NEXTN draft runs on them for this family
-  yet): left out of a load, logged; refused, named, in a weight update (``updating``), so a
-  trainer never believes they were updated;
+* ``mtp.*`` (the multi-token-prediction layers) are not the language model's: left out here;
+  the NEXTN draft reads them through ``Qwen35MtpSource`` (``mtp.X`` as ``X``), at load and in a
+  weight update (``model_executor/weight_updater.py``, which refuses them by name when no
+  NEXTN draft runs);
 * fused experts, ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows) and
   ``mlp.experts.down_proj`` ``[E, H, I]``, are read as the per-expert tensors
   ``mlp.experts.<e>.{gate,up,down}_proj.weight`` (``[I, H]``, ``[I, H]``, ``[H, I]``) the
@@ -20,7 +21,7 @@ import logging
 import re
 from typing import Any
 
-from sgl_jax.srt.bounded_text import name_list, short_repr
+from sgl_jax.srt.bounded_text import short_repr
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +42,10 @@ class Qwen35Source:
         names = inner.names()
         mtp = sorted(n for n in names if n.startswith(MTP_PREFIX))
         visual = [n for n in names if n.startswith(VISUAL_PREFIX)]
-        if mtp and updating:
-            raise ValueError(
-                f"{self.where}: {len(mtp)} tensor(s) of Qwen3.5-MoE's MTP layers have no "
-                f"parameter to update: {name_list(mtp, 3)}; no NEXTN draft runs on them yet")
-        if mtp or visual:
-            logger.info("%s: %d vision-tower and %d MTP tensor(s) not read (the language model "
-                        "is served; no NEXTN draft runs on the MTP layers yet)", self.where,
-                        len(visual), len(mtp))
+        if (mtp or visual) and not updating:
+            logger.info("%s: %d vision-tower and %d MTP tensor(s) not read by the language "
+                        "model (a NEXTN draft reads the MTP ones)", self.where, len(visual),
+                        len(mtp))
         self._map: dict[str, _Target] = {}
         for name in names:
             if name.startswith((MTP_PREFIX, VISUAL_PREFIX)):
@@ -120,3 +117,37 @@ class Qwen35Source:
 def family_source(family: str, source: Any, updating: bool = False) -> Any:
     """``source`` as the family's model reads it (Qwen3.5-MoE: the view above)."""
     return Qwen35Source(source, updating) if family == "qwen3_5_moe" else source
+
+
+# -- the MTP layers (NEXTN's draft, speculative/nextn.py) ---------------------------------------
+_MTP_FUSED = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+class Qwen35MtpSource(Qwen35Source):
+    """The ``mtp.*`` tensors of a source, named as the MTP draft's parameters: ``mtp.X`` ->
+    ``X`` (``fc``, ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``norm``,
+    ``layers.<j>.*``), fused experts read per expert as above. Every other tensor is left
+    out (the language model's view reads those)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.where = f"{inner.where} (MTP tensors, named without 'mtp.')"
+        self._map: dict[str, _Target] = {}
+        for name in inner.names():
+            if not name.startswith(MTP_PREFIX):
+                continue
+            draft_name = name[len(MTP_PREFIX):]
+            fused = _MTP_FUSED.match(draft_name)
+            if fused is None:
+                self._map[draft_name] = (name, None, None)
+                continue
+            base, tensor = fused.groups()
+            parts = ("gate", "up") if tensor == "gate_up_proj" else ("down",)
+            for e in range(inner.shape(name)[0]):
+                for part in parts:
+                    self._map[f"{base}.{e}.{part}_proj.weight"] = (name, e, part)
+
+
+def qwen35_mtp_names(names: Any) -> list[str]:
+    """The names of Qwen3.5-MoE's MTP tensors among ``names``."""
+    return sorted(n for n in names if isinstance(n, str) and n.startswith(MTP_PREFIX))

@@ -13,6 +13,9 @@ and moves the states between the step and the layer's state tables:
   slot's row holds (a slot's previous owner). Prefix reuse is off for these models, so a row
   with a prefix is exactly a later chunk of the same request (chunked prefill), which
   continues from the states the previous chunk wrote.
+* A speculative verify step (NGRAM, NEXTN) runs the one-token recurrence over each row's
+  positions and leaves the tables to the step, which writes the states after the accepted
+  tokens once it has sampled (``layers/linear_attention/verify.py``).
 
 Weights are kept in the checkpoint's orientation (``[out, in]``; ``conv1d.weight`` as
 ``[conv_dim, 1, K]``): the pure functions take them so, and loads and updates copy them as is.

@@ -37,6 +37,7 @@ UNIT = [
     "tests/test_server_args.py",
     "tests/test_model_loader.py",
     "tests/test_model_forward.py",
+    "tests/test_linear_verify.py",
     "tests/test_moe_backends.py",
     "tests/test_moe_gmm.py",
     "tests/test_norm_rope.py",

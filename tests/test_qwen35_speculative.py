@@ -14,6 +14,8 @@ layer) is served with:
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -39,8 +41,8 @@ def checkpoint(tmp_path_factory) -> str:
 
 def _engine(path: str, algorithm: str) -> Engine:
     return Engine(**engine_args(model_path=path, enable_return_routed_experts=True,
-                                chunked_prefill_size=64, precompile_token_paddings=[16, 64],
-                                precompile_bs_paddings=[1, 4], speculative_algorithm=algorithm,
+                                chunked_prefill_size=64, precompile_token_paddings=[64],
+                                precompile_bs_paddings=[8], speculative_algorithm=algorithm,
                                 speculative_num_steps=3))
 
 
@@ -121,6 +123,14 @@ def test_nextn_matches_reference(nextn, checkpoint):
     for ids, out in zip(PROMPTS(checkpoint), outs, strict=True):
         assert out["meta_info"]["spec_verify_ct"] == accept_length(
             _mtp(checkpoint), ids, out["output_ids"], 3)[1]
+    # One request alone, long enough for verify steps launched with their predecessor in
+    # flight (overlap scheduling: their inputs and first positions read on the device).
+    before = nextn.get_server_info()["spec_overlapped_steps"]
+    ids = prompt_ids(60, 12)
+    out = nextn.generate(input_ids=ids, return_routed_experts=True,
+                         sampling_params={**GREEDY, "max_new_tokens": 20})
+    _check(out, ids, checkpoint, 20)
+    assert nextn.get_server_info()["spec_overlapped_steps"] > before
 
 
 def echo_update(path: str) -> dict[str, np.ndarray]:
@@ -187,3 +197,49 @@ def test_nextn_refused_without_mtp_layers(tmp_path):
     assert not any(n.startswith("mtp.") for n in load_file(f"{path}/model.safetensors"))
     with pytest.raises(ValueError, match="NEXTN.*no MTP layer.*mtp_num_hidden_layers"):
         mtp_config(ModelConfig.from_hf(path))
+
+
+def test_released_form_mtp_layer_loads_the_same_draft(checkpoint, tmp_path):
+    """The released form (``text_config``, ``model.language_model.*``, fused experts, the
+    MTP layer's experts fused too) gives the draft the same parameters as the flat form."""
+    import json
+    import shutil
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from safetensors.numpy import save_file
+
+    from sgl_jax.srt.distributed import make_mesh
+    from sgl_jax.srt.speculative.nextn import load_mtp, mtp_config
+    from tests.test_qwen35_engine import released_tensors
+
+    flat = load_file(f"{checkpoint}/model.safetensors")
+    tensors = released_tensors(checkpoint)
+    tensors["mtp.fc.weight"] = flat["mtp.fc.weight"]  # (released_tensors puts a stand-in)
+    p, n = "mtp.layers.0.mlp.experts.", ModelConfig.from_hf(checkpoint).num_experts
+    tensors[p + "gate_up_proj"] = np.stack([np.concatenate(
+        [tensors.pop(f"{p}{e}.gate_proj.weight"), tensors.pop(f"{p}{e}.up_proj.weight")])
+        for e in range(n)])
+    tensors[p + "down_proj"] = np.stack([tensors.pop(f"{p}{e}.down_proj.weight")
+                                         for e in range(n)])
+    released = tmp_path / "released"
+    released.mkdir()
+    for name in os.listdir(checkpoint):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(checkpoint, name), released)
+    text = json.loads((released / "config.json").read_text())
+    (released / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+        "text_config": text, "tie_word_embeddings": False}))
+    save_file(tensors, str(released / "model.safetensors"))
+    mesh = make_mesh(jax.devices()[:1], 1, 1)
+    drafts = []
+    for path in (checkpoint, str(released)):
+        cfg = ModelConfig.from_hf(path)
+        assert cfg.mtp_num_hidden_layers == 1
+        drafts.append([np.asarray(x) for x in jax.tree.leaves(nnx.state(
+            load_mtp(mtp_config(cfg), cfg, mesh, jnp.float32), nnx.Param))])
+    assert len(drafts[0]) == len(drafts[1]) > 10
+    for a, b in zip(*drafts, strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -243,3 +243,16 @@ def test_released_form_mtp_layer_loads_the_same_draft(checkpoint, tmp_path):
     assert len(drafts[0]) == len(drafts[1]) > 10
     for a, b in zip(*drafts, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_update_from_disk_reads_the_mtp_layer(nextn, ngram, checkpoint):
+    """A checkpoint update reads the MTP layer into the NEXTN draft (its parameters counted
+    with the target's); without a draft the same checkpoint updates the target only."""
+    with_draft = nextn.update_weights_from_disk(checkpoint)["num_parameters"]
+    target_only = ngram.update_weights_from_disk(checkpoint)["num_parameters"]
+    # fc, 3 norms; the layer: 2 norms, q/k/v/o, q/k norms, router, 3 stacked expert
+    # projections, the shared expert's 3 and its gate
+    assert with_draft - target_only == 20
+    out = nextn.generate(input_ids=prompt_ids(61, 9), return_routed_experts=True,
+                         sampling_params={**GREEDY, "max_new_tokens": 6})
+    _check(out, prompt_ids(61, 9), checkpoint, 6)

@@ -197,6 +197,21 @@ def test_nextn_refused_without_mtp_layers(tmp_path):
     assert not any(n.startswith("mtp.") for n in load_file(f"{path}/model.safetensors"))
     with pytest.raises(ValueError, match="NEXTN.*no MTP layer.*mtp_num_hidden_layers"):
         mtp_config(ModelConfig.from_hf(path))
+    # A config that promises an MTP layer the tensors lack: the missing ones are named.
+    import json
+
+    import jax
+    import jax.numpy as jnp
+
+    from sgl_jax.srt.distributed import make_mesh
+    from sgl_jax.srt.speculative.nextn import load_mtp
+
+    config = json.loads((tmp_path / "no-mtp" / "config.json").read_text())
+    (tmp_path / "no-mtp" / "config.json").write_text(json.dumps(
+        {**config, "mtp_num_hidden_layers": 1}))
+    cfg = ModelConfig.from_hf(path)
+    with pytest.raises(ValueError, match=r"MTP tensors.*missing.*fc\.weight"):
+        load_mtp(mtp_config(cfg), cfg, make_mesh(jax.devices()[:1], 1, 1), jnp.float32)
 
 
 def test_released_form_mtp_layer_loads_the_same_draft(checkpoint, tmp_path):

@@ -62,6 +62,9 @@ UNIT = [
     "tests/test_integrations.py",
     "tests/test_dp_balancer.py",
     "tests/test_import_layering.py",
+    "tests/test_qwen35_config.py",
+    "tests/test_gated_delta.py",
+    "tests/test_gated_delta_packed.py",
 ]
 E2E = [
     # Timed or networked, though they start no engine: a start-up timeout under a flood,
@@ -95,9 +98,6 @@ E2E = [
     "tests/test_families_2026.py",
     "tests/test_qwen35_engine.py",
     "tests/test_qwen35_speculative.py",
-    "tests/test_qwen35_config.py",
-    "tests/test_gated_delta_packed.py",
-    "tests/test_gated_delta.py",
     "tests/test_expert_distribution.py",
     "tests/test_eplb_engine.py",
     "tests/test_multi_node.py",

@@ -42,8 +42,22 @@ def weights(seed: int, a_max: float = 2.0) -> GatedDeltaWeights:
 
 
 def params(w: GatedDeltaWeights) -> gated_delta.GatedDeltaParams:
-    return gated_delta.GatedDeltaParams(*(jnp.asarray(getattr(w, f), jnp.float32)
-                                          for f in gated_delta.GatedDeltaParams._fields))
+    """The reference's weights as the JAX layer takes them (q, k, v parts apart)."""
+    fields = {f: jnp.asarray(getattr(w, f), jnp.float32)
+              for f in gated_delta.GatedDeltaParams._fields}
+    for fused in ("in_proj_qkv", "conv1d"):
+        fields[fused] = gated_delta.split_qkv(fields[fused], DIMS)
+    return gated_delta.GatedDeltaParams(**fields)
+
+
+def conv_parts(conv: np.ndarray) -> tuple:
+    """Reference conv states [B, conv_dim, K-1] as the layer's (q, k, v) parts."""
+    return gated_delta.split_qkv(jnp.asarray(conv, jnp.float32), DIMS, axis=1)
+
+
+def joined(parts) -> np.ndarray:
+    """The layer's conv state parts [..., C_part, K-1] as the reference's [..., conv_dim, K-1]."""
+    return np.concatenate([np.asarray(a) for a in parts], axis=-2)
 
 
 def rel(a, b) -> float:
@@ -77,13 +91,13 @@ def test_chunked_equals_recurrence_equals_reference(t, chunk):
 def test_prefill_matches_reference_across_chunks(a_max):
     w, x = weights(0, a_max), tokens(0, 150)
     want_y, want_conv, want_s = gated_delta_layer(x, w)
-    conv0, s0 = gated_delta.zero_states(DIMS, 1, CONV, K)
+    conv0, s0 = gated_delta.zero_states(DIMS, 1, K)
     fn = jax.jit(gated_delta.prefill, static_argnums=(1, 6))
     y, conv, s = fn(params(w), DIMS, jnp.asarray(x[None], jnp.float32), conv0, s0, None, 64)
     print(f"\nprefill 150 tokens (chunk 64), A<= {a_max}: y rel err {rel(y[0], want_y):.1e}, "
           f"state {rel(s[0], want_s):.1e}")
     assert rel(y[0], want_y) < TOL
-    assert rel(conv[0], want_conv) < 1e-6 and rel(s[0], want_s) < TOL
+    assert rel(joined(conv)[0], want_conv) < 1e-6 and rel(s[0], want_s) < TOL
 
 
 @pytest.mark.parametrize("split", [70, 64, 1, 149])
@@ -92,7 +106,7 @@ def test_split_prefill_then_decode_carries_the_states(split):
     want_y, want_conv, want_s = gated_delta_layer(x, w)
     p = params(w)
     fn = jax.jit(gated_delta.prefill, static_argnums=(1, 6))
-    conv, s = gated_delta.zero_states(DIMS, 1, CONV, K)
+    conv, s = gated_delta.zero_states(DIMS, 1, K)
     xs = jnp.asarray(x[None], jnp.float32)
     y1, conv, s = fn(p, DIMS, xs[:, :split], conv, s, None, 64)
     y2, conv, s = fn(p, DIMS, xs[:, split:150], conv, s, None, 64)
@@ -105,7 +119,7 @@ def test_split_prefill_then_decode_carries_the_states(split):
     err = rel(y, want_y)
     print(f"\nsplit at {split} + 5 decode steps: y rel err {err:.1e}, state "
           f"{rel(s[0], want_s):.1e}")
-    assert err < TOL and rel(conv[0], want_conv) < 1e-6 and rel(s[0], want_s) < TOL
+    assert err < TOL and rel(joined(conv)[0], want_conv) < 1e-6 and rel(s[0], want_s) < TOL
 
 
 def test_padded_rows_keep_their_states():
@@ -116,11 +130,10 @@ def test_padded_rows_keep_their_states():
     for i, x in enumerate(xs):
         batch[i, : len(x)] = x
     batch[1, 13:] = 9.0  # padding content must not matter
-    conv, s = gated_delta.zero_states(DIMS, 2, CONV, K)
     # nonzero entering states: as after an earlier chunk of the same requests
     prev = [tokens(4, 7), tokens(5, 3)]
     ref_states = [gated_delta_layer(p, w)[1:] for p in prev]
-    conv = jnp.asarray(np.stack([c for c, _ in ref_states]), jnp.float32)
+    conv = conv_parts(np.stack([c for c, _ in ref_states]))
     s = jnp.asarray(np.stack([r for _, r in ref_states]), jnp.float32)
     fn = jax.jit(gated_delta.prefill, static_argnums=(1, 6))
     y, conv, s = fn(params(w), DIMS, jnp.asarray(batch, jnp.float32), conv, s,
@@ -128,7 +141,7 @@ def test_padded_rows_keep_their_states():
     for i, x in enumerate(xs):
         want_y, want_conv, want_s = gated_delta_layer(x, w, *ref_states[i])
         assert rel(y[i, : lengths[i]], want_y) < TOL
-        assert rel(conv[i], want_conv) < 1e-6 and rel(s[i], want_s) < TOL
+        assert rel(joined(conv)[i], want_conv) < 1e-6 and rel(s[i], want_s) < TOL
 
 
 def test_ragged_prefill_on_the_flat_token_layout():
@@ -144,13 +157,13 @@ def test_ragged_prefill_on_the_flat_token_layout():
     fn = jax.jit(gated_delta.prefill_ragged, static_argnums=(1, 7, 8))
     y, conv, s = fn(params(w), DIMS, jnp.asarray(flat, jnp.float32),
                     jnp.asarray(starts, jnp.int32), jnp.asarray(lengths, jnp.int32),
-                    jnp.asarray(np.stack([c for c, _ in states]), jnp.float32),
+                    conv_parts(np.stack([c for c, _ in states])),
                     jnp.asarray(np.stack([r for _, r in states]), jnp.float32), 80, 32)
     for b, x in enumerate(new):
         want_y, want_conv, want_s = gated_delta_layer(x, w, *states[b])
         if len(x):
             assert rel(y[starts[b]: starts[b] + len(x)], want_y) < TOL
-        assert rel(conv[b], want_conv) < 1e-6 and rel(s[b], want_s) < TOL
+        assert rel(joined(conv)[b], want_conv) < 1e-6 and rel(s[b], want_s) < TOL
     assert not np.asarray(y[sum(lengths):]).any()
 
 
@@ -159,12 +172,13 @@ def test_bfloat16_params_keep_a_float32_core():
     is the reference's within bf16 rounding."""
     w, x = weights(4), tokens(4, 90)
     want_y, _, want_s = gated_delta_layer(x, w)
-    p = gated_delta.GatedDeltaParams(*(a.astype(jnp.bfloat16) for a in params(w)))
-    conv, s = gated_delta.zero_states(DIMS, 1, CONV, K, jnp.bfloat16)
+    p = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params(w))
+    conv, s = gated_delta.zero_states(DIMS, 1, K, jnp.bfloat16)
     xs = jnp.asarray(x[None], jnp.bfloat16)
     y1, conv, s = jax.jit(gated_delta.prefill, static_argnums=(1, 6))(
         p, DIMS, xs[:, :89], conv, s, None, 64)
     y2, conv, s = jax.jit(gated_delta.decode, static_argnums=1)(p, DIMS, xs[:, 89], conv, s)
-    assert s.dtype == jnp.float32 and conv.dtype == jnp.bfloat16 and y2.dtype == jnp.bfloat16
+    assert s.dtype == jnp.float32 and y2.dtype == jnp.bfloat16
+    assert all(part.dtype == jnp.bfloat16 for part in conv)
     y = np.concatenate([np.asarray(y1[0], np.float64), np.asarray(y2, np.float64)])
     assert rel(y, want_y) < 5e-2 and rel(s[0], want_s) < 5e-2

@@ -51,6 +51,9 @@ def parallel_layout_errors(
         split_by_tp.append(
             (cfg.num_key_value_heads, "num_key_value_heads (the KV cache is sharded by KV head)")
         )
+    if any(cfg.linear_layers):  # (value heads are a multiple of the key heads)
+        split_by_tp.append((cfg.linear_num_key_heads,
+                            "linear_num_key_heads (the Gated DeltaNet layers split by head)"))
     if has_moe:
         split_by_tp.append((cfg.moe_intermediate_size, "moe_intermediate_size"))
     if has_moe and cfg.num_shared_experts:

@@ -244,8 +244,8 @@ def check_for_linear_attention(args: ServerArgs, linear_layers: tuple[bool, ...]
                                family: str) -> None:
     """The options a model with linear-attention (Gated DeltaNet) layers runs with, checked
     once its config is read (``launch_engine``, the runner). ``ValueError`` naming the flag for
-    what is not supported yet (--tp-size / --ep-size are: the linear layers and the attention
-    are replicated, the experts split); prefix reuse is turned off (``disable_radix_cache``), logged:
+    what is not supported yet (--tp-size / --ep-size are: the linear layers split by head
+    like the attention, the experts over both axes); prefix reuse is turned off (``disable_radix_cache``), logged:
     a cached prefix's KV does not give the linear layers' states at its end (they are a
     function of every earlier token, not stored per position), so a hit would be wrong."""
     if not any(linear_layers):

@@ -2,7 +2,8 @@
 ``kv_caches`` list holds, per layer, the paged KV array of a full-attention layer or the pair of
 state tables of a linear layer (``models/gated_deltanet.py``):
 
-* conv ``[S + 1, conv_dim, K - 1]`` in the model dtype;
+* conv, in the model dtype, in three parts: q ``[S + 1, Hk dk, K - 1]``, k likewise and v
+  ``[S + 1, Hv dv, K - 1]``;
 * recurrent ``[S + 1, Hv, dk, dv]`` in float32 (the delta rule's state, as transformers keeps it);
 
 one row per request slot (``S = max_running_requests``; a request's slot has the lifetime of its
@@ -13,7 +14,8 @@ from zeros. Only the full-attention layers have KV pages (``kv_layers``).
 
 Per slot at Qwen3.5-35B-A3B (30 linear layers, Hv 32, dk = dv = 128): 60 MiB recurrent +
 1.4 MiB conv; the default KV budget (``kv_memory.py``) does not count them, they scale with
-``--max-running-requests``.
+``--max-running-requests``. Every table splits by head over "tensor" (axis 1), as the layer's
+weights do.
 """
 
 from __future__ import annotations
@@ -34,12 +36,15 @@ def kv_layers(cfg: ModelConfig) -> int:
 
 def state_tables(cfg: ModelConfig, rows: int, dtype: Any, mesh: Mesh,
                  abstract: bool) -> tuple[Any, Any]:
-    """One linear layer's zeroed (conv, recurrent) tables of ``rows`` rows, replicated."""
-    replicated = NamedSharding(mesh, PartitionSpec())
-    conv = device_zeros((rows, cfg.linear_conv_dim, cfg.linear_conv_kernel_dim - 1), dtype,
-                        replicated, abstract)
+    """One linear layer's zeroed (conv parts, recurrent) tables of ``rows`` rows, split by head
+    over "tensor"."""
+    by_head = NamedSharding(mesh, PartitionSpec(None, "tensor"))
+    qk = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    v = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    conv = tuple(device_zeros((rows, width, cfg.linear_conv_kernel_dim - 1), dtype, by_head,
+                              abstract) for width in (qk, qk, v))
     recurrent = device_zeros((rows, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                              cfg.linear_value_head_dim), jnp.float32, replicated, abstract)
+                              cfg.linear_value_head_dim), jnp.float32, by_head, abstract)
     return conv, recurrent
 
 

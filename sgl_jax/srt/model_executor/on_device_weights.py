@@ -92,7 +92,7 @@ class OnDeviceUpdate:
     def check(self) -> None:
         runner = self.runner
         cfg = runner.model_config
-        self.source = family_source(cfg.family, self.source, updating=True)
+        self.source = family_source(cfg, self.source, updating=True)
         plan = plan_params(cfg, self.state, runner.expert_placement, self.source, partial=True)
         with no_host_transfers():
             for path, var, names, transpose in plan:

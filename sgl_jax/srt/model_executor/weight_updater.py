@@ -211,9 +211,9 @@ class WeightUpdater:
         in yet), ready on the devices, and how many parameters are new. The target reads
         ``source`` as its family names it (Qwen3.5-MoE: ``model_loader/qwen35_names.py``, which
         leaves the ``mtp.*`` tensors to the draft)."""
-        family = self.runner.model_config.family
         target, count = self._read_target(
-            family_source(family, source, updating=isinstance(source, ArraySource)), partial)
+            family_source(self.runner.model_config, source,
+                          updating=isinstance(source, ArraySource)), partial)
         draft, draft_count = self._read_mtp_draft(source, partial)
         return target, draft, count + draft_count
 

@@ -241,7 +241,7 @@ def load_model(
     abstract = nnx.eval_shape(lambda: model_cls(config, dtype))
     graphdef, state = nnx.split(abstract)
     placement = _checked_placement(config, placement, mesh.shape["expert"])
-    source = family_source(config.family, SafetensorsCheckpoint(config.model_path))
+    source = family_source(config, SafetensorsCheckpoint(config.model_path))
     pure = read_params(config, state, mesh, placement, source)
     if placement.dynamic:
         pure.update(location_values(config, state, mesh, placement))

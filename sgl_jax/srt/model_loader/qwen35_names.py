@@ -12,16 +12,21 @@ A view over a source (a checkpoint or arrays by name) that gives the model's nam
 * fused experts, ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows) and
   ``mlp.experts.down_proj`` ``[E, H, I]``, are read as the per-expert tensors
   ``mlp.experts.<e>.{gate,up,down}_proj.weight`` (``[I, H]``, ``[I, H]``, ``[H, I]``) the
-  stacked parameters name: each a slice of the fused tensor, read without copying the rest.
+  stacked parameters name: each a slice of the fused tensor, read without copying the rest;
+* a Gated DeltaNet layer's ``linear_attn.in_proj_qkv.weight`` and ``linear_attn.conv1d.weight``
+  (rows ``[q | k | v]``) are read as ``in_proj_{q,k,v}.weight`` and ``conv1d_{q,k,v}.weight``,
+  their row blocks: the model splits each part by head over "tensor", which a contiguous split
+  of the concatenation would not (a device would get q heads and k heads).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 from sgl_jax.srt.bounded_text import short_repr
+from sgl_jax.srt.configs.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -29,14 +34,22 @@ RELEASED_PREFIX = "model.language_model."
 VISUAL_PREFIX = "model.visual."
 MTP_PREFIX = "mtp."
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_QKV = re.compile(r"^(model\.layers\.\d+\.linear_attn)\.(in_proj_qkv|conv1d)\.weight$")
 
-# A name the model reads -> (the source's name, expert, part): part "gate" / "up" is a row
-# block of gate_up_proj, "down" an expert of down_proj, None the whole tensor.
-_Target = tuple[str, int | None, str | None]
+
+class _Target(NamedTuple):
+    """Where a name the model reads lives: the source's tensor, one expert of it (its leading
+    axis; None: no expert axis) and a block of rows of that (None: all of them)."""
+
+    source: str
+    expert: int | None = None
+    rows: tuple[int, int] | None = None
 
 
 class Qwen35Source:
-    def __init__(self, inner: Any, updating: bool = False) -> None:
+    """``qk_rows``: the q part's rows of ``in_proj_qkv`` (= the k part's: Hk x dk)."""
+
+    def __init__(self, inner: Any, qk_rows: int, updating: bool = False) -> None:
         self.inner = inner
         self.where = inner.where
         names = inner.names()
@@ -52,15 +65,26 @@ class Qwen35Source:
                 continue
             model_name = ("model." + name[len(RELEASED_PREFIX):]
                           if name.startswith(RELEASED_PREFIX) else name)
-            fused = _FUSED.match(model_name)
-            if fused is None:
-                self._map[model_name] = (name, None, None)
-                continue
-            base, tensor = fused.groups()
-            parts = ("gate", "up") if tensor == "gate_up_proj" else ("down",)
-            for e in range(inner.shape(name)[0]):
-                for part in parts:
-                    self._map[f"{base}.{e}.{part}_proj.weight"] = (name, e, part)
+            fused, qkv = _FUSED.match(model_name), _QKV.match(model_name)
+            if qkv is not None:
+                base, tensor = qkv.groups()
+                stem = "in_proj" if tensor == "in_proj_qkv" else "conv1d"
+                bounds = (0, qk_rows, 2 * qk_rows, inner.shape(name)[0])
+                for part, start, stop in zip("qkv", bounds, bounds[1:], strict=False):
+                    self._map[f"{base}.{stem}_{part}.weight"] = _Target(name, None, (start, stop))
+            elif fused is not None:
+                base, tensor = fused.groups()
+                experts = inner.shape(name)[0]
+                if tensor == "down_proj":
+                    for e in range(experts):
+                        self._map[f"{base}.{e}.down_proj.weight"] = _Target(name, e)
+                    continue
+                rows = inner.shape(name)[1] // 2  # gate_up_proj [E, 2I, H]: gate rows, up rows
+                for e in range(experts):
+                    self._map[f"{base}.{e}.gate_proj.weight"] = _Target(name, e, (0, rows))
+                    self._map[f"{base}.{e}.up_proj.weight"] = _Target(name, e, (rows, 2 * rows))
+            else:
+                self._map[model_name] = _Target(name)
 
     def names(self) -> set[str]:
         return set(self._map)
@@ -70,53 +94,43 @@ class Qwen35Source:
             raise ValueError(f"{self.where} lacks the tensor {short_repr(name, 200)}")
         return self._map[name]
 
-    def _rows(self, fused: str) -> int:
-        return self.inner.shape(fused)[1] // 2  # I: gate_up_proj is [E, 2I, H]
-
     def shape(self, name: str) -> tuple[int, ...]:
-        source, expert, part = self._target(name)
-        full = tuple(self.inner.shape(source))
-        if expert is None:
-            return full
-        if part == "down":
-            return full[1:]
-        return (full[1] // 2, full[2])
+        target = self._target(name)
+        shape = tuple(self.inner.shape(target.source))
+        if target.expert is not None:
+            shape = shape[1:]
+        if target.rows is not None:  # (a short tensor's real rows: its shape check then fails)
+            first, last = target.rows
+            shape = (max(min(last, shape[0]) - first, 0), *shape[1:])
+        return shape
 
     def is_float(self, name: str) -> tuple[bool, str]:
-        return self.inner.is_float(self._target(name)[0])
-
-    def _index(self, name: str, index: tuple[slice, ...]) -> tuple[str, tuple[slice, ...]]:
-        source, expert, part = self._target(name)
-        if expert is None:
-            return source, index
-        one = slice(expert, expert + 1)
-        if part == "down":
-            return source, (one, *index)
-        rows = self._rows(source)
-        start, stop, step = (index[0] if index else slice(None)).indices(rows)
-        offset = rows if part == "up" else 0
-        return source, (one, slice(start + offset, stop + offset, step), *index[1:])
+        return self.inner.is_float(self._target(name).source)
 
     def read(self, name: str, index: tuple[slice, ...]) -> Any:
-        source, expert, _ = self._target(name)
-        source, full = self._index(name, index)
-        block = self.inner.read(source, full)
-        return block if expert is None else block[0]
+        target = self._target(name)
+        if target.rows is not None:
+            first, last = target.rows
+            start, stop, step = (index[0] if index else slice(None)).indices(last - first)
+            index = (slice(start + first, stop + first, step), *index[1:])
+        if target.expert is None:
+            return self.inner.read(target.source, index)
+        one = slice(target.expert, target.expert + 1)
+        return self.inner.read(target.source, (one, *index))[0]
 
     def get(self, name: str) -> Any:
-        source, expert, part = self._target(name)
-        value = self.inner.get(source)
-        if expert is None:
-            return value
-        if part == "down":
-            return value[expert]
-        rows = value.shape[1] // 2
-        return value[expert, rows:] if part == "up" else value[expert, :rows]
+        target = self._target(name)
+        value = self.inner.get(target.source)
+        if target.expert is not None:
+            value = value[target.expert]
+        return value if target.rows is None else value[target.rows[0]:target.rows[1]]
 
 
-def family_source(family: str, source: Any, updating: bool = False) -> Any:
+def family_source(config: ModelConfig, source: Any, updating: bool = False) -> Any:
     """``source`` as the family's model reads it (Qwen3.5-MoE: the view above)."""
-    return Qwen35Source(source, updating) if family == "qwen3_5_moe" else source
+    if config.family != "qwen3_5_moe":
+        return source
+    return Qwen35Source(source, config.linear_num_key_heads * config.linear_key_head_dim, updating)
 
 
 # -- the MTP layers (NEXTN's draft, speculative/nextn.py) ---------------------------------------
@@ -126,8 +140,8 @@ _MTP_FUSED = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)
 class Qwen35MtpSource(Qwen35Source):
     """The ``mtp.*`` tensors of a source, named as the MTP draft's parameters: ``mtp.X`` ->
     ``X`` (``fc``, ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``norm``,
-    ``layers.<j>.*``), fused experts read per expert as above. Every other tensor is left
-    out (the language model's view reads those)."""
+    ``layers.<j>.*``: a gated-attention layer, no Gated DeltaNet), fused experts read per
+    expert as above. Every other tensor is left out (the language model's view reads those)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -139,13 +153,18 @@ class Qwen35MtpSource(Qwen35Source):
             draft_name = name[len(MTP_PREFIX):]
             fused = _MTP_FUSED.match(draft_name)
             if fused is None:
-                self._map[draft_name] = (name, None, None)
+                self._map[draft_name] = _Target(name)
                 continue
             base, tensor = fused.groups()
-            parts = ("gate", "up") if tensor == "gate_up_proj" else ("down",)
-            for e in range(inner.shape(name)[0]):
-                for part in parts:
-                    self._map[f"{base}.{e}.{part}_proj.weight"] = (name, e, part)
+            experts = inner.shape(name)[0]
+            if tensor == "down_proj":
+                for e in range(experts):
+                    self._map[f"{base}.{e}.down_proj.weight"] = _Target(name, e)
+                continue
+            rows = inner.shape(name)[1] // 2  # gate_up_proj [E, 2I, H]: gate rows, up rows
+            for e in range(experts):
+                self._map[f"{base}.{e}.gate_proj.weight"] = _Target(name, e, (0, rows))
+                self._map[f"{base}.{e}.up_proj.weight"] = _Target(name, e, (rows, 2 * rows))
 
 
 def qwen35_mtp_names(names: Any) -> list[str]:

@@ -37,23 +37,24 @@ class GatedAttention(nnx.Module):
     """GQA whose ``q_proj`` gives, per head, ``[query | gate]`` (``attn_output_gate``): the
     attention output (heads concatenated) is multiplied by sigmoid(gate) before ``o_proj``.
     q and k get a (1 + w) RMSNorm per head, then rotate-half RoPE on their first
-    ``rotary_dim`` dims. Its weights are replicated (under --tp-size every device computes
-    the attention whole; the KV cache stays split by head, as GSPMD places it)."""
+    ``rotary_dim`` dims. Under --tp-size it splits by head over "tensor" like
+    ``common.Attention`` (a head's query and gate columns are adjacent in ``q_proj``, so a
+    contiguous column block is whole heads)."""
 
     def __init__(self, config: ModelConfig, dtype: jnp.dtype) -> None:
         hidden, heads, kv_heads, hd = (config.hidden_size, config.num_attention_heads,
                                        config.num_key_value_heads, config.head_dim)
         self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, hd
         self.rope_theta, self.rotary_dim = config.rope_theta, config.rope_dim
-        self.q_proj = param((hidden, heads * 2 * hd), dtype, (None, None))
-        self.k_proj = param((hidden, kv_heads * hd), dtype, (None, None))
-        self.v_proj = param((hidden, kv_heads * hd), dtype, (None, None))
-        self.o_proj = param((heads * hd, hidden), dtype, (None, None))
+        self.q_proj = param((hidden, heads * 2 * hd), dtype, (None, "tensor"))
+        self.k_proj = param((hidden, kv_heads * hd), dtype, (None, "tensor"))
+        self.v_proj = param((hidden, kv_heads * hd), dtype, (None, "tensor"))
+        self.o_proj = param((heads * hd, hidden), dtype, ("tensor", None))
         self.has_bias = config.qkv_bias
         if self.has_bias:
-            self.q_proj_bias = param((heads * 2 * hd,), dtype, (None,), ("q_proj.bias", False))
-            self.k_proj_bias = param((kv_heads * hd,), dtype, (None,), ("k_proj.bias", False))
-            self.v_proj_bias = param((kv_heads * hd,), dtype, (None,), ("v_proj.bias", False))
+            self.q_proj_bias = param((heads * 2 * hd,), dtype, ("tensor",), ("q_proj.bias", False))
+            self.k_proj_bias = param((kv_heads * hd,), dtype, ("tensor",), ("k_proj.bias", False))
+            self.v_proj_bias = param((kv_heads * hd,), dtype, ("tensor",), ("v_proj.bias", False))
             self.o_proj_bias = param((hidden,), dtype, (None,), ("o_proj.bias", False))
         self.q_norm = RMSNormPlusOne(hd, config.rms_norm_eps, dtype)
         self.k_norm = RMSNormPlusOne(hd, config.rms_norm_eps, dtype)

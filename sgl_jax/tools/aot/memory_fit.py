@@ -15,8 +15,8 @@ def max_requests_that_fit(free_bytes: float, kv_per_token: float, context_len: i
     """Largest GLOBAL number of requests at ``context_len`` positions whose KV fits in
     ``free_bytes`` per device: each attention rank holds its own requests' KV (``dp`` ranks,
     1 without DP), a device ``kv_per_token`` bytes per token of its rank's requests, plus
-    ``state_per_request`` (Qwen3.5's linear-attention states, replicated: a slot's row in
-    every linear layer's tables)."""
+    ``state_per_request`` (Qwen3.5's linear-attention states on a device: its heads' share
+    of a slot's row in every linear layer's tables)."""
     if free_bytes <= 0:
         return 0
     return dp * int(free_bytes // (kv_per_token * context_len + state_per_request))

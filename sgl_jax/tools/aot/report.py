@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         args.tp_size, args.ep_size, args.dp_size, params / GiB, kv / GiB, hbm / GiB,
     )
     check_fit(params, kv, hbm, cfg, args, kv_per_token,
-              linear_state_bytes_per_request(cfg, itemsize))
+              linear_state_bytes_per_request(cfg, itemsize) // args.tp_size)
     args.resolved_moe_backend = full.backends.moe.name
 
     buckets = dp_buckets(args.decode_bs, args.prefill_tokens, args.prefill_requests,

@@ -50,10 +50,10 @@ def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_de
     kv_per_token = kv_bytes_per_token_per_device(cfg, args.tp_size, itemsize)
     hbm = chip.hbm_bytes * share
     # Linear-attention layers (Qwen3.5): each request's conv and recurrent states, read and
-    # written once per step; the tables are replicated, so every device moves all of its
-    # rank's requests' states.
+    # written once per step; the tables split by head over "tensor", so a device moves its
+    # 1 / tp of its rank's requests' states.
     state_req = linear_state_bytes_per_request(cfg, itemsize)
-    state_step = 2 * b.rank_requests * state_req
+    state_step = 2 * b.rank_requests * state_req // args.tp_size
     # One read of the device's parameters and of its rank's requests' context, plus the
     # linear states' read and write (decode's floor; every expert is read at these batch
     # sizes).
@@ -121,10 +121,11 @@ def make_record(b: Bucket, c: Compiled, cfg: Any, args: argparse.Namespace, n_de
         # Largest global batch at this context whose KV fits next to the parameters, and
         # next to everything else this bucket's compiled step holds (its temporaries, ...).
         "max_requests_fit": max_requests_that_fit(hbm - params, kv_per_token,
-                                                  args.context_len, args.dp_size, state_req),
+                                                  args.context_len, args.dp_size,
+                                                  state_req // args.tp_size),
         "max_requests_fit_with_step": max_requests_that_fit(hbm - (peak - kv), kv_per_token,
                                                             args.context_len, args.dp_size,
-                                                            state_req),
+                                                            state_req // args.tp_size),
         "roofline_ms": roofline * 1e3,
         "compute_ms": t_compute * 1e3,
         "memory_ms": t_memory * 1e3,

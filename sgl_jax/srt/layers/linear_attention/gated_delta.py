@@ -2,8 +2,8 @@
 
 The engine carries two states per request and layer (zeros for a new request):
 
-* ``conv_state`` [B, conv_dim, K-1]: the last K-1 inputs of the causal depthwise conv (the
-  concatenated q, k, v channels before the conv), oldest first;
+* ``conv_state``: the last K-1 inputs of the causal depthwise conv, oldest first, per part of
+  its channels (:data:`Parts`: q ``[B, Hk dk, K-1]``, k likewise, v ``[B, Hv dv, K-1]``);
 * ``recurrent_state`` [B, Hv, dk, dv] float32: the delta rule's state S.
 
 ``prefill`` runs T tokens per row (rows padded to T; ``lengths`` gives each row's real tokens;
@@ -13,6 +13,11 @@ given, so a prompt split into chunks (chunked prefill) gives the same outputs an
 one call. The projections run in the params' dtype; the conv output, q/k L2 norms, g, beta,
 the delta rule and the gated output norm in float32 (as transformers does whatever the
 model dtype).
+
+The q, k and v channels (transformers' one ``in_proj_qkv`` and ``conv1d``, rows ``[q | k | v]``)
+are kept as three parts end to end: each splits by head over the "tensor" mesh axis
+(``models/gated_deltanet.py``), which one concatenated axis would not. ``split_qkv`` cuts a
+concatenated tensor into them.
 """
 
 from __future__ import annotations
@@ -26,15 +31,17 @@ from sgl_jax.srt.layers.linear_attention import delta_rule
 
 L2_EPS = 1e-6  # of the q and k L2 norms (fixed by the definition, not a config field)
 
+Parts = tuple[jax.Array, jax.Array, jax.Array]  # (q, k, v) channel parts, channels on axis 0 or 1
+
 
 class GatedDeltaParams(NamedTuple):
     """One layer's weights, projections in transformers' [out, in] orientation."""
 
-    in_proj_qkv: jax.Array  # [2 Hk dk + Hv dv, hidden]
+    in_proj_qkv: Parts  # q [Hk dk, hidden], k [Hk dk, hidden], v [Hv dv, hidden]
     in_proj_z: jax.Array  # [Hv dv, hidden]
     in_proj_b: jax.Array  # [Hv, hidden]
     in_proj_a: jax.Array  # [Hv, hidden]
-    conv1d: jax.Array  # [conv_dim, K] (transformers' [conv_dim, 1, K] squeezed)
+    conv1d: Parts  # q [Hk dk, K], k [Hk dk, K], v [Hv dv, K] (transformers': [conv_dim, 1, K])
     dt_bias: jax.Array  # [Hv]
     A_log: jax.Array  # [Hv]
     norm: jax.Array  # [dv]
@@ -49,19 +56,28 @@ class GatedDeltaDims(NamedTuple):
     eps: float  # of the gated output RMSNorm (rms_norm_eps)
 
 
+def split_qkv(fused, d: GatedDeltaDims, axis: int = 0) -> tuple:
+    """A tensor (numpy or JAX) over the concatenated ``[q | k | v]`` channels on ``axis`` as its
+    three parts."""
+    qk = d.num_key_heads * d.key_dim
+    lead = (slice(None),) * axis
+    return tuple(fused[(*lead, slice(a, b))] for a, b in ((0, qk), (qk, 2 * qk), (2 * qk, None)))
+
+
 def _l2norm(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
 
 
-def _heads(p: GatedDeltaParams, d: GatedDeltaDims, x: jax.Array, mixed: jax.Array):
+def _heads(p: GatedDeltaParams, d: GatedDeltaDims, x: jax.Array, mixed: Parts):
     """q, k (normalised, q scaled, key heads repeated to the value heads), v, g, beta and z for
-    tokens x [..., hidden] whose conv output is ``mixed`` [..., conv_dim] (float32)."""
+    tokens x [..., hidden] whose conv output is ``mixed`` (q, k, v parts [..., channels],
+    float32)."""
     hk, hv, dk, dv = d.num_key_heads, d.num_value_heads, d.key_dim, d.value_dim
     lead = x.shape[:-1]
-    q = mixed[..., : hk * dk].reshape(*lead, hk, dk)
-    k = mixed[..., hk * dk: 2 * hk * dk].reshape(*lead, hk, dk)
-    v = mixed[..., 2 * hk * dk:].reshape(*lead, hv, dv)
-    # value head h reads key head h // (Hv / Hk)
+    q = mixed[0].reshape(*lead, hk, dk)
+    k = mixed[1].reshape(*lead, hk, dk)
+    v = mixed[2].reshape(*lead, hv, dv)
+    # value head h reads key head h // (Hv / Hk) (so a device's value heads read its key heads)
     q = jnp.repeat(_l2norm(q), hv // hk, axis=-2) * (dk ** -0.5)
     k = jnp.repeat(_l2norm(k), hv // hk, axis=-2)
     beta = jax.nn.sigmoid((x @ p.in_proj_b.T).astype(jnp.float32))
@@ -78,57 +94,67 @@ def _output(p: GatedDeltaParams, d: GatedDeltaDims, o: jax.Array, z: jax.Array, 
     return gated.reshape(*o.shape[:-2], -1).astype(dtype) @ p.out_proj.T
 
 
+def _conv_padded(inputs: jax.Array, state: jax.Array, weight: jax.Array, lengths: jax.Array):
+    """One part's silu(causal depthwise conv) over rows padded to T tokens: inputs [B, T, C],
+    state [B, C, K-1]; and its new state (the K-1 inputs ending at each row's last real token)."""
+    t, kernel = inputs.shape[1], weight.shape[1]
+    u = jnp.concatenate([jnp.swapaxes(state, 1, 2).astype(inputs.dtype), inputs], axis=1)
+    w = weight.astype(jnp.float32)
+    mixed = jax.nn.silu(sum(w[:, j] * u[:, j: j + t].astype(jnp.float32) for j in range(kernel)))
+    new = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, kernel - 1))(u, lengths)
+    return mixed, jnp.swapaxes(new, 1, 2).astype(state.dtype)
+
+
 def prefill(
-    p: GatedDeltaParams, d: GatedDeltaDims, x: jax.Array, conv_state: jax.Array,
+    p: GatedDeltaParams, d: GatedDeltaDims, x: jax.Array, conv_state: Parts,
     recurrent_state: jax.Array, lengths: jax.Array | None = None, chunk: int = 64,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, Parts, jax.Array]:
     """x [B, T, hidden] (after the input norm) from the given states. ``lengths`` [B] (default
     T): real tokens per row, the rest padding. Returns (y [B, T, hidden] (padding rows
     arbitrary), conv_state, recurrent_state) after each row's last real token."""
     b, t, _ = x.shape
-    kernel = p.conv1d.shape[1]
     if lengths is None:
         lengths = jnp.full((b,), t, jnp.int32)
-    inputs = x @ p.in_proj_qkv.T  # [B, T, C]
-    u = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(inputs.dtype), inputs], axis=1)
-    w = p.conv1d.astype(jnp.float32)
-    conv = sum(w[:, j] * u[:, j: j + t].astype(jnp.float32) for j in range(kernel))
-    mixed = jax.nn.silu(conv)
-    # the new conv state: the K-1 inputs ending at each row's last real token
-    new_conv = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, kernel - 1))(
-        u, lengths)
+    parts = [_conv_padded(x @ w.T, s, cw, lengths)
+             for w, s, cw in zip(p.in_proj_qkv, conv_state, p.conv1d, strict=True)]
+    mixed, new_conv = tuple(m for m, _ in parts), tuple(c for _, c in parts)
     q, k, v, g, beta, z = _heads(p, d, x, mixed)
     real = (jnp.arange(t)[None, :] < lengths[:, None])[..., None]  # [B, T, 1]
     g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)  # padding: state unchanged
     o, state = delta_rule.chunked(q, k, v, g, beta, recurrent_state.astype(jnp.float32), chunk)
-    y = _output(p, d, o, z, x.dtype)
-    return y, jnp.swapaxes(new_conv, 1, 2).astype(conv_state.dtype), state
+    return _output(p, d, o, z, x.dtype), new_conv, state
 
 
 def decode(
-    p: GatedDeltaParams, d: GatedDeltaDims, x: jax.Array, conv_state: jax.Array,
+    p: GatedDeltaParams, d: GatedDeltaDims, x: jax.Array, conv_state: Parts,
     recurrent_state: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, Parts, jax.Array]:
     """One token per row: x [B, hidden]. Returns (y [B, hidden], conv_state, recurrent_state);
     O(1) in the context length."""
-    inputs = x @ p.in_proj_qkv.T  # [B, C]
-    u = jnp.concatenate([conv_state.astype(inputs.dtype), inputs[:, :, None]], axis=2)  # [B,C,K]
-    mixed = jax.nn.silu(jnp.sum(u.astype(jnp.float32) * p.conv1d.astype(jnp.float32), axis=2))
-    q, k, v, g, beta, z = _heads(p, d, x, mixed)
+    mixed, new_conv = [], []
+    for w, state, weight in zip(p.in_proj_qkv, conv_state, p.conv1d, strict=True):
+        inputs = x @ w.T  # [B, C]
+        u = jnp.concatenate([state.astype(inputs.dtype), inputs[:, :, None]], axis=2)  # [B,C,K]
+        mixed.append(jax.nn.silu(jnp.sum(u.astype(jnp.float32) * weight.astype(jnp.float32),
+                                         axis=2)))
+        new_conv.append(u[:, :, 1:].astype(state.dtype))
+    q, k, v, g, beta, z = _heads(p, d, x, tuple(mixed))
     o, state = delta_rule.recurrent_step(q, k, v, g, beta, recurrent_state.astype(jnp.float32))
-    return _output(p, d, o, z, x.dtype), u[:, :, 1:].astype(conv_state.dtype), state
+    return _output(p, d, o, z, x.dtype), tuple(new_conv), state
 
 
-def zero_states(d: GatedDeltaDims, batch: int, conv_dim: int, kernel: int, dtype=jnp.float32):
-    """A new request's states: (conv_state [B, conv_dim, K-1], recurrent_state [B, Hv, dk, dv])."""
-    return (jnp.zeros((batch, conv_dim, kernel - 1), dtype),
-            jnp.zeros((batch, d.num_value_heads, d.key_dim, d.value_dim), jnp.float32))
+def zero_states(d: GatedDeltaDims, batch: int, kernel: int, dtype=jnp.float32
+                ) -> tuple[Parts, jax.Array]:
+    """A new request's states: (conv_state parts, recurrent_state [B, Hv, dk, dv])."""
+    qk, v = d.num_key_heads * d.key_dim, d.num_value_heads * d.value_dim
+    conv = tuple(jnp.zeros((batch, c, kernel - 1), dtype) for c in (qk, qk, v))
+    return conv, jnp.zeros((batch, d.num_value_heads, d.key_dim, d.value_dim), jnp.float32)
 
 
 def prefill_ragged(
     p: GatedDeltaParams, d: GatedDeltaDims, x: jax.Array, starts: jax.Array, lengths: jax.Array,
-    conv_state: jax.Array, recurrent_state: jax.Array, max_len: int, chunk: int = 64,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    conv_state: Parts, recurrent_state: jax.Array, max_len: int, chunk: int = 64,
+) -> tuple[jax.Array, Parts, jax.Array]:
     """``prefill`` on the engine's flat token layout: x [N, hidden] holds B requests' new
     tokens, request b at rows starts[b] .. starts[b] + lengths[b] - 1 (rows of no request, e.g.
     bucket padding, are ignored and come back as zeros); states [B, ...] are the requests'

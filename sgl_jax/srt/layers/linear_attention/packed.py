@@ -23,6 +23,7 @@ from sgl_jax.srt.layers.linear_attention import delta_rule
 from sgl_jax.srt.layers.linear_attention.gated_delta import (
     GatedDeltaDims,
     GatedDeltaParams,
+    Parts,
     _heads,
     _output,
 )
@@ -38,8 +39,8 @@ def _owners(n: int, starts: jax.Array, lengths: jax.Array) -> tuple[jax.Array, j
 
 def _conv(inputs: jax.Array, conv_state: jax.Array, weight: jax.Array, starts: jax.Array,
           lengths: jax.Array, owned: jax.Array, row: jax.Array, offset: jax.Array):
-    """silu(causal depthwise conv) per token, and each row's new conv state (the K - 1 inputs
-    ending at its last new token, oldest first). ``u = state ++ row inputs``: tap j of the
+    """One part's silu(causal depthwise conv) per token, and each row's new conv state (the
+    K - 1 inputs ending at its last new token, oldest first). ``u = state ++ row inputs``: tap j of the
     token at offset o reads u[o + j]."""
     kernel = weight.shape[1]
     n = inputs.shape[0]
@@ -60,17 +61,18 @@ def _conv(inputs: jax.Array, conv_state: jax.Array, weight: jax.Array, starts: j
 
 def prefill_packed(
     p: GatedDeltaParams, d: GatedDeltaDims, x: jax.Array, starts: jax.Array, lengths: jax.Array,
-    conv_state: jax.Array, recurrent_state: jax.Array, chunk: int = 64,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    conv_state: Parts, recurrent_state: jax.Array, chunk: int = 64,
+) -> tuple[jax.Array, Parts, jax.Array]:
     """x [N, hidden] holds B rows' new tokens (row b at starts[b] .. + lengths[b] - 1; tokens
     of no row are ignored and come back as zeros); states [B, ...] are the rows' own. Returns
     (y [N, hidden], conv_state, recurrent_state) after each row's last new token (a row with
     no tokens keeps its states)."""
     n, rows = x.shape[0], starts.shape[0]
     owned, row, offset = _owners(n, starts, lengths)
-    inputs = x @ p.in_proj_qkv.T
-    mixed, new_conv = _conv(inputs, conv_state, p.conv1d, starts, lengths, owned, row, offset)
-    q, k, v, g, beta, z = _heads(p, d, x, mixed)  # [N, Hv, ...]
+    parts = [_conv(x @ w.T, state, weight, starts, lengths, owned, row, offset)
+             for w, state, weight in zip(p.in_proj_qkv, conv_state, p.conv1d, strict=True)]
+    new_conv = tuple(c for _, c in parts)
+    q, k, v, g, beta, z = _heads(p, d, x, tuple(m for m, _ in parts))  # [N, Hv, ...]
     g, beta = (jnp.where(owned[:, None], a, 0.0) for a in (g, beta))
 
     # The packed chunks: row b's start at chunk first[b], ceil(lengths[b] / C) of them.

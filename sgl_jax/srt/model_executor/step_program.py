@@ -137,6 +137,7 @@ class StepProgram:
         accepted = (accepted_counts(batch, token_to_req, next_ids)
                     if batch.forward_mode.is_verify else None)
         if accepted is not None:  # linear-attention layers: their states after the accepted
+            # tokens only, written now that the step knows them (linear_attention/verify.py)
             kv_caches = [commit(entry, accepted) for entry in kv_caches]
         if drafting:
             draft = nnx.merge(self.draft_graphdef,

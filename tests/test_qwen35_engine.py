@@ -19,7 +19,8 @@ layer; routers redrawn until every selection gap clears 1e-3) is served by an En
   update are refused by name;
 - tp 2 x ep 2 on fake CPU devices (a ModelRunner in a subprocess): a prompt in two chunks
   batched with a short one, then batched decode: tokens and rows equal the reference's;
-- the refusals by name (speculative decoding, DP attention) and the prefix cache turned off.
+- the refusals by name (EAGLE, DP attention) and the prefix cache turned off (NGRAM and NEXTN:
+  ``tests/test_qwen35_speculative.py``).
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ def test_retraction_rebuilds_the_states(engine, checkpoint):
 
 def test_refusals_name_the_flag(checkpoint):
     cfg = ModelConfig.from_hf(checkpoint)
-    for flags, flag in (({"speculative_algorithm": "NGRAM"}, "--speculative-algorithm"),
+    for flags, flag in (({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": checkpoint},
+                         "--speculative-algorithm"),
                         ({"dp_size": 2, "enable_dp_attention": True, "ep_size": 2},
                          "--dp-size")):
         args = ServerArgs(model_path=checkpoint, **flags)

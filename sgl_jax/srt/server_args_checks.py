@@ -250,11 +250,13 @@ def check_for_linear_attention(args: ServerArgs, linear_layers: tuple[bool, ...]
     function of every earlier token, not stored per position), so a hit would be wrong."""
     if not any(linear_layers):
         return
-    if args.speculative_algorithm is not None:
+    # NGRAM and NEXTN verify steps keep the states after the accepted tokens only
+    # (layers/linear_attention/verify.py); an EAGLE draft head is trained for a GQA target.
+    if args.speculative_algorithm not in (None, "NGRAM", "NEXTN"):
         raise ValueError(
             f"--speculative-algorithm {args.speculative_algorithm} is not supported for "
-            f"{family} (linear-attention layers): a rejected draft token would advance the "
-            "recurrent states; drop --speculative-algorithm")
+            f"{family} (linear-attention layers): use NEXTN (the checkpoint's MTP layer) or "
+            "NGRAM")
     for flag, value in (("--dp-size (DP attention)", args.dp_size),
                         ("--nnodes", args.nnodes)):
         if value != 1:

@@ -35,7 +35,8 @@ weights are scaled and seeded). Tensor names and shapes are exactly Hugging Face
 
 DeepSeek-V3 and GLM-4.5 also ship ``num_nextn_predict_layers`` multi-token-prediction (MTP)
 layers after the decoder layers (``mtp_weights``; default 1, ``--set num_nextn_predict_layers=0``
-writes none): the draft of NEXTN speculative decoding (see ``reference_nextn``).
+writes none): the draft of NEXTN speculative decoding (see ``reference_nextn``). Qwen3.5-MoE
+ships ``mtp_num_hidden_layers`` (default 1, as released) under ``mtp.*`` (``qwen3_5_mtp_weights``).
 """
 
 from __future__ import annotations
@@ -238,6 +239,7 @@ QWEN3_5_MOE_BASE: dict[str, Any] = {
     "tie_word_embeddings": False,
     "torch_dtype": "float32",
     "use_cache": True,
+    "mtp_num_hidden_layers": 1,  # mtp.* (qwen3_5_mtp_weights): NEXTN's draft
 }
 
 # gpt-oss-120b's values (unquantised: no quantization_config unless a preset asks for MXFP4).
@@ -540,13 +542,15 @@ def mtp_layer_ids(config: dict[str, Any]) -> range:
     return range(first, first + num_mtp_layers(config))
 
 
-def _qwen3_5_layer(wr: _Writer, config: dict[str, Any], i: int) -> None:
+def _qwen3_5_layer(wr: _Writer, config: dict[str, Any], i: int, prefix: str | None = None,
+                   ) -> None:
     """Qwen3.5-MoE layer i but its router: (1 + w) norms drawn around 0, Gated DeltaNet or
-    gated attention, per-expert experts and the gated shared expert."""
-    h, p = config["hidden_size"], f"model.layers.{i}."
+    gated attention, per-expert experts and the gated shared expert. ``prefix``: the MTP
+    layer's (``mtp.layers.0.``, always gated attention) instead of ``model.layers.{i}.``."""
+    h, p = config["hidden_size"], prefix or f"model.layers.{i}."
     wr.normal(p + "input_layernorm.weight", (h,), 0.1)
     wr.normal(p + "post_attention_layernorm.weight", (h,), 0.1)
-    if config["layer_types"][i] == "linear_attention":
+    if prefix is None and config["layer_types"][i] == "linear_attention":
         a = p + "linear_attn."
         hk, hv = config["linear_num_key_heads"], config["linear_num_value_heads"]
         dk, dv = config["linear_key_head_dim"], config["linear_value_head_dim"]
@@ -645,7 +649,31 @@ def base_weights(config: dict[str, Any], gen: dict[str, Any], seed: int) -> Tens
     if not tied:
         # Final-normed hidden entries are ~N(0, 1): logits get std ~logit_std.
         wr.normal("lm_head.weight", (v, h), gen["logit_std"] / np.sqrt(h))
+    if fam.model_type == "qwen3_5_moe_text":
+        return {**wr.w, **qwen3_5_mtp_weights(config, seed, gen)}
     return {**wr.w, **mtp_weights(config, seed, wr.w)}
+
+
+def qwen3_5_mtp_weights(config: dict[str, Any], seed: int, gen: dict[str, Any]) -> Tensors:
+    """Qwen3.5-MoE's ``mtp_num_hidden_layers`` MTP layers (``mtp.*``, as the release names
+    them): ``fc`` [H, 2H] (input: the normed embedding then the normed hidden state),
+    ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``norm`` ((1 + w) norms, drawn around
+    0), and per layer j a gated-attention MoE layer ``mtp.layers.{j}.*`` with its router
+    (not searched: a draft's routing is never returned). No copy of the embedding or head:
+    the MTP layer uses the main model's."""
+    n = int(config.get("mtp_num_hidden_layers") or 0)
+    if not n:
+        return {}
+    h, wr = config["hidden_size"], _Writer(seed)
+    wr.linear("mtp.fc.weight", h, 2 * h)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        wr.normal(f"mtp.{norm}.weight", (h,), 0.1)
+    for j in range(n):
+        p = f"mtp.layers.{j}."
+        _qwen3_5_layer(wr, config, j, prefix=p)
+        w = rng(seed, p + "mlp.gate.weight").standard_normal((config["num_experts"], h))
+        wr.w[p + "mlp.gate.weight"] = (w * gen["router_std"] / np.sqrt(h)).astype(np.float32)
+    return wr.w
 
 
 def mtp_weights(config: dict[str, Any], seed: int, main: Tensors) -> Tensors:

@@ -84,7 +84,8 @@ from sgl_jax.srt.server_args import ServerArgs
 from sgl_jax.srt.server_args_checks import check_for_linear_attention
 from sgl_jax.srt.speculative import device_inputs
 from sgl_jax.srt.speculative.eagle import EagleDraft, draft_config, load_draft
-from sgl_jax.srt.speculative.nextn import MtpDraft, load_mtp, mtp_config
+from sgl_jax.srt.speculative.nextn import draft_class as mtp_draft_class
+from sgl_jax.srt.speculative.nextn import load_mtp, mtp_config
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +203,10 @@ class ModelRunner:
         self.padding_slots = [a.padding_slot for a in self.kv_allocators]
         self.kv_caches = (
             linear_state.hybrid_caches(layout, model_config, self.dtype, self.mesh, abstract,
-                                       self.max_running_requests + 1) if hybrid
+                                       self.max_running_requests + 1)
+            # NEXTN's MTP layer (full attention): its KV is the cache's last entry.
+            + layout.kv_caches(model_config, 1 if self.draft_steps else 0, self.dtype,
+                               self.mesh, abstract) if hybrid
             else layout.kv_caches(model_config, kv_layers, self.dtype, self.mesh, abstract))
         replicated = NamedSharding(self.mesh, PartitionSpec())
         # Request slot max_running_requests is the padding rows' spare row, in both tables.
@@ -241,6 +245,7 @@ class ModelRunner:
                                       sequence_parallel_tokens=(
                                           server_args.sequence_parallel_min_tokens),
                                       one_hot_lookups=one_hot_lookups,
+                                      verify_width=self.verify_tokens,
                                       moe_all_to_all=(
                                           ragged_collective(self.platform)
                                           if server_args.moe_dispatch == "ragged_all_to_all"
@@ -278,7 +283,8 @@ class ModelRunner:
                     else load_draft(dcfg, self.mesh, self.dtype))
         if algorithm == "NEXTN":
             dcfg = mtp_config(self.model_config)
-            return (nnx.eval_shape(lambda: MtpDraft(dcfg, self.dtype)) if self.abstract
+            cls = mtp_draft_class(self.model_config)
+            return (nnx.eval_shape(lambda: cls(dcfg, self.dtype)) if self.abstract
                     else load_mtp(dcfg, self.model_config, self.mesh, self.dtype))
         return None
 

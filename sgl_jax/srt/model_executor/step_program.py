@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sgl_jax.srt.forward_batch_info import ForwardBatch
 from sgl_jax.srt.layers.attention import AttentionMetadata, update_page_table
+from sgl_jax.srt.layers.linear_attention.verify import commit
 from sgl_jax.srt.layers.logprobs import LogprobOutput, logprob_outputs
 from sgl_jax.srt.layers.moe.expert_distribution import ExpertDistributionRecorder
 from sgl_jax.srt.layers.moe.routed_experts_capturer import RoutedExpertsCapturer
@@ -133,13 +134,18 @@ class StepProgram:
         if order is not None:
             next_ids, sampled_logits = next_ids[order.rows], sampled_logits[order.rows]
         drafts = None
+        accepted = (accepted_counts(batch, token_to_req, next_ids)
+                    if batch.forward_mode.is_verify else None)
+        if accepted is not None:  # linear-attention layers: their states after the accepted
+            # tokens only, written now that the step knows them (linear_attention/verify.py)
+            kv_caches = [commit(entry, accepted) for entry in kv_caches]
         if drafting:
             draft = nnx.merge(self.draft_graphdef,
                               jax.tree.unflatten(self.draft_treedef, draft_leaves))
             embed = model.model.embed_tokens[...]
             head = embed.T if self.tie_word_embeddings else model.lm_head[...]
-            accepted = (accepted_counts(batch, token_to_req, next_ids)
-                        if batch.forward_mode.is_verify else None)
+            if getattr(draft, "reads_normed_hidden", False):  # Qwen3.5's MTP layer
+                hidden = model.model.norm(hidden)
             drafts, draft_kv, req_to_page = draft_step(
                 draft, embed, head, batch, meta, hidden, next_ids, draft_kv, req_to_page,
                 self.backends, self.draft_steps, self.page_size, self.no_req_slot, accepted)

@@ -35,14 +35,9 @@ from jax.experimental import multihost_utils
 from sgl_jax.srt.bounded_text import bound_message, name_list, short_repr
 from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.model_executor.on_device_weights import OnDeviceUpdate
-from sgl_jax.srt.model_loader.loader import (
-    ArraySource,
-    SafetensorsCheckpoint,
-    mtp_tensor_names,
-    read_params,
-)
+from sgl_jax.srt.model_loader.loader import ArraySource, SafetensorsCheckpoint, read_params
 from sgl_jax.srt.model_loader.qwen35_names import family_source
-from sgl_jax.srt.speculative.nextn import mtp_config, read_mtp_params
+from sgl_jax.srt.speculative.nextn import mtp_config, mtp_names, read_mtp_params
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -138,9 +133,7 @@ class WeightUpdater:
         """Every parameter from the checkpoint at ``model_path``; returns the count."""
         def read() -> tuple[list, int]:
             check_compatible(self.runner.model_config, model_path)
-            config = self.runner.model_config
-            return self._read(family_source(config, SafetensorsCheckpoint(model_path)),
-                              partial=False)
+            return self._read(SafetensorsCheckpoint(model_path), partial=False)
         return self._replace(model_path, read)
 
     def update_from_arrays(self, arrays: dict[str, Any], measure_memory: bool = False) -> int:
@@ -152,19 +145,13 @@ class WeightUpdater:
         peak); otherwise they are read as a checkpoint is, through the host."""
         if not isinstance(arrays, dict) or not arrays:
             raise WeightUpdateError("no arrays given: pass tensors by Hugging Face name")
-        mtp = mtp_tensor_names(set(arrays), self.runner.model_config.num_hidden_layers)
+        mtp = mtp_names(self.runner.model_config, arrays)
         if not mtp and all(isinstance(a, jax.Array) for a in arrays.values()):
             return self._update_on_device(arrays, measure_memory)
         count = self._replace(ArraySource.where,
-                              lambda: self._read(self._array_source(arrays), partial=True))
+                              lambda: self._read(ArraySource(arrays), partial=True))
         self.host_bytes = sum(a.nbytes for a in arrays.values() if isinstance(a, np.ndarray))
         return count
-
-    def _array_source(self, arrays: dict[str, Any]) -> Any:
-        """The arrays as the model reads them (Qwen3.5-MoE: its names mapped, MTP tensors
-        refused by name: ``model_loader/qwen35_names.py``)."""
-        return family_source(self.runner.model_config, ArraySource(arrays),
-                             updating=True)
 
     def _update_on_device(self, arrays: dict[str, jax.Array], measure_memory: bool) -> int:
         """Checks everything, agrees the outcome with the other nodes (one node in practice:
@@ -221,26 +208,30 @@ class WeightUpdater:
     def _read(self, source: SafetensorsCheckpoint | ArraySource,
               partial: bool) -> tuple[list, list | None, int]:
         """The runner's parameter leaves and its draft's with the new values in (not swapped
-        in yet), ready on the devices, and how many parameters are new."""
-        target, count = self._read_target(source, partial)
+        in yet), ready on the devices, and how many parameters are new. The target reads
+        ``source`` as its family names it (Qwen3.5-MoE: ``model_loader/qwen35_names.py``, which
+        leaves the ``mtp.*`` tensors to the draft)."""
+        target, count = self._read_target(
+            family_source(self.runner.model_config, source,
+                          updating=isinstance(source, ArraySource)), partial)
         draft, draft_count = self._read_mtp_draft(source, partial)
         return target, draft, count + draft_count
 
     def _read_mtp_draft(self, source: SafetensorsCheckpoint | ArraySource,
                         partial: bool) -> tuple[list | None, int]:
-        """The tensors of the checkpoint's MTP layers (past ``num_hidden_layers``) update the
-        NEXTN draft that runs on them. Without one: a checkpoint (a whole model, whose MTP
+        """The tensors of the checkpoint's MTP layers (past ``num_hidden_layers``; Qwen3.5's
+        ``mtp.*``) update the NEXTN draft that runs on them. Without one: a checkpoint (a whole model, whose MTP
         layers nothing serves) says so in the log; arrays given by name are refused, naming
         them, so a trainer never believes a draft was updated when none was."""
         runner = self.runner
-        names = mtp_tensor_names(source.names(), runner.model_config.num_hidden_layers)
+        names = mtp_names(runner.model_config, source.names())
         if not names:
             return runner.draft_leaves, 0
         if runner.server_args.speculative_algorithm != "NEXTN":
             if isinstance(source, ArraySource):
                 raise WeightUpdateError(
-                    f"{len(names)} tensor(s) of layers past num_hidden_layers="
-                    f"{runner.model_config.num_hidden_layers} (MTP layers) have no parameter "
+                    f"{len(names)} tensor(s) of the MTP layers (past num_hidden_layers="
+                    f"{runner.model_config.num_hidden_layers}, or mtp.*) have no parameter "
                     f"to update: {name_list(names, 3)}; only a NEXTN draft "
                     "(--speculative-algorithm NEXTN) runs on them")
             logger.warning("%s: %d tensor(s) of its MTP layers not read: no NEXTN draft runs "

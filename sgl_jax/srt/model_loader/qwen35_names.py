@@ -5,9 +5,10 @@ A view over a source (a checkpoint or arrays by name) that gives the model's nam
 * ``model.language_model.X`` (the released ``Qwen3_5MoeForConditionalGeneration``) is read as
   ``model.X`` (the text-only form's names, which pass unchanged);
 * ``model.visual.*`` (the vision tower) is not part of the language model: left out, logged;
-* ``mtp.*`` (the multi-token-prediction layers; no NEXTN draft runs on them for this family
-  yet): left out of a load, logged; refused, named, in a weight update (``updating``), so a
-  trainer never believes they were updated;
+* ``mtp.*`` (the multi-token-prediction layers) are not the language model's: left out here;
+  the NEXTN draft reads them through ``Qwen35MtpSource`` (``mtp.X`` as ``X``), at load and in a
+  weight update (``model_executor/weight_updater.py``, which refuses them by name when no
+  NEXTN draft runs);
 * fused experts, ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows) and
   ``mlp.experts.down_proj`` ``[E, H, I]``, are read as the per-expert tensors
   ``mlp.experts.<e>.{gate,up,down}_proj.weight`` (``[I, H]``, ``[I, H]``, ``[H, I]``) the
@@ -24,7 +25,7 @@ import logging
 import re
 from typing import Any, NamedTuple
 
-from sgl_jax.srt.bounded_text import name_list, short_repr
+from sgl_jax.srt.bounded_text import short_repr
 from sgl_jax.srt.configs.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -54,14 +55,10 @@ class Qwen35Source:
         names = inner.names()
         mtp = sorted(n for n in names if n.startswith(MTP_PREFIX))
         visual = [n for n in names if n.startswith(VISUAL_PREFIX)]
-        if mtp and updating:
-            raise ValueError(
-                f"{self.where}: {len(mtp)} tensor(s) of Qwen3.5-MoE's MTP layers have no "
-                f"parameter to update: {name_list(mtp, 3)}; no NEXTN draft runs on them yet")
-        if mtp or visual:
-            logger.info("%s: %d vision-tower and %d MTP tensor(s) not read (the language model "
-                        "is served; no NEXTN draft runs on the MTP layers yet)", self.where,
-                        len(visual), len(mtp))
+        if (mtp or visual) and not updating:
+            logger.info("%s: %d vision-tower and %d MTP tensor(s) not read by the language "
+                        "model (a NEXTN draft reads the MTP ones)", self.where, len(visual),
+                        len(mtp))
         self._map: dict[str, _Target] = {}
         for name in names:
             if name.startswith((MTP_PREFIX, VISUAL_PREFIX)):
@@ -134,3 +131,42 @@ def family_source(config: ModelConfig, source: Any, updating: bool = False) -> A
     if config.family != "qwen3_5_moe":
         return source
     return Qwen35Source(source, config.linear_num_key_heads * config.linear_key_head_dim, updating)
+
+
+# -- the MTP layers (NEXTN's draft, speculative/nextn.py) ---------------------------------------
+_MTP_FUSED = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+class Qwen35MtpSource(Qwen35Source):
+    """The ``mtp.*`` tensors of a source, named as the MTP draft's parameters: ``mtp.X`` ->
+    ``X`` (``fc``, ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``, ``norm``,
+    ``layers.<j>.*``: a gated-attention layer, no Gated DeltaNet), fused experts read per
+    expert as above. Every other tensor is left out (the language model's view reads those)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.where = f"{inner.where} (MTP tensors, named without 'mtp.')"
+        self._map: dict[str, _Target] = {}
+        for name in inner.names():
+            if not name.startswith(MTP_PREFIX):
+                continue
+            draft_name = name[len(MTP_PREFIX):]
+            fused = _MTP_FUSED.match(draft_name)
+            if fused is None:
+                self._map[draft_name] = _Target(name)
+                continue
+            base, tensor = fused.groups()
+            experts = inner.shape(name)[0]
+            if tensor == "down_proj":
+                for e in range(experts):
+                    self._map[f"{base}.{e}.down_proj.weight"] = _Target(name, e)
+                continue
+            rows = inner.shape(name)[1] // 2  # gate_up_proj [E, 2I, H]: gate rows, up rows
+            for e in range(experts):
+                self._map[f"{base}.{e}.gate_proj.weight"] = _Target(name, e, (0, rows))
+                self._map[f"{base}.{e}.up_proj.weight"] = _Target(name, e, (rows, 2 * rows))
+
+
+def qwen35_mtp_names(names: Any) -> list[str]:
+    """The names of Qwen3.5-MoE's MTP tensors among ``names``."""
+    return sorted(n for n in names if isinstance(n, str) and n.startswith(MTP_PREFIX))

@@ -37,3 +37,6 @@ class ModelBackends:
     # the cheaper there. The runner gives the expert distribution recorder the same choice
     # for its counts (one-hot compares, not a scatter-add).
     one_hot_lookups: bool = False
+    # Speculative decoding: the most tokens a row brings to a verify step (its last token and
+    # its drafts); a linear-attention layer scans that many positions (0: no verify steps).
+    verify_width: int = 0

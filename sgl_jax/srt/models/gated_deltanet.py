@@ -13,6 +13,9 @@ and moves the states between the step and the layer's state tables:
   slot's row holds (a slot's previous owner). Prefix reuse is off for these models, so a row
   with a prefix is exactly a later chunk of the same request (chunked prefill), which
   continues from the states the previous chunk wrote.
+* A speculative verify step (NGRAM, NEXTN) runs the one-token recurrence over each row's
+  positions and leaves the tables to the step, which writes the states after the accepted
+  tokens once it has sampled (``layers/linear_attention/verify.py``).
 
 Weights are kept in the checkpoint's orientation (``[out, in]``; ``conv1d`` as ``[C, 1, K]``):
 the pure functions take them so, and loads and updates copy them as is.
@@ -35,6 +38,7 @@ from sgl_jax.srt.configs.model_config import ModelConfig
 from sgl_jax.srt.layers.attention import AttentionMetadata
 from sgl_jax.srt.layers.linear_attention import gated_delta
 from sgl_jax.srt.layers.linear_attention.packed import prefill_packed
+from sgl_jax.srt.layers.linear_attention.verify import PendingStates, verify_forward
 from sgl_jax.srt.models.common import param
 
 # Tokens per chunk of the chunked delta rule in a prefill (a multiple of 8; the within-chunk
@@ -83,9 +87,16 @@ class GatedDeltaNet(nnx.Module):
             out_proj=self.out_proj[...])
 
     def __call__(self, x: jax.Array, slots: jax.Array, meta: AttentionMetadata,
-                 state: LinearState) -> tuple[jax.Array, LinearState]:
+                 state: LinearState, verify_width: int = 0,
+                 ) -> tuple[jax.Array, LinearState | PendingStates]:
         """x ``[T, hidden]`` (normed) -> (``[T, hidden]``, the updated state tables).
-        ``slots`` ``[B]``: each batch row's state row (padding rows: the scratch row)."""
+        ``slots`` ``[B]``: each batch row's state row (padding rows: the scratch row).
+        ``verify_width`` (a speculative verify step: its most tokens per row): the states are
+        returned pending, written by the step once it knows the accepted drafts
+        (``layers/linear_attention/verify.py``)."""
+        if verify_width:
+            return verify_forward(self.params(), self.dims, x, meta.extend_starts,
+                                  meta.extend_lens, slots, state, verify_width)
         conv_tables, rec_table = state
         conv, rec = tuple(t[slots] for t in conv_tables), rec_table[slots]
         p = self.params()

@@ -8,7 +8,10 @@ final and q/k RMSNorm computes ``x * (1 + w)`` (``RMSNormPlusOne``).
 The step's ``kv_caches`` list has one entry per layer: a full-attention layer's paged KV array,
 a linear layer's pair of state tables (conv, recurrent) (``model_executor/linear_state.py``).
 Checkpoint names: ``model.layers.*`` as here; the released form's ``model.language_model.*``,
-its vision tower and MTP layers are mapped by ``model_loader/qwen35_names.py``.
+its vision tower and MTP layers are mapped by ``model_loader/qwen35_names.py``. The MTP layer
+(``mtp.*``) is NEXTN's draft (``speculative/qwen35_mtp.py``: one ``Qwen35DecoderLayer`` of
+gated attention); in a verify step the linear layers keep their states after the accepted
+tokens only (``layers/linear_attention/verify.py``).
 """
 
 from __future__ import annotations
@@ -93,7 +96,8 @@ class Qwen35DecoderLayer(nnx.Module):
                  backends: ModelBackends) -> tuple[jax.Array, Any, LayerRouting]:
         x = self.input_layernorm(h)
         if self.is_linear:
-            out, cache = self.linear_attn(x, batch.req_pool_indices, meta, cache)
+            width = backends.verify_width if batch.forward_mode.is_verify else 0
+            out, cache = self.linear_attn(x, batch.req_pool_indices, meta, cache, width)
         else:
             out, cache = self.self_attn(x, batch, meta, cache, backends)
         h = h + out

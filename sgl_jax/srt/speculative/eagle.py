@@ -99,6 +99,9 @@ class EagleDraft(nnx.Module):
     def output_norm(self, g: jax.Array) -> jax.Array:
         return self.norm(g)
 
+    def chain_features(self, g: jax.Array) -> jax.Array:
+        return g  # a chained step's feature: the layer's output itself
+
     def __call__(self, embedded: jax.Array, features: jax.Array, batch: ForwardBatch,
                  meta: AttentionMetadata, kv: jax.Array, backends: ModelBackends,
                  ) -> tuple[jax.Array, jax.Array]:
@@ -145,7 +148,8 @@ def draft_step(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The next drafts ``[B, num_steps]`` of every row, the draft's KV layer and the page
     table (with the scratch positions' pages). ``draft``: an ``EagleDraft`` or a NEXTN
-    ``MtpDraft`` (the same interface); ``embed`` / ``head``: the target's. ``accepted``: a
+    ``MtpDraft`` / ``Qwen35MtpDraft`` (the same interface); ``embed`` / ``head``: the
+    target's; ``hidden``: the features the draft reads (``reads_normed_hidden``). ``accepted``: a
     verify step's ``accepted_counts`` (the runner's, which also records them; None in an
     extend step)."""
     token_to_req, positions = meta.token_to_req, meta.positions
@@ -193,7 +197,7 @@ def draft_step(
             forward_mode=ForwardMode.DECODE)
         chain_meta = AttentionMetadata.build(chain, chain.token_to_req, chain.positions,
                                              req_to_page, page_size)
-        feature, kv = draft(jnp.take(embed, drafts[-1], axis=0), feature, chain, chain_meta,
-                            kv, backends)
+        feature, kv = draft(jnp.take(embed, drafts[-1], axis=0), draft.chain_features(feature),
+                            chain, chain_meta, kv, backends)
         drafts.append(propose(feature))
     return jnp.stack(drafts, axis=1), kv, req_to_page

@@ -4,10 +4,11 @@
     python run_suite.py            # the default suite (what CI runs)
     python run_suite.py unit|e2e|all [--jobs N] [-- extra pytest args]
 
-The unit files run in N pytest-xdist workers (a file to a worker; default 2 where
-pytest-xdist is installed and the machine has 2 cores or more): they check results and time
-nothing. The end-to-end files run one at a time after them: engines and servers, streams,
-drains, heartbeats and timeouts, which a busy second worker could starve.
+The unit files and the end-to-end files that only check results (``E2E_IN_WORKERS``) run in
+N pytest-xdist workers (a file to a worker; default 2 where pytest-xdist is installed and the
+machine has 2 cores or more): they time nothing. The other end-to-end files run one at a time
+after them: streams, drains, heartbeats, timeouts and rates, which a busy second worker could
+starve.
 
 Exits non-zero if any test fails or if the suite ran no test at all.
 """
@@ -119,6 +120,30 @@ E2E = [
 ]
 # Optional checks outside every suite (they skip without packages the project does not need).
 # tests/tunix (the tunix extra) has its own CI stage and environment (.ci/run).
+# End-to-end files whose engines and servers are checked for results only (exact tokens, rows
+# and logprobs; counts; refusals), with no timing and generous timeouts: they run in the
+# workers with the unit files (2 workers: 389 s against ~750 s of their tests' own time).
+E2E_IN_WORKERS = [
+    "tests/test_trained_model.py",
+    "tests/test_train_eagle.py",
+    "tests/test_routed_experts.py",
+    "tests/test_routed_experts_gather.py",
+    "tests/test_paged_engine.py",
+    "tests/test_speculative.py",
+    "tests/test_nextn_reference.py",
+    "tests/test_logprobs.py",
+    "tests/test_deterministic.py",
+    "tests/test_families.py",
+    "tests/test_families_2026.py",
+    "tests/test_qwen35_engine.py",
+    "tests/test_qwen35_speculative.py",
+    "tests/test_expert_distribution.py",
+    "tests/test_bad_updates.py",
+    "tests/test_eplb_engine.py",
+    "tests/test_scheduler_abort.py",
+    "tests/test_seed_user_story.py",
+    "tests/test_speculative_server.py",
+]
 OPTIONAL = ["tests/test_hf_transformers.py", "tests/test_hf_families_2026.py", "tests/test_hf_qwen35.py"]
 SUITES = {"unit": UNIT, "e2e": E2E, "all": UNIT + E2E}
 DEFAULT = "all"
@@ -143,7 +168,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("suite", nargs="?", default=DEFAULT, choices=sorted(SUITES))
     parser.add_argument("--jobs", type=int, default=None,
-                        help="pytest-xdist workers for the unit files (default: 2 when "
+                        help="pytest-xdist workers for the unit files and E2E_IN_WORKERS "
+                             "(default: 2 when "
                              "pytest-xdist is installed and there are 2 cores or more)")
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
@@ -168,13 +194,13 @@ def main() -> int:
     if jobs > 1 and importlib.util.find_spec("xdist") is None:
         print("run_suite: --jobs needs pytest-xdist (pip install -e '.[test]')", file=sys.stderr)
         return 2
-    unit = [f for f in files if f in UNIT]
-    e2e = [f for f in files if f not in UNIT]
-    print(f"run_suite: {args.suite} ({len(unit)} unit files in {jobs} worker(s), then "
-          f"{len(e2e)} end-to-end files)", flush=True)
+    in_workers = [f for f in files if f in UNIT or f in E2E_IN_WORKERS]
+    serial = [f for f in files if f not in in_workers]
+    print(f"run_suite: {args.suite} ({len(in_workers)} files in {jobs} worker(s), then "
+          f"{len(serial)} end-to-end files one at a time)", flush=True)
     t0 = time.monotonic()
     codes = [run_pytest(group, extra, group_jobs, here)
-             for group, group_jobs in ((unit, jobs), (e2e, 1)) if group]
+             for group, group_jobs in ((in_workers, jobs), (serial, 1)) if group]
     took = time.monotonic() - t0
     # pytest's 5: no test collected (e.g. a -k that matched nothing in one of the groups).
     if all(code == 5 for code in codes):

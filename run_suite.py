@@ -67,59 +67,6 @@ UNIT = [
     "tests/test_gated_delta.py",
     "tests/test_gated_delta_packed.py",
 ]
-E2E = [
-    # Timed or networked, though they start no engine: a start-up timeout under a flood,
-    # a sender that must not block, a coordinator's bind. Serial, like every end-to-end
-    # file, so that a busy second worker cannot starve them.
-    "tests/test_coordinator_bind.py",
-    "tests/test_step_channel_flood.py",
-    "tests/test_side_channel.py",
-    "tests/test_engine.py",
-    "tests/test_trained_model.py",
-    "tests/test_train_eagle.py",
-    "tests/test_routed_experts.py",
-    "tests/test_scheduler_abort.py",
-    "tests/test_routed_experts_gather.py",
-    "tests/test_paged_engine.py",
-    "tests/test_speculative.py",
-    "tests/test_nextn_reference.py",
-    "tests/test_speculative_server.py",
-    "tests/test_http_server.py",
-    "tests/test_msgpack_route.py",
-    "tests/test_openai_api.py",
-    "tests/test_openai_sglext.py",
-    "tests/test_structured_output.py",
-    "tests/test_reliability.py",
-    "tests/test_weight_update.py",
-    "tests/test_memory_occupation.py",
-    "tests/test_bad_updates.py",
-    "tests/test_logprobs.py",
-    "tests/test_deterministic.py",
-    "tests/test_families.py",
-    "tests/test_families_2026.py",
-    "tests/test_qwen35_engine.py",
-    "tests/test_qwen35_speculative.py",
-    "tests/test_expert_distribution.py",
-    "tests/test_eplb_engine.py",
-    "tests/test_multi_node.py",
-    "tests/test_node_security.py",
-    "tests/test_router.py",
-    "tests/test_security.py",
-    "tests/test_metrics.py",
-    "tests/test_drain.py",
-    "tests/test_seed_user_story.py",
-    "tests/test_single_process.py",
-    "tests/test_score.py",
-    "tests/test_weight_api_sglang.py",
-    "tests/test_security_limits.py",
-    "tests/test_stream_backlog.py",
-    "tests/test_weight_update_on_device.py",
-    "tests/test_dp_scheduler.py",
-    "tests/test_dp_attention_server.py",
-    "tests/test_dp_features.py",
-]
-# Optional checks outside every suite (they skip without packages the project does not need).
-# tests/tunix (the tunix extra) has its own CI stage and environment (.ci/run).
 # End-to-end files whose engines and servers are checked for results only (exact tokens, rows
 # and logprobs; counts; refusals), with no timing and generous timeouts: they run in the
 # workers with the unit files (2 workers: 389 s against ~750 s of their tests' own time).
@@ -144,6 +91,42 @@ E2E_IN_WORKERS = [
     "tests/test_seed_user_story.py",
     "tests/test_speculative_server.py",
 ]
+# The other end-to-end files: streams, drains, heartbeats, timeouts, rates, multi-node; one at
+# a time after the workers' group, so that a busy second worker cannot starve them.
+E2E_SERIAL = [
+    # Timed or networked, though they start no engine: a start-up timeout under a flood,
+    # a sender that must not block, a coordinator's bind.
+    "tests/test_coordinator_bind.py",
+    "tests/test_step_channel_flood.py",
+    "tests/test_side_channel.py",
+    "tests/test_engine.py",
+    "tests/test_http_server.py",
+    "tests/test_msgpack_route.py",
+    "tests/test_openai_api.py",
+    "tests/test_openai_sglext.py",
+    "tests/test_structured_output.py",
+    "tests/test_reliability.py",
+    "tests/test_weight_update.py",
+    "tests/test_memory_occupation.py",
+    "tests/test_multi_node.py",
+    "tests/test_node_security.py",
+    "tests/test_router.py",
+    "tests/test_security.py",
+    "tests/test_metrics.py",
+    "tests/test_drain.py",
+    "tests/test_single_process.py",
+    "tests/test_score.py",
+    "tests/test_weight_api_sglang.py",
+    "tests/test_security_limits.py",
+    "tests/test_stream_backlog.py",
+    "tests/test_weight_update_on_device.py",
+    "tests/test_dp_scheduler.py",
+    "tests/test_dp_attention_server.py",
+    "tests/test_dp_features.py",
+]
+E2E = E2E_IN_WORKERS + E2E_SERIAL
+# Optional checks outside every suite (they skip without packages the project does not need).
+# tests/tunix (the tunix extra) has its own CI stage and environment (.ci/run).
 OPTIONAL = ["tests/test_hf_transformers.py", "tests/test_hf_families_2026.py", "tests/test_hf_qwen35.py"]
 SUITES = {"unit": UNIT, "e2e": E2E, "all": UNIT + E2E}
 DEFAULT = "all"
@@ -187,7 +170,7 @@ def main() -> int:
         and f"tests/{name}" not in UNIT + E2E + OPTIONAL
     )
     if unlisted:
-        print(f"run_suite: test files in no suite: {unlisted}; add them to UNIT or E2E",
+        print(f"run_suite: test files in no suite: {unlisted}; add them to UNIT, E2E_IN_WORKERS or E2E_SERIAL",
               file=sys.stderr)
         return 2
     jobs = default_jobs() if args.jobs is None else max(1, args.jobs)

@@ -46,6 +46,20 @@ class _Target(NamedTuple):
     rows: tuple[int, int] | None = None
 
 
+def _per_expert_targets(inner: Any, name: str, base: str, tensor: str) -> dict[str, _Target]:
+    """The per-expert names a fused expert tensor ``name`` (``<base>.<tensor>``) is read as:
+    ``down_proj`` [E, H, I] an expert each; ``gate_up_proj`` [E, 2I, H] gate rows, then up."""
+    experts = inner.shape(name)[0]
+    if tensor == "down_proj":
+        return {f"{base}.{e}.down_proj.weight": _Target(name, e) for e in range(experts)}
+    rows = inner.shape(name)[1] // 2
+    targets = {}
+    for e in range(experts):
+        targets[f"{base}.{e}.gate_proj.weight"] = _Target(name, e, (0, rows))
+        targets[f"{base}.{e}.up_proj.weight"] = _Target(name, e, (rows, 2 * rows))
+    return targets
+
+
 class Qwen35Source:
     """``qk_rows``: the q part's rows of ``in_proj_qkv`` (= the k part's: Hk x dk)."""
 
@@ -73,16 +87,7 @@ class Qwen35Source:
                 for part, start, stop in zip("qkv", bounds, bounds[1:], strict=False):
                     self._map[f"{base}.{stem}_{part}.weight"] = _Target(name, None, (start, stop))
             elif fused is not None:
-                base, tensor = fused.groups()
-                experts = inner.shape(name)[0]
-                if tensor == "down_proj":
-                    for e in range(experts):
-                        self._map[f"{base}.{e}.down_proj.weight"] = _Target(name, e)
-                    continue
-                rows = inner.shape(name)[1] // 2  # gate_up_proj [E, 2I, H]: gate rows, up rows
-                for e in range(experts):
-                    self._map[f"{base}.{e}.gate_proj.weight"] = _Target(name, e, (0, rows))
-                    self._map[f"{base}.{e}.up_proj.weight"] = _Target(name, e, (rows, 2 * rows))
+                self._map.update(_per_expert_targets(inner, name, *fused.groups()))
             else:
                 self._map[model_name] = _Target(name)
 
@@ -155,16 +160,7 @@ class Qwen35MtpSource(Qwen35Source):
             if fused is None:
                 self._map[draft_name] = _Target(name)
                 continue
-            base, tensor = fused.groups()
-            experts = inner.shape(name)[0]
-            if tensor == "down_proj":
-                for e in range(experts):
-                    self._map[f"{base}.{e}.down_proj.weight"] = _Target(name, e)
-                continue
-            rows = inner.shape(name)[1] // 2  # gate_up_proj [E, 2I, H]: gate rows, up rows
-            for e in range(experts):
-                self._map[f"{base}.{e}.gate_proj.weight"] = _Target(name, e, (0, rows))
-                self._map[f"{base}.{e}.up_proj.weight"] = _Target(name, e, (rows, 2 * rows))
+            self._map.update(_per_expert_targets(inner, name, *fused.groups()))
 
 
 def qwen35_mtp_names(names: Any) -> list[str]:

@@ -170,8 +170,8 @@ def main() -> int:
         and f"tests/{name}" not in UNIT + E2E + OPTIONAL
     )
     if unlisted:
-        print(f"run_suite: test files in no suite: {unlisted}; add them to UNIT, E2E_IN_WORKERS or E2E_SERIAL",
-              file=sys.stderr)
+        print(f"run_suite: test files in no suite: {unlisted}; add them to UNIT, "
+              "E2E_IN_WORKERS or E2E_SERIAL", file=sys.stderr)
         return 2
     jobs = default_jobs() if args.jobs is None else max(1, args.jobs)
     if jobs > 1 and importlib.util.find_spec("xdist") is None:

@@ -245,8 +245,8 @@ def check_for_linear_attention(args: ServerArgs, linear_layers: tuple[bool, ...]
     """The options a model with linear-attention (Gated DeltaNet) layers runs with, checked
     once its config is read (``launch_engine``, the runner). ``ValueError`` naming the flag for
     what is not supported yet (--tp-size / --ep-size are: the linear layers split by head
-    like the attention, the experts over both axes); prefix reuse is turned off (``disable_radix_cache``), logged:
-    a cached prefix's KV does not give the linear layers' states at its end (they are a
+    like the attention, the experts over both axes); prefix reuse is turned off
+    (``disable_radix_cache``), logged: a cached prefix's KV does not give the linear layers' states at its end (they are a
     function of every earlier token, not stored per position), so a hit would be wrong."""
     if not any(linear_layers):
         return

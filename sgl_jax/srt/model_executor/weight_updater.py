@@ -220,9 +220,10 @@ class WeightUpdater:
     def _read_mtp_draft(self, source: SafetensorsCheckpoint | ArraySource,
                         partial: bool) -> tuple[list | None, int]:
         """The tensors of the checkpoint's MTP layers (past ``num_hidden_layers``; Qwen3.5's
-        ``mtp.*``) update the NEXTN draft that runs on them. Without one: a checkpoint (a whole model, whose MTP
-        layers nothing serves) says so in the log; arrays given by name are refused, naming
-        them, so a trainer never believes a draft was updated when none was."""
+        ``mtp.*``) update the NEXTN draft that runs on them. Without one: a checkpoint (a
+        whole model, whose MTP layers nothing serves) says so in the log; arrays given by name
+        are refused, naming them, so a trainer never believes a draft was updated when none
+        was."""
         runner = self.runner
         names = mtp_names(runner.model_config, source.names())
         if not names:

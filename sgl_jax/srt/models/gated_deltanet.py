@@ -5,8 +5,9 @@ the tokens and the two states); this module holds the weights under their Huggin
 and moves the states between the step and the layer's state tables:
 
 * ``conv`` (q ``[S + 1, Hk dk, K - 1]``, k likewise, v ``[S + 1, Hv dv, K - 1]``; model dtype)
-  and ``recurrent`` ``[S + 1, Hv, dk, dv]`` (float32), one row per request slot (``batch.req_pool_indices``, the slot a request holds
-  for exactly as long as its ``req.state_slot``), row ``S`` the padding rows' scratch row;
+  and ``recurrent`` ``[S + 1, Hv, dk, dv]`` (float32), one row per request slot
+  (``batch.req_pool_indices``, the slot a request holds for exactly as long as its
+  ``req.state_slot``), row ``S`` the padding rows' scratch row;
   they ride in the step's donated ``kv_caches`` list in place of a KV array (the runner builds
   them: ``model_executor/linear_state.py``).
 * An extend row whose ``prefix_lens`` is 0 starts a request: its states are zeros whatever its

@@ -18,7 +18,8 @@ layer; routers redrawn until every selection gap clears 1e-3) is served by an En
   parameters; a weight update given in that form is read the same way, and MTP tensors in an
   update are refused by name;
 - tp 2 x ep 2 on fake CPU devices (a ModelRunner in a subprocess): a prompt in two chunks
-  batched with a short one, then batched decode: tokens and rows equal the reference's;
+  batched with a short one, then batched decode: tokens and rows equal the reference's, with
+  the linear layers' state tables split by head over "tensor";
 - the refusals by name (EAGLE, DP attention) and the prefix cache turned off (NGRAM and NEXTN:
   ``tests/test_qwen35_speculative.py``).
 """
@@ -221,6 +222,12 @@ def _worker(path: str, out: str) -> None:
                       precompile_bs_paddings=[4], max_total_tokens=512,
                       enable_return_routed_experts=True)
     driver = ModelDriver(ModelRunner(args, ModelConfig.from_hf(path)))
+    # Layer 0 is linear: its weights and state tables split by head over "tensor", each
+    # device holding half of their heads (checked before any step, whose outputs GSPMD places).
+    linear = driver.runner.model.model.layers[0].linear_attn
+    split = [(a.addressable_shards[0].data.shape[axis], a.shape[axis]) for a, axis in (
+        (linear.in_proj_q[...], 0), (linear.in_proj_v[...], 0), (linear.out_proj[...], 1),
+        *((t, 1) for t in jax.tree.leaves(driver.runner.kv_caches[0])))]
     long_prompt, short_prompt = prompt_ids(300, 150), prompt_ids(301, 23)
     a, b = driver.new_seq(), driver.new_seq()
     _, rows_a = driver.step(ForwardMode.EXTEND, [a], [long_prompt[:96]])
@@ -235,7 +242,7 @@ def _worker(path: str, out: str) -> None:
         rows_a.append(rows[0])
         rows_b.append(rows[1])
     np.savez(out, tokens=np.asarray(tokens), rows_a=np.concatenate(rows_a[:-1]),
-             rows_b=np.concatenate(rows_b[:-1]))
+             rows_b=np.concatenate(rows_b[:-1]), split=np.asarray(split))
 
 
 def test_tp2_ep2_matches_reference(checkpoint, tmp_path):
@@ -245,6 +252,8 @@ def test_tp2_ep2_matches_reference(checkpoint, tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with np.load(out) as got:
+        # (shard, whole) sizes of the linear layer's head axes: halves at tp 2.
+        np.testing.assert_array_equal(got["split"][:, 0] * 2, got["split"][:, 1])
         for ids, tokens, rows in ((prompt_ids(300, 150), got["tokens"][0], got["rows_a"]),
                                   (prompt_ids(301, 23), got["tokens"][1], got["rows_b"])):
             want_tokens, want_rows = reference_check(checkpoint, ids, tokens.tolist())

@@ -363,8 +363,8 @@ def test_valid_layouts_pass(tiny):
 
 @pytest.mark.parametrize("tp,ep,devices,message", [
     (1, 3, 8, "ep_size=3 does not divide num_experts=16"),
-    (4, 1, 8, r"tp_size=4 does not divide num_key_value_heads \(the KV cache is sharded by KV "
-              r"head\)=2"),
+    (4, 1, 8, r"tp_size=4 does not divide num_key_value_heads=2 \(the KV cache is sharded by "
+              r"KV head\)"),
     (3, 1, 8, "tp_size=3 does not divide num_attention_heads=4"),
     (2, 4, 4, "needs 8 devices but only 4 are available"),
     (1, 32, 32, "ep_size=32 does not divide num_experts=16"),

@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 
 from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.distributed import parallel_layout_errors
 from sgl_jax.srt.models.registry import get_model_class
 
 TEXT = dict(
@@ -102,3 +103,14 @@ def test_tiny_preset_reads(tmp_path):
     assert cfg.linear_layers == (True, True, True, False) and cfg.rotary_dim == 4
     out = Qwen35Reference(str(tmp_path)).forward([5, 6, 7, 8, 9])
     assert out.topk_ids.shape == (5, 4, 4) and out.logits.shape == (5, cfg.vocab_size)
+
+
+def test_tp_must_split_the_linear_key_heads():
+    """The Gated DeltaNet layers split by key head over "tensor": a tp that does not divide
+    linear_num_key_heads is refused by name (here 3 key heads; the other dims divide by 3)."""
+    cfg = ModelConfig.from_dict(flat(linear_num_key_heads=3, linear_num_value_heads=6,
+                                     num_attention_heads=3, num_key_value_heads=3,
+                                     moe_intermediate_size=48, vocab_size=513), "/m")
+    assert parallel_layout_errors(cfg, 3, 1, 4) == []
+    errors = parallel_layout_errors(cfg, 2, 1, 4)
+    assert any("linear_num_key_heads=3" in e for e in errors), errors

@@ -64,7 +64,9 @@ def parallel_layout_errors(
         split_by_tp.append((cfg.vocab_size, "vocab_size (the LM head is sharded by vocabulary)"))
     for size, what in split_by_tp:
         if size % tp_size:
-            errors.append(f"tp_size={tp_size} does not divide {what}={size}")
+            name, _, why = what.partition(" (")  # "name (why)" -> "name=size (why)"
+            errors.append(f"tp_size={tp_size} does not divide {name}={size}"
+                          + (f" ({why}" if why else ""))
     return errors
 
 

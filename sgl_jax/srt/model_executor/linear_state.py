@@ -26,7 +26,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sgl_jax.srt.configs.model_config import ModelConfig
+from sgl_jax.srt.layers.linear_attention.gated_delta import state_shapes
 from sgl_jax.srt.model_executor.kv_memory import KvLayout, device_zeros
+from sgl_jax.srt.models.gated_deltanet import linear_dims
 
 
 def kv_layers(cfg: ModelConfig) -> int:
@@ -39,13 +41,9 @@ def state_tables(cfg: ModelConfig, rows: int, dtype: Any, mesh: Mesh,
     """One linear layer's zeroed (conv parts, recurrent) tables of ``rows`` rows, split by head
     over "tensor"."""
     by_head = NamedSharding(mesh, PartitionSpec(None, "tensor"))
-    qk = cfg.linear_num_key_heads * cfg.linear_key_head_dim
-    v = cfg.linear_num_value_heads * cfg.linear_value_head_dim
-    conv = tuple(device_zeros((rows, width, cfg.linear_conv_kernel_dim - 1), dtype, by_head,
-                              abstract) for width in (qk, qk, v))
-    recurrent = device_zeros((rows, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                              cfg.linear_value_head_dim), jnp.float32, by_head, abstract)
-    return conv, recurrent
+    conv, recurrent = state_shapes(linear_dims(cfg), cfg.linear_conv_kernel_dim)
+    return (tuple(device_zeros((rows, *shape), dtype, by_head, abstract) for shape in conv),
+            device_zeros((rows, *recurrent), jnp.float32, by_head, abstract))
 
 
 def hybrid_caches(layout: KvLayout, cfg: ModelConfig, dtype: Any, mesh: Mesh, abstract: bool,

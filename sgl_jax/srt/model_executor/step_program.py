@@ -144,7 +144,7 @@ class StepProgram:
                               jax.tree.unflatten(self.draft_treedef, draft_leaves))
             embed = model.model.embed_tokens[...]
             head = embed.T if self.tie_word_embeddings else model.lm_head[...]
-            if getattr(draft, "reads_normed_hidden", False):  # Qwen3.5's MTP layer
+            if draft.reads_normed_hidden:  # Qwen3.5's MTP layer
                 hidden = model.model.norm(hidden)
             drafts, draft_kv, req_to_page = draft_step(
                 draft, embed, head, batch, meta, hidden, next_ids, draft_kv, req_to_page,

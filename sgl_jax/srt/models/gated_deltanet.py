@@ -58,16 +58,19 @@ def _hf(name: str, shape: tuple[int, ...], dtype: jnp.dtype, heads_axis: int | N
     return param(shape, dtype, sharding, (name, False))
 
 
+def linear_dims(config: ModelConfig) -> gated_delta.GatedDeltaDims:
+    """The config's Gated DeltaNet dimensions."""
+    return gated_delta.GatedDeltaDims(
+        config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
+        config.linear_value_head_dim, config.rms_norm_eps)
+
+
 class GatedDeltaNet(nnx.Module):
     def __init__(self, config: ModelConfig, dtype: jnp.dtype) -> None:
-        hidden = config.hidden_size
-        hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
-        dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
-        conv, kernel = config.linear_conv_dim, config.linear_conv_kernel_dim
-        self.dims = gated_delta.GatedDeltaDims(hk, hv, dk, dv, config.rms_norm_eps)
-        widths = {"q": hk * dk, "k": hk * dk, "v": hv * dv}  # (their sum is conv_dim)
-        assert sum(widths.values()) == conv, (widths, conv)
-        for part, width in widths.items():
+        hidden, kernel = config.hidden_size, config.linear_conv_kernel_dim
+        hv, dv = config.linear_num_value_heads, config.linear_value_head_dim
+        self.dims = linear_dims(config)
+        for part, width in zip("qkv", gated_delta.part_widths(self.dims), strict=True):
             setattr(self, f"in_proj_{part}", _hf(f"in_proj_{part}.weight", (width, hidden), dtype))
             setattr(self, f"conv1d_{part}", _hf(f"conv1d_{part}.weight", (width, 1, kernel), dtype))
         self.in_proj_z = _hf("in_proj_z.weight", (hv * dv, hidden), dtype)

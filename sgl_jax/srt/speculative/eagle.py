@@ -99,6 +99,9 @@ class EagleDraft(nnx.Module):
     def output_norm(self, g: jax.Array) -> jax.Array:
         return self.norm(g)
 
+    # The step gives it the target's hidden states before the final norm.
+    reads_normed_hidden = False
+
     def chain_features(self, g: jax.Array) -> jax.Array:
         return g  # a chained step's feature: the layer's output itself
 

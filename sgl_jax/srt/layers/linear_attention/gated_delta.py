@@ -56,10 +56,23 @@ class GatedDeltaDims(NamedTuple):
     eps: float  # of the gated output RMSNorm (rms_norm_eps)
 
 
+def part_widths(d: GatedDeltaDims) -> tuple[int, int, int]:
+    """Channels of the q, k and v parts (their sum is the conv's width)."""
+    qk = d.num_key_heads * d.key_dim
+    return qk, qk, d.num_value_heads * d.value_dim
+
+
+def state_shapes(d: GatedDeltaDims, kernel: int) -> tuple[tuple, tuple]:
+    """One request's state shapes: (the conv state parts' ``(C_part, K - 1)``, the recurrent
+    state's ``(Hv, dk, dv)``)."""
+    return (tuple((c, kernel - 1) for c in part_widths(d)),
+            (d.num_value_heads, d.key_dim, d.value_dim))
+
+
 def split_qkv(fused, d: GatedDeltaDims, axis: int = 0) -> tuple:
     """A tensor (numpy or JAX) over the concatenated ``[q | k | v]`` channels on ``axis`` as its
     three parts."""
-    qk = d.num_key_heads * d.key_dim
+    qk = part_widths(d)[0]
     lead = (slice(None),) * axis
     return tuple(fused[(*lead, slice(a, b))] for a, b in ((0, qk), (qk, 2 * qk), (2 * qk, None)))
 
@@ -146,9 +159,9 @@ def decode(
 def zero_states(d: GatedDeltaDims, batch: int, kernel: int, dtype=jnp.float32
                 ) -> tuple[Parts, jax.Array]:
     """A new request's states: (conv_state parts, recurrent_state [B, Hv, dk, dv])."""
-    qk, v = d.num_key_heads * d.key_dim, d.num_value_heads * d.value_dim
-    conv = tuple(jnp.zeros((batch, c, kernel - 1), dtype) for c in (qk, qk, v))
-    return conv, jnp.zeros((batch, d.num_value_heads, d.key_dim, d.value_dim), jnp.float32)
+    conv, recurrent = state_shapes(d, kernel)
+    return (tuple(jnp.zeros((batch, *c), dtype) for c in conv),
+            jnp.zeros((batch, *recurrent), jnp.float32))
 
 
 def prefill_ragged(
